@@ -1,0 +1,46 @@
+"""Layout of the on-host state directory, and tolerant readers for what facts reports.
+
+    <state_dir>/state.json          {"current": release id | null, "previous": ..., "mode": ..., ...}
+    <state_dir>/lock/owner.json     who holds the lock: {"who", "command", "pid", "start", "ttl_s", ...}
+    <state_dir>/journal.json        present only while an install or rollback is in flight
+    <state_dir>/releases/<id>/      bundle, manifest, backups
+
+The ops that write these (lock, install, rollback, state) own their semantics; this module only
+names the paths so every op agrees on them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def state_file(state_dir: str) -> str:
+    return os.path.join(state_dir, "state.json")
+
+
+def lock_dir(state_dir: str) -> str:
+    return os.path.join(state_dir, "lock")
+
+
+def lock_owner_file(state_dir: str) -> str:
+    return os.path.join(lock_dir(state_dir), "owner.json")
+
+
+def journal_file(state_dir: str) -> str:
+    return os.path.join(state_dir, "journal.json")
+
+
+def releases_dir(state_dir: str) -> str:
+    return os.path.join(state_dir, "releases")
+
+
+def read_json_file(path: str):
+    """(value, problem): value is None when the file is absent; problem names a corrupt file."""
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read().decode("utf-8")), None
+    except FileNotFoundError:
+        return None, None
+    except (OSError, ValueError) as exc:
+        return None, f"{path}: unreadable ({exc})"

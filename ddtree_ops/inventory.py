@@ -1,0 +1,569 @@
+"""The YAML inventory: which hosts exist, how to reach them, and how each one is configured.
+
+Shape (see inventory/example.yaml for every field):
+
+    all:    {vars: {...}}                       # defaults for every host
+    groups: {canary: {vars: {...}, hosts: [gpu-1]}}
+    hosts:  {gpu-1: {address: 10.0.0.5, ...}}
+
+A host's settings are layered all.vars < group vars < the host's own entry. Every mapping
+forbids unknown keys, and every problem is reported with the file, the YAML line, the field
+path (`hosts.gpu-1.adress`), what was expected and a hint, so a typo never passes silently.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import posixpath
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    create_model,
+)
+from pydantic_core import PydanticCustomError
+
+from ddtree_ops.errors import UsageError
+
+DEFAULT_STATE_DIR = "/var/lib/ddtree-ops"
+
+# Inventory keys (host and group names) end up in logs, lock owners, file names and --limit
+# patterns, so they are restricted to a boring alphabet instead of being quoted everywhere.
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+# Addresses are handed to the socket layer, never to a shell; still, anything outside
+# DNS-name / IPv4 / IPv6 characters is a mistake worth stopping early.
+_ADDRESS_RE = re.compile(r"[A-Za-z0-9_:.%-]{1,253}")
+_USER_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}")
+# systemd unit names: letters, digits, ":-_.\" and "@" for template instances.
+_UNIT_RE = re.compile(r"[A-Za-z0-9:_.@\\-]{1,240}")
+_JUMP_RE = re.compile(r"(?:(?P<user>[A-Za-z_][A-Za-z0-9_.-]{0,31})@)?(?P<address>[A-Za-z0-9_.%-]{1,253}|\[[0-9A-Fa-f:.%]+\])(?::(?P<port>[0-9]{1,5}))?")
+
+
+def _invalid(reason: str, hint: str) -> PydanticCustomError:
+    return PydanticCustomError("invalid_value", "{reason}", {"reason": reason, "hint": hint})
+
+
+def _reject_control_chars(value: str, what: str) -> None:
+    if any(ord(c) < 32 or c == "\x7f" for c in value):
+        raise _invalid(
+            f"{what} contains a newline or control character",
+            "remove it; such characters are never legitimate here and would corrupt logs and unit files",
+        )
+
+
+def _check_address(value: str) -> str:
+    if not _ADDRESS_RE.fullmatch(value) or value.startswith("-"):
+        raise _invalid(f"`{value}` is not a host name or IP address", "use a DNS name, IPv4 or IPv6 address (no spaces, quotes or shell characters)")
+    return value
+
+
+def _check_user(value: str) -> str:
+    if not _USER_RE.fullmatch(value):
+        raise _invalid(f"`{value}` is not a valid login name", "use a POSIX user name such as `root` or `deploy`")
+    return value
+
+
+def _check_remote_path(value: str) -> str:
+    # Remote paths travel as JSON to the agent or through shlex.quote, so quotes, `;`, `$()` and
+    # backticks are carried safely; control characters and relative paths are rejected.
+    _reject_control_chars(value, "path")
+    if not value.startswith("/"):
+        raise _invalid(f"`{value}` is not an absolute path", "remote paths must start with `/` (they are resolved on the host)")
+    if ".." in value.split("/"):
+        raise _invalid(f"`{value}` contains `..`", "write the path without `..` components")
+    return posixpath.normpath(value)
+
+
+def _check_local_path(value: str, info: ValidationInfo) -> str:
+    # Local files are opened by paramiko, never by a shell; only control characters are refused.
+    _reject_control_chars(value, "path")
+    path = Path(value).expanduser()
+    base_dir = (info.context or {}).get("base_dir")
+    if not path.is_absolute() and base_dir is not None:
+        path = Path(base_dir) / path
+    return str(path)
+
+
+def _check_service(value: str) -> str:
+    if not _UNIT_RE.fullmatch(value) or value.startswith("-"):
+        raise _invalid(f"`{value}` is not a systemd unit name", "use a unit name such as `sglang.service` (letters, digits, `:_.@-`)")
+    # `systemctl` treats a bare name as `.service`; normalizing keeps state and logs consistent.
+    return value if value.endswith(".service") else f"{value}.service"
+
+
+def _check_jump_host(value: str) -> str:
+    if not _JUMP_RE.fullmatch(value):
+        raise _invalid(f"`{value}` is not a jump host", "name another host of this inventory, or write `[user@]address[:port]`")
+    return value
+
+
+def _check_text(value: str) -> str:
+    _reject_control_chars(value, "value")
+    if not value:
+        raise _invalid("empty string", "remove the field or give it a value")
+    return value
+
+
+Address = Annotated[str, AfterValidator(_check_address)]
+LoginName = Annotated[str, AfterValidator(_check_user)]
+RemotePath = Annotated[str, AfterValidator(_check_remote_path)]
+LocalPath = Annotated[str, AfterValidator(_check_local_path)]
+ServiceName = Annotated[str, AfterValidator(_check_service)]
+JumpHost = Annotated[str, AfterValidator(_check_jump_host)]
+Text = Annotated[str, AfterValidator(_check_text)]
+
+
+class HostConfig(BaseModel):
+    """Everything needed to reach and operate one host, after layering all < group < host."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    # Set by the loader, not by the inventory file.
+    name: str = Field(exclude=True)
+    groups: tuple[str, ...] = Field(default=(), exclude=True)
+
+    # Connection.
+    address: Address
+    port: int = Field(22, ge=1, le=65535)
+    user: LoginName = "root"
+    identity_file: LocalPath | None = None
+    known_hosts: LocalPath = Field("~/.ssh/known_hosts", validate_default=True)
+    host_key_policy: Literal["strict", "accept-new"] = "strict"
+    jump_host: JumpHost | None = None
+    connect_timeout: float = Field(10.0, gt=0, le=300)
+    sudo: bool = False
+
+    # The SGLang installation and its service.
+    python: RemotePath = "/usr/bin/python3"
+    service: ServiceName = "sglang.service"
+    serve_host: Address = "127.0.0.1"
+    serve_port: int = Field(30000, ge=1, le=65535)
+    model_path: Text | None = None
+    draft_model_path: Text | None = None
+    extra_args: list[Text] = Field(default_factory=list)
+    state_dir: RemotePath = DEFAULT_STATE_DIR
+
+    # Rollout settings (push / smoke / promote).
+    canary: bool = False
+    ddtree_budget: int | None = Field(None, ge=1, le=4096)
+    ddtree_topk_cap: int | None = Field(None, ge=1, le=256)
+    allow_hybrid_unsafe: bool = False
+
+    @property
+    def identity_path(self) -> Path | None:
+        return Path(self.identity_file) if self.identity_file is not None else None
+
+    @property
+    def known_hosts_path(self) -> Path:
+        return Path(self.known_hosts).expanduser()
+
+
+_LOADER_FIELDS = {"name", "groups"}
+HOST_FIELDS: tuple[str, ...] = tuple(n for n in HostConfig.model_fields if n not in _LOADER_FIELDS)
+
+
+def _optional_layer_model() -> type[BaseModel]:
+    """The same fields as HostConfig, all optional: validates one layer (all/group/host) on its own."""
+    fields: dict[str, Any] = {}
+    for name in HOST_FIELDS:
+        info = HostConfig.model_fields[name]
+        annotation: Any = info.annotation
+        if info.metadata:
+            annotation = Annotated[(annotation, *info.metadata)]
+        fields[name] = (annotation | None, None)
+    return create_model("HostVars", __config__=ConfigDict(extra="forbid", strict=True), **fields)
+
+
+HostVars = _optional_layer_model()
+
+
+class _AllBlock(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    vars: dict[str, Any] | None = None
+
+
+class _GroupBlock(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    vars: dict[str, Any] | None = None
+    hosts: list[str] = Field(default_factory=list)
+
+
+class _InventoryFile(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    all: _AllBlock | None = None
+    groups: dict[str, _GroupBlock | None] = Field(default_factory=dict)
+    hosts: dict[str, dict[str, Any] | None]
+
+
+_ALLOWED_KEYS: dict[str, tuple[str, ...]] = {
+    "top": tuple(_InventoryFile.model_fields),
+    "all": tuple(_AllBlock.model_fields),
+    "group": tuple(_GroupBlock.model_fields),
+    "host": HOST_FIELDS,
+}
+
+
+@dataclass
+class InventoryIssue:
+    """One problem in an inventory file, precise enough to fix without reading the code."""
+
+    path: str
+    message: str
+    line: int | None = None
+    expected: str | None = None
+    hint: str | None = None
+
+    def render(self, file: Path | str) -> str:
+        where = f"{file}:{self.line}" if self.line else str(file)
+        lines = [f"{where}: {self.path}: {self.message}" if self.path else f"{where}: {self.message}"]
+        if self.expected:
+            lines.append(f"    expected: {self.expected}")
+        if self.hint:
+            lines.append(f"    hint: {self.hint}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "line": self.line, "message": self.message, "expected": self.expected, "hint": self.hint}
+
+
+class InventoryError(UsageError):
+    """The inventory file is missing, unreadable or invalid; carries every problem found."""
+
+    code = "inventory_invalid"
+
+    def __init__(self, file: Path | str, issues: list[InventoryIssue]) -> None:
+        self.file = Path(file)
+        self.issues = sorted(issues, key=lambda i: (i.line is None, i.line or 0))
+        issues = self.issues
+        rendered = "\n".join(issue.render(self.file) for issue in issues)
+        first_hint = next((i.hint for i in issues if i.hint), None)
+        super().__init__(rendered, hint=first_hint)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "code": self.code,
+            "message": self.message,
+            "hint": self.hint,
+            "file": str(self.file),
+            "issues": [i.to_dict() for i in self.issues],
+        }
+
+
+class LimitError(UsageError):
+    code = "limit_no_match"
+
+
+@dataclass(frozen=True)
+class Inventory:
+    path: Path
+    hosts: dict[str, HostConfig]
+    groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def select(self, limit: str | None) -> list[HostConfig]:
+        """Hosts named by `limit` (comma-separated host names, group names or globs), in file order.
+
+        No limit selects every host. A pattern that matches nothing is a usage error, so a typo
+        in `--limit` cannot silently shrink a rollout.
+        """
+        if limit is None or not limit.strip():
+            return list(self.hosts.values())
+        chosen: set[str] = set()
+        for pattern in (p.strip() for p in limit.split(",")):
+            if not pattern:
+                continue
+            matched = self._match(pattern)
+            if not matched:
+                raise LimitError(
+                    f"--limit `{pattern}` matches no host or group in {self.path}",
+                    hint=_did_you_mean(pattern, [*self.hosts, *self.groups])
+                    or f"hosts: {', '.join(self.hosts)}; groups: {', '.join(self.groups) or '(none)'}",
+                )
+            chosen.update(matched)
+        return [h for name, h in self.hosts.items() if name in chosen]
+
+    def _match(self, pattern: str) -> set[str]:
+        if pattern in self.hosts:
+            return {pattern}
+        if pattern in self.groups:
+            return set(self.groups[pattern])
+        if not any(c in pattern for c in "*?["):
+            return set()
+        names = {h for h in self.hosts if fnmatch.fnmatchcase(h, pattern)}
+        for group, members in self.groups.items():
+            if fnmatch.fnmatchcase(group, pattern):
+                names.update(members)
+        return names
+
+    def jump_chain(self, host: HostConfig) -> list[HostConfig]:
+        """Hosts to hop through to reach `host`, nearest first (loops are refused at load time)."""
+        chain: list[HostConfig] = []
+        hop = self.jump_for(host)
+        while hop is not None:
+            chain.append(hop)
+            hop = self.jump_for(hop)
+        return chain
+
+    def jump_for(self, host: HostConfig) -> HostConfig | None:
+        """The host to hop through, as a full config: an inventory host, or an ad-hoc
+        `[user@]address[:port]` that borrows the target's keys, known_hosts and timeouts."""
+        if host.jump_host is None:
+            return None
+        if host.jump_host in self.hosts:
+            return self.hosts[host.jump_host]
+        spec = _JUMP_RE.fullmatch(host.jump_host)
+        assert spec is not None  # validated at load time
+        return HostConfig(
+            name=f"{host.name}-jump",
+            address=spec["address"].strip("[]"),
+            port=int(spec["port"] or 22),
+            user=spec["user"] or host.user,
+            identity_file=host.identity_file,
+            known_hosts=host.known_hosts,
+            host_key_policy=host.host_key_policy,
+            connect_timeout=host.connect_timeout,
+        )
+
+
+# --- loading ------------------------------------------------------------------------------------
+
+PathKey = tuple[str | int, ...]
+
+
+def _dotted(path: Iterable[str | int]) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _did_you_mean(word: str, choices: Iterable[str]) -> str | None:
+    close = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
+    return f"did you mean `{close[0]}`?" if close else None
+
+
+class _Marks:
+    """YAML line numbers by field path, from the composed node tree (1-based)."""
+
+    def __init__(self) -> None:
+        self.lines: dict[PathKey, int] = {}
+        self.duplicates: list[tuple[PathKey, int]] = []
+
+    def index(self, node: yaml.Node, path: PathKey = ()) -> None:
+        self.lines.setdefault(path, node.start_mark.line + 1)
+        if isinstance(node, yaml.MappingNode):
+            seen: set[Any] = set()
+            for key_node, value_node in node.value:
+                key = key_node.value
+                if key == "<<":  # merge keys: their contents are indexed where they are defined
+                    continue
+                if key in seen:
+                    self.duplicates.append(((*path, key), key_node.start_mark.line + 1))
+                seen.add(key)
+                # The key's line is the most useful one to point at for both key and value errors.
+                self.lines[(*path, key)] = key_node.start_mark.line + 1
+                self.index(value_node, (*path, key))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                self.index(item, (*path, i))
+
+    def line_for(self, path: PathKey) -> int | None:
+        for end in range(len(path), -1, -1):
+            line = self.lines.get(path[:end])
+            if line is not None:
+                return line
+        return None
+
+
+def _parse_yaml(path: Path, text: str) -> tuple[Any, _Marks]:
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            raise InventoryError(path, [InventoryIssue("", "the file is empty", hint="start from inventory/example.yaml")])
+        marks = _Marks()
+        marks.index(node)
+        data = loader.construct_document(node)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        problem = " ".join(str(p) for p in (exc.context, exc.problem) if p)
+        raise InventoryError(
+            path,
+            [InventoryIssue("", f"YAML syntax error: {problem}", line=mark.line + 1 if mark else None,
+                            hint="check indentation, colons and quoting on that line or the one before")],
+        ) from None
+    except yaml.YAMLError as exc:
+        raise InventoryError(path, [InventoryIssue("", f"YAML error: {exc}")]) from None
+    finally:
+        loader.dispose()
+    return data, marks
+
+
+def _issues_from_validation(
+    exc: ValidationError, prefix: PathKey, marks: _Marks, level_of: Any
+) -> list[InventoryIssue]:
+    issues = []
+    for err in exc.errors(include_url=False):
+        loc: PathKey = (*prefix, *err["loc"])
+        ctx = err.get("ctx") or {}
+        kind = err["type"]
+        expected = None
+        hint = ctx.get("hint")
+        if kind == "extra_forbidden":
+            key = str(err["loc"][-1])
+            allowed = _ALLOWED_KEYS[level_of(loc[:-1])]
+            message = f"unknown field `{key}`"
+            expected = "one of: " + ", ".join(allowed)
+            hint = _did_you_mean(key, allowed) or "see inventory/example.yaml for the documented fields"
+        elif kind == "missing":
+            message = "required field is missing"
+            if loc[-1] == "address":
+                hint = "every host needs an `address` (set it on the host entry)"
+        elif kind == "invalid_value":
+            message = ctx.get("reason", err["msg"])
+        else:
+            message = f"{err['msg']} (got {err.get('input')!r})"
+            expected = err["msg"].removeprefix("Input should be ").removeprefix("input should be ")
+            if kind in ("int_type", "float_type", "bool_type") and isinstance(err.get("input"), str):
+                hint = "write the value without quotes (YAML reads quoted values as text)"
+        issues.append(InventoryIssue(_dotted(loc), message, marks.line_for(loc), expected, hint))
+    return issues
+
+
+def _level_of(path: PathKey) -> str:
+    if len(path) == 0:
+        return "top"
+    if path[0] == "all":
+        return "all" if len(path) == 1 else "host"
+    if path[0] == "groups":
+        return "group" if len(path) == 2 else "host"
+    return "host"
+
+
+def load_inventory(path: Path | str) -> Inventory:
+    """Read and validate an inventory file; raises InventoryError listing every problem found."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InventoryError(path, [InventoryIssue("", "file not found", hint="pass -i PATH or set DDTREE_INVENTORY; see inventory/example.yaml")]) from None
+    except IsADirectoryError:
+        raise InventoryError(path, [InventoryIssue("", "is a directory, not a YAML file", hint="pass the inventory file itself")]) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InventoryError(path, [InventoryIssue("", f"cannot read: {exc}")]) from None
+
+    data, marks = _parse_yaml(path, text)
+    issues: list[InventoryIssue] = [
+        InventoryIssue(_dotted(p), "duplicate key (YAML keeps only the last one)", line, hint="remove or rename one of them")
+        for p, line in marks.duplicates
+    ]
+    if not isinstance(data, dict):
+        issues.append(InventoryIssue("", f"top level must be a mapping with `hosts:`, got {type(data).__name__}", marks.line_for(()),
+                                     hint="start from inventory/example.yaml"))
+        raise InventoryError(path, issues)
+    try:
+        shape = _InventoryFile.model_validate(data)
+    except ValidationError as exc:
+        issues += _issues_from_validation(exc, (), marks, _level_of)
+        raise InventoryError(path, issues) from None
+
+    context = {"base_dir": path.resolve().parent}
+    all_vars = (shape.all.vars if shape.all else None) or {}
+    groups = {name: g or _GroupBlock() for name, g in shape.groups.items()}
+    host_entries = {name: entry or {} for name, entry in shape.hosts.items()}
+
+    # Each layer on its own, so an error names the layer that holds the bad value.
+    layers: list[tuple[PathKey, dict[str, Any]]] = [(("all", "vars"), all_vars)]
+    layers += [(("groups", name, "vars"), g.vars or {}) for name, g in groups.items()]
+    layers += [(("hosts", name), entry) for name, entry in host_entries.items()]
+    for prefix, values in layers:
+        try:
+            HostVars.model_validate(values, context=context)
+        except ValidationError as exc:
+            issues += _issues_from_validation(exc, prefix, marks, _level_of)
+
+    issues += _check_names(host_entries, groups, marks)
+    membership: dict[str, list[str]] = {h: [] for h in host_entries}
+    for gname, group in groups.items():
+        for i, member in enumerate(group.hosts):
+            if member in membership:
+                if gname not in membership[member]:
+                    membership[member].append(gname)
+            else:
+                loc = ("groups", gname, "hosts", i)
+                issues.append(InventoryIssue(_dotted(loc), f"unknown host `{member}`", marks.line_for(loc),
+                                             expected="a host defined under `hosts:`",
+                                             hint=_did_you_mean(member, host_entries) or "define it under `hosts:` or remove it"))
+    if not host_entries:
+        issues.append(InventoryIssue("hosts", "no hosts defined", marks.line_for(("hosts",)), hint="add at least one host under `hosts:`"))
+    if issues:
+        raise InventoryError(path, issues)
+
+    hosts: dict[str, HostConfig] = {}
+    for name, entry in host_entries.items():
+        merged = dict(all_vars)
+        from_group: dict[str, str] = {}
+        for gname in membership[name]:
+            for key, value in (groups[gname].vars or {}).items():
+                if key in from_group and key not in entry and merged[key] != value:
+                    loc = ("hosts", name)
+                    issues.append(InventoryIssue(
+                        _dotted(loc), f"groups `{from_group[key]}` and `{gname}` both set `{key}` ({merged[key]!r} vs {value!r})",
+                        marks.line_for(loc), hint=f"set `{key}` on the host itself to decide, or remove it from one group"))
+                merged[key] = value
+                from_group[key] = gname
+        merged.update(entry)
+        try:
+            hosts[name] = HostConfig.model_validate({**merged, "name": name, "groups": tuple(membership[name])}, context=context)
+        except ValidationError as exc:
+            issues += _issues_from_validation(exc, ("hosts", name), marks, _level_of)
+    if not issues:
+        issues += _check_jumps(hosts, marks)
+    if issues:
+        raise InventoryError(path, issues)
+    return Inventory(path=path, hosts=hosts, groups={g: tuple(m for m in hosts if m in groups[g].hosts) for g in groups})
+
+
+def _check_names(host_entries: dict[str, Any], groups: dict[str, Any], marks: _Marks) -> list[InventoryIssue]:
+    issues = []
+    name_hint = "names use letters, digits, `.`, `_` and `-` (they appear in logs, lock owners and --limit patterns)"
+    for kind, names in (("hosts", host_entries), ("groups", groups)):
+        for name in names:
+            loc = (kind, name)
+            if not _NAME_RE.fullmatch(name):
+                issues.append(InventoryIssue(_dotted(loc), f"invalid {kind[:-1]} name {name!r}", marks.line_for(loc),
+                                             expected="[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", hint=name_hint))
+    for name in groups:
+        loc = ("groups", name)
+        if name in host_entries:
+            issues.append(InventoryIssue(_dotted(loc), f"group `{name}` has the same name as a host", marks.line_for(loc),
+                                         hint="rename one so --limit is unambiguous"))
+        if name == "all":
+            issues.append(InventoryIssue(_dotted(loc), "`all` is reserved", marks.line_for(loc), hint="put defaults under top-level `all: {vars: ...}`"))
+    return issues
+
+
+def _check_jumps(hosts: dict[str, HostConfig], marks: _Marks) -> list[InventoryIssue]:
+    issues = []
+    for name, host in hosts.items():
+        seen = [name]
+        current = host
+        while current.jump_host is not None and current.jump_host in hosts:
+            if current.jump_host in seen:
+                loc = ("hosts", name, "jump_host")
+                issues.append(InventoryIssue(_dotted(loc), "jump hosts form a loop: " + " -> ".join([*seen, current.jump_host]),
+                                             marks.line_for(loc), hint="a jump host must not (indirectly) jump through itself"))
+                break
+            seen.append(current.jump_host)
+            current = hosts[current.jump_host]
+    return issues

@@ -1,0 +1,189 @@
+"""Rendering for people (rich, on stderr for progress) and for machines (`--json` on stdout).
+
+With --json, stdout carries exactly one JSON document and nothing else; all human text goes to
+stderr. rich is imported only when something is actually drawn, to keep `--help` fast.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from ddtree_ops.errors import OpsError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from ddtree_ops.fleet import HostResult
+    from ddtree_ops.inventory import HostConfig
+
+
+def emit_json(document: Any) -> None:
+    sys.stdout.write(json.dumps(document, indent=2, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def stderr_console() -> Console:
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False)
+
+
+def stdout_console() -> Console:
+    from rich.console import Console
+
+    return Console(highlight=False)
+
+
+def print_error(exc: OpsError) -> None:
+    """`error: <message>` plus `hint:` on stderr; plain text so it also reads well in CI logs."""
+    lines = [f"error: {exc.message}"]
+    if exc.hint and exc.hint not in exc.message:
+        lines.append(f"hint: {exc.hint}")
+    sys.stderr.write("\n".join(lines) + "\n")
+
+
+class RichProgress:
+    """FleetProgress drawn with rich on stderr: one line per host with its current step."""
+
+    def __init__(self, hosts: Sequence[HostConfig], title: str) -> None:
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        self._lock = threading.Lock()
+        self._progress = Progress(
+            SpinnerColumn(), TextColumn("{task.fields[host]:<16}"), TextColumn("{task.description}"),
+            TimeElapsedColumn(), console=stderr_console(), transient=True,
+        )
+        self._overall = self._progress.add_task(title, total=len(hosts), host="")
+        self._tasks = {h.name: self._progress.add_task("waiting", host=h.name, total=1) for h in hosts}
+
+    def __enter__(self) -> RichProgress:
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._progress.stop()
+
+    def host_started(self, host: str) -> None:
+        with self._lock:
+            self._progress.update(self._tasks[host], description="starting")
+
+    def host_step(self, host: str, step: str) -> None:
+        with self._lock:
+            self._progress.update(self._tasks[host], description=step)
+
+    def host_finished(self, result: HostResult) -> None:
+        with self._lock:
+            self._progress.update(self._tasks[result.host], description=result.status, completed=1)
+            self._progress.advance(self._overall)
+
+
+def progress_for(hosts: Sequence[HostConfig], title: str, *, json_mode: bool) -> RichProgress | None:
+    """A live display only for a person at a terminal; never with --json or when piped."""
+    if json_mode or not sys.stderr.isatty():
+        return None
+    return RichProgress(hosts, title)
+
+
+def print_notices(results: Sequence[HostResult]) -> None:
+    for r in results:
+        for notice in r.notices:
+            sys.stderr.write(f"note: {r.host}: {notice}\n")
+
+
+def print_failures(results: Sequence[HostResult], *, debug: bool = False) -> None:
+    """Every failed host with its reason and hint, on stderr, after the main output."""
+    for r in results:
+        if r.ok or r.error is None:
+            continue
+        sys.stderr.write(f"{r.status}: {r.error.message}\n")
+        if r.error.hint:
+            sys.stderr.write(f"  hint: {r.error.hint}\n")
+        if debug and r.traceback:
+            sys.stderr.write(r.traceback)
+
+
+# --- status ------------------------------------------------------------------------------------
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit in ("B", "KiB") else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _gpus_cell(gpus: list[dict[str, Any]] | None) -> str:
+    if gpus is None:
+        return "-"
+    if not gpus:
+        return "none"
+    names: dict[str, int] = {}
+    for gpu in gpus:
+        names[str(gpu.get("name"))] = names.get(str(gpu.get("name")), 0) + 1
+    return ", ".join(f"{count}× {name}" for name, count in names.items())
+
+
+# Failures that happen before a command could run on the host: SSH itself refused or failed.
+_CONNECTION_CODES = {"host_key_unknown", "host_key_changed", "auth_failed", "known_hosts_missing",
+                     "known_hosts_invalid", "identity_missing", "ssh_error"}
+
+
+def _reachable_cell(result: HostResult) -> str:
+    if result.status == "unreachable":
+        return "no"
+    if result.error is not None and result.error.code in _CONNECTION_CODES:
+        return f"refused ({result.error.code})"
+    return "yes"
+
+
+def status_row(host: HostConfig, result: HostResult) -> dict[str, str]:
+    """One flat row per host (the table's columns); every value is a display string."""
+    facts = result.data or {}
+    os_info = facts.get("os") or {}
+    sglang = facts.get("sglang")
+    service = facts.get("service")
+    release = facts.get("release")
+    lock = facts.get("lock")
+    return {
+        "host": host.name,
+        "address": f"{host.address}:{host.port}" if host.port != 22 else host.address,
+        "reachable": _reachable_cell(result),
+        "os": " ".join(filter(None, [os_info.get("id"), os_info.get("version_id")])) or "-",
+        "python": (facts.get("python") or {}).get("version", "-"),
+        "sglang": (sglang or {}).get("version") or ("absent" if result.ok else "-"),
+        "service": f"{service.get('active_state')}/{service.get('sub_state')}" if service else "-",
+        # No state file: ddtree-ops never installed here. current null: everything rolled back.
+        "release": "-" if not result.ok else ("none" if release is None else (release.get("current") or "pristine")),
+        "lock": (str(lock.get("who") or lock.get("owner") or "held") if lock else ("free" if result.ok else "-")),
+        "gpus": _gpus_cell(facts.get("gpus")),
+        "free_disk": human_bytes((facts.get("disk") or {}).get("free_bytes")),
+        "status": result.status,
+    }
+
+
+STATUS_COLUMNS = {
+    "host": "Host", "address": "Address", "reachable": "Reachable", "os": "OS", "python": "Python",
+    "sglang": "SGLang", "service": "Service", "release": "Release", "lock": "Lock", "gpus": "GPUs",
+    "free_disk": "Free disk",
+}
+
+
+def print_status_table(hosts: Sequence[HostConfig], results: Sequence[HostResult]) -> None:
+    from rich.table import Table
+
+    table = Table(title=None, show_lines=False)
+    for column, title in STATUS_COLUMNS.items():
+        table.add_column(title, no_wrap=column in ("host", "address"))
+    style = {"ok": "", "failed": "yellow", "unreachable": "red"}
+    for host, result in zip(hosts, results, strict=True):
+        row = status_row(host, result)
+        table.add_row(*(row[c] for c in STATUS_COLUMNS), style=style[result.status])
+    stdout_console().print(table)

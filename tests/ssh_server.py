@@ -1,0 +1,146 @@
+"""A tiny in-process SSH server (paramiko) for unit tests of ssh.py and the agent round trip.
+
+It accepts one public key, runs each exec request with `sh -c` as the current user and records
+every command it was asked to run, so tests can assert that a refused connection ran nothing.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import paramiko
+
+
+class _Handler(paramiko.ServerInterface):
+    def __init__(self, server: LocalSSHServer) -> None:
+        self.server = server
+        self.pending_forwards: dict[int, tuple] = {}
+
+    def get_allowed_auths(self, username: str) -> str:
+        return "publickey"
+
+    def check_auth_publickey(self, username: str, key: paramiko.PKey) -> int:
+        if key == self.server.authorized_key:
+            return paramiko.AUTH_SUCCESSFUL
+        return paramiko.AUTH_FAILED
+
+    def check_channel_request(self, kind: str, chanid: int) -> int:
+        return paramiko.OPEN_SUCCEEDED if kind == "session" else paramiko.OPEN_FAILED_ADMINISTRATIVELY_PROHIBITED
+
+    def check_channel_direct_tcpip_request(self, chanid: int, origin: tuple, destination: tuple) -> int:
+        # Jump-host support: remember where this channel goes; _serve_channels bridges it.
+        self.server.forwards.append(destination)
+        self.pending_forwards[chanid] = destination
+        return paramiko.OPEN_SUCCEEDED
+
+    def check_channel_exec_request(self, channel: paramiko.Channel, command: bytes) -> bool:
+        self.server.commands.append(command.decode())
+        threading.Thread(target=_execute, args=(channel, command.decode()), daemon=True).start()
+        return True
+
+
+def _execute(channel: paramiko.Channel, command: str) -> None:
+    proc = subprocess.Popen(["sh", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def feed() -> None:
+        assert proc.stdin is not None
+        while data := channel.recv(65536):
+            proc.stdin.write(data)
+        proc.stdin.close()
+
+    def pump_err() -> None:
+        assert proc.stderr is not None
+        while data := proc.stderr.read1(65536):
+            channel.sendall_stderr(data)
+
+    threads = [threading.Thread(target=feed, daemon=True), threading.Thread(target=pump_err, daemon=True)]
+    for t in threads:
+        t.start()
+    assert proc.stdout is not None
+    while data := proc.stdout.read1(65536):
+        channel.sendall(data)
+    threads[1].join()
+    channel.send_exit_status(proc.wait())
+    channel.close()
+
+
+def _serve_channels(transport: paramiko.Transport, handler: _Handler) -> None:
+    while transport.is_active():
+        chan = transport.accept(1)
+        if chan is None:
+            continue
+        destination = handler.pending_forwards.pop(chan.get_id(), None)
+        if destination is not None:
+            threading.Thread(target=_bridge, args=(chan, destination), daemon=True).start()
+
+
+def _bridge(chan: paramiko.Channel, destination: tuple) -> None:
+    try:
+        upstream = socket.create_connection(destination, timeout=5)
+    except OSError:
+        chan.close()
+        return
+
+    def forward(read, write) -> None:
+        try:
+            while data := read(65536):
+                write(data)
+        except OSError:
+            pass
+        finally:
+            chan.close()
+            upstream.close()
+
+    threading.Thread(target=forward, args=(chan.recv, upstream.sendall), daemon=True).start()
+    forward(upstream.recv, chan.sendall)
+
+
+@dataclass
+class LocalSSHServer:
+    host_key: paramiko.PKey
+    authorized_key: paramiko.PKey
+    commands: list[str] = field(default_factory=list)
+    forwards: list[tuple] = field(default_factory=list)
+    port: int = 0
+    connections: int = 0
+
+    def start(self) -> LocalSSHServer:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(16)
+        self.port = self._sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+        return self
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            transport = paramiko.Transport(client)
+            transport.add_server_key(self.host_key)
+            handler = _Handler(self)
+            try:
+                transport.start_server(server=handler)
+            except (paramiko.SSHException, EOFError, OSError):
+                transport.close()
+                continue
+            threading.Thread(target=_serve_channels, args=(transport, handler), daemon=True).start()
+
+    def stop(self) -> None:
+        self._sock.close()
+
+    def known_hosts_line(self) -> str:
+        return paramiko.hostkeys.HostKeyEntry([f"[127.0.0.1]:{self.port}"], self.host_key).to_line()
+
+
+def write_private_key(key: paramiko.PKey, path: Path) -> Path:
+    key.write_private_key_file(str(path))
+    return path
