@@ -1,0 +1,68 @@
+"""Where things live on the host: the SGLang site-packages and the state-dir tree (stdlib only).
+
+    <state_dir>/staging/<bundle>            uploads land here, verified before use
+    <state_dir>/releases/<id>/bundle.tar.gz the bundle as installed
+    <state_dir>/releases/<id>/manifest.json its manifest
+    <state_dir>/releases/<id>/payload/<rel> the patched files, extracted (a journal can redo from them)
+    <state_dir>/releases/<id>/backup/<rel>  what each file was before this release replaced it
+    <state_dir>/releases/<id>/backup.json   per file: before/after sha256, mode
+    <state_dir>/journal.json                only while files in site-packages are changing
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import sys
+from pathlib import Path, PurePosixPath
+
+from .atomic import AgentError
+
+STAGING = "staging"
+RELEASES = "releases"
+JOURNAL = "journal.json"  # the same name state_dir.journal_file() gives facts
+
+
+def state_dir_of(request: dict) -> Path:
+    raw = request.get("state_dir")
+    if not raw or not isinstance(raw, str) or not raw.startswith("/"):
+        raise AgentError("bad_request", "state_dir must be an absolute path", "set state_dir in the inventory")
+    return Path(raw)
+
+
+def release_dir(state_dir: Path, release: str) -> Path:
+    safe_name(release, "release id")
+    return state_dir / RELEASES / release
+
+
+def safe_name(name: str, what: str) -> str:
+    """A single path component: no separators, no dot-dirs (names travel in requests)."""
+    if not name or "/" in name or "\\" in name or name in (".", "..") or name.startswith(".") or "\0" in name:
+        raise AgentError("bad_request", f"invalid {what}: {name!r}", "use the name ddtree-ops printed")
+    return name
+
+
+def safe_relpath(rel: str) -> PurePosixPath:
+    """A site-packages-relative path from a manifest; never absolute, never escaping."""
+    p = PurePosixPath(rel)
+    if not rel or p.is_absolute() or ".." in p.parts or "\0" in rel or any(part in ("", ".") for part in p.parts):
+        raise AgentError("bad_bundle", f"manifest path {rel!r} is not a safe site-packages-relative path",
+                         "rebuild the bundle with ddtree-ops build")
+    return p
+
+
+def find_base(package: str, sys_path: list | None = None) -> tuple[str, Path]:
+    """(version, site-packages dir) of the installed base package as this interpreter sees it.
+
+    importlib.metadata reads dist-info only, so this costs milliseconds where `import sglang`
+    costs seconds. sys_path (as in facts) puts directories first; tests point it at a fake tree.
+    """
+    if sys_path is not None and (not isinstance(sys_path, list) or not all(isinstance(p, str) for p in sys_path)):
+        raise AgentError("bad_request", "sys_path must be a list of strings")
+    dists = list(importlib.metadata.distributions(name=package, path=list(sys_path or []) + sys.path))
+    if not dists:
+        raise AgentError("base_missing", f"{package} is not installed for this interpreter",
+                         "check `python` in the inventory points at the SGLang venv")
+    dist = dists[0]
+    root = Path(os.fspath(dist.locate_file("")))
+    return dist.version, root

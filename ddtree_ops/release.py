@@ -1,0 +1,273 @@
+"""Releases on hosts, control side: push, rollback, history, unlock (library calls for the CLI).
+
+Per host, push is a short conversation with the host's agent, one SSH exec per step:
+
+    plan (preflight: version, per-file hashes, refusals)   -- read-only; also the whole --dry-run
+    lock  -> stage_begin -> sftp put -> install(lock_id)    -- install re-verifies everything
+    unlock                                                   -- in `finally`: on every exit path
+
+A no-op re-push stops after `plan` (one round trip, no lock, no upload). The bundle is verified
+locally before any host is contacted, so a tampered bundle never leaves the laptop; the agent
+re-verifies it after upload (sha256 of the archive and of every file in it) before any change.
+Every function returns one fleet.HostResult per host; a failing host never stops the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import hashlib
+import os
+import secrets
+import socket
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ddtree_ops.errors import OpsError, UsageError
+from ddtree_ops.fleet import DEFAULT_CONCURRENCY, FleetProgress, HostContext, HostResult, run_on_hosts
+
+if TYPE_CHECKING:
+    from ddtree_ops.inventory import HostConfig, Inventory
+    from ddtree_ops.ssh import HostSession
+
+DEFAULT_LOCK_TTL_S = 900.0
+# Agent steps that touch only small files; install/rollback hash and copy a few MB at most.
+STEP_TIMEOUT_S = 120.0
+
+
+class ReleaseError(OpsError):
+    """A host refused or failed a release step; `detail` carries the agent's structured extras."""
+
+    def __init__(self, message: str, *, code: str, hint: str | None = None, detail: dict | None = None) -> None:
+        super().__init__(message, hint=hint, code=code)
+        self.detail = detail or {}
+
+
+def operator_name() -> str:
+    """Who is doing this, for lock owners and the audit log: user@machine (never a secret)."""
+    try:
+        user = getpass.getuser()
+    except Exception:  # no passwd entry in some containers
+        user = str(os.getuid())
+    return f"{user}@{socket.gethostname()}"
+
+
+@dataclass(frozen=True)
+class LocalBundle:
+    """A bundle verified on this machine, with what the hosts need to re-verify it."""
+
+    path: Path
+    sha256: str
+    size: int
+    manifest: dict[str, Any]  # manifest.json as a plain dict (sent inline for plan / dry-run)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> LocalBundle:
+        from ddtree_ops.bundle import verify_bundle
+
+        p = Path(path)
+        manifest = verify_bundle(p)  # raises BundleError (tampered, unreadable) before any host is touched
+        data = p.read_bytes()
+        return cls(p, hashlib.sha256(data).hexdigest(), len(data), manifest.model_dump(mode="json"))
+
+
+def default_bundle(dist: Path = Path("dist")) -> Path:
+    """The newest dist/ddtree-payload-*.tar.gz, for `push` without --bundle."""
+    found = sorted(dist.glob("ddtree-payload-*.tar.gz"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise UsageError(f"no bundle given and none in {dist}/", hint="run `ddtree-ops build` or pass --bundle PATH",
+                         code="bundle_missing")
+    return found[-1]
+
+
+# ----------------------------------------------------------------------------- per-host plumbing
+
+
+def _call(session: HostSession, op: str, args: dict[str, Any], timeout: float = STEP_TIMEOUT_S) -> dict[str, Any]:
+    from ddtree_ops.agent.client import AgentCallError, call_agent
+
+    try:
+        return call_agent(session, op, args, timeout=timeout)
+    except AgentCallError as exc:
+        raise ReleaseError(exc.message, code=exc.code, hint=exc.hint, detail=exc.detail) from None
+
+
+@contextlib.contextmanager
+def _session(ctx: HostContext, inventory: Inventory) -> Iterator[HostSession]:
+    from ddtree_ops.ssh import HostSession
+
+    ctx.step("connecting")
+    with HostSession(ctx.host, jump_chain=inventory.jump_chain(ctx.host), notice=ctx.notice) as session:
+        yield session
+
+
+def _base_args(host: HostConfig, operator: str) -> dict[str, Any]:
+    return {"state_dir": host.state_dir, "operator": operator}
+
+
+@contextlib.contextmanager
+def _host_lock(ctx: HostContext, session: HostSession, *, command: str, operator: str, wait_s: float,
+               ttl_s: float = DEFAULT_LOCK_TTL_S) -> Iterator[str]:
+    """Hold the host lock across several agent calls; released on every exit path."""
+    ctx.step("waiting for lock" if wait_s else "locking")
+    answer = _call(session, "lock", {
+        **_base_args(ctx.host, operator), "who": operator, "command": command,
+        "host": socket.gethostname(), "pid": os.getpid(), "ttl_s": ttl_s, "wait_s": wait_s,
+    }, timeout=STEP_TIMEOUT_S + wait_s)
+    lock_id = answer["lock_id"]
+    try:
+        yield lock_id
+    finally:
+        # Best effort on the way out: if the connection is gone the lock's TTL (or `unlock`) frees it,
+        # and a failure here must not mask the error that got us here.
+        with contextlib.suppress(Exception):
+            _call(session, "unlock", {"state_dir": ctx.host.state_dir, "lock_id": lock_id})
+
+
+def _upload(ctx: HostContext, session: HostSession, bundle: LocalBundle, operator: str) -> str:
+    """Put the bundle into the host's staging dir; returns its staged name."""
+    ctx.step("uploading")
+    name = bundle.path.name
+    target = _call(session, "stage_begin", {**_base_args(ctx.host, operator), "name": name, "size": bundle.size})["path"]
+    assert session.conn is not None
+    sftp = session.conn.sftp()
+    try:
+        if ctx.host.sudo:
+            # The login user cannot write the root-owned state dir: land in its own tmp, and let the
+            # agent (running under sudo) import it into staging and re-hash it there.
+            tmp = f"/tmp/.ddtree-upload-{secrets.token_hex(6)}"
+            sftp.put(str(bundle.path), tmp)
+            _call(session, "stage_verify", {**_base_args(ctx.host, operator), "bundle": name,
+                                            "bundle_sha256": bundle.sha256, "import_from": tmp})
+        else:
+            sftp.put(str(bundle.path), target)
+    except OSError as exc:
+        raise ReleaseError(f"{ctx.host.name}: upload of {name} failed: {exc}", code="upload_failed",
+                           hint="check free space in the state dir on the host; nothing was changed") from None
+    finally:
+        sftp.close()
+    return name
+
+
+def _refusal(host: HostConfig, plan: dict[str, Any]) -> ReleaseError:
+    refusals = plan["refusals"]
+    first = refusals[0]
+    return ReleaseError(f"{host.name}: " + "; ".join(r["message"] for r in refusals), code=first["code"],
+                        hint=first.get("hint"), detail={"refusals": refusals})
+
+
+# ----------------------------------------------------------------------------- push
+
+
+def push_host(ctx: HostContext, inventory: Inventory, bundle: LocalBundle, *, dry_run: bool = False,
+              adopt: bool = False, lock_wait_s: float = 0.0, operator: str | None = None,
+              test_kill_after_files: int | None = None) -> dict[str, Any]:
+    operator = operator or operator_name()
+    with _session(ctx, inventory) as session:
+        ctx.step("preflight")
+        plan = _call(session, "plan", {**_base_args(ctx.host, operator), "manifest": bundle.manifest, "adopt": adopt})
+        if dry_run:
+            return {"dry_run": True, **plan}
+        if plan["refusals"]:
+            raise _refusal(ctx.host, plan)
+        if plan["noop"]:
+            return {"release": plan["release"], "noop": True,
+                    "message": f"{plan['release']} is already current; nothing to do", "files": plan["files"]}
+        with _host_lock(ctx, session, command="push", operator=operator, wait_s=lock_wait_s) as lock_id:
+            name = _upload(ctx, session, bundle, operator)
+            ctx.step("installing")
+            args = {**_base_args(ctx.host, operator), "lock_id": lock_id, "bundle": name,
+                    "bundle_sha256": bundle.sha256, "adopt": adopt}
+            if test_kill_after_files is not None:
+                args["test_kill_after_files"] = test_kill_after_files
+            return _call(session, "install", args)
+
+
+def push(inventory: Inventory, hosts: Sequence[HostConfig], bundle: str | os.PathLike[str] | LocalBundle, *,
+         dry_run: bool = False, adopt: bool = False, lock_wait_s: float = 0.0, operator: str | None = None,
+         concurrency: int = DEFAULT_CONCURRENCY, progress: FleetProgress | None = None) -> list[HostResult]:
+    """Push a bundle to hosts (or, with dry_run, say per host what would change). Raises BundleError
+    before contacting any host when the bundle itself is bad."""
+    local = bundle if isinstance(bundle, LocalBundle) else LocalBundle.load(bundle)
+    who = operator or operator_name()
+    return run_on_hosts(hosts, lambda ctx: push_host(ctx, inventory, local, dry_run=dry_run, adopt=adopt,
+                                                     lock_wait_s=lock_wait_s, operator=who),
+                        concurrency=concurrency, progress=progress)
+
+
+# ----------------------------------------------------------------------------- rollback
+
+
+def rollback_host(ctx: HostContext, inventory: Inventory, *, to: str = "previous", adopt: bool = False,
+                  lock_wait_s: float = 0.0, operator: str | None = None) -> dict[str, Any]:
+    operator = operator or operator_name()
+    with _session(ctx, inventory) as session, \
+            _host_lock(ctx, session, command=f"rollback --to {to}", operator=operator, wait_s=lock_wait_s) as lock_id:
+        ctx.step("rolling back")
+        return _call(session, "rollback", {**_base_args(ctx.host, operator), "lock_id": lock_id, "to": to,
+                                           "adopt": adopt})
+
+
+def rollback(inventory: Inventory, hosts: Sequence[HostConfig], *, to: str = "previous", adopt: bool = False,
+             lock_wait_s: float = 0.0, operator: str | None = None, concurrency: int = DEFAULT_CONCURRENCY,
+             progress: FleetProgress | None = None) -> list[HostResult]:
+    """Restore `previous`, `pristine` or a named release on each host, byte for byte."""
+    if not to:
+        raise UsageError("--to needs previous, pristine or a release id", code="bad_rollback_target")
+    who = operator or operator_name()
+    return run_on_hosts(hosts, lambda ctx: rollback_host(ctx, inventory, to=to, adopt=adopt,
+                                                         lock_wait_s=lock_wait_s, operator=who),
+                        concurrency=concurrency, progress=progress)
+
+
+# ----------------------------------------------------------------------------- history, lock
+
+
+def history(inventory: Inventory, hosts: Sequence[HostConfig], *, limit: int = 50,
+            concurrency: int = DEFAULT_CONCURRENCY, progress: FleetProgress | None = None) -> list[HostResult]:
+    """Per host: current/previous/stack, release history and the audit-log tail (read-only)."""
+
+    def one(ctx: HostContext) -> dict[str, Any]:
+        with _session(ctx, inventory) as session:
+            ctx.step("history")
+            return _call(session, "history", {"state_dir": ctx.host.state_dir, "limit": limit})
+
+    return run_on_hosts(hosts, one, concurrency=concurrency, progress=progress)
+
+
+def lock_holders(inventory: Inventory, hosts: Sequence[HostConfig], *, concurrency: int = DEFAULT_CONCURRENCY,
+                 progress: FleetProgress | None = None) -> list[HostResult]:
+    """Per host: {"holder": owner record with stale/stale_reason, or None}. For unlock's confirmation."""
+
+    def one(ctx: HostContext) -> dict[str, Any]:
+        with _session(ctx, inventory) as session:
+            return _call(session, "lock_status", {"state_dir": ctx.host.state_dir})
+
+    return run_on_hosts(hosts, one, concurrency=concurrency, progress=progress)
+
+
+def unlock(inventory: Inventory, hosts: Sequence[HostConfig], *, operator: str | None = None,
+           concurrency: int = DEFAULT_CONCURRENCY, progress: FleetProgress | None = None) -> list[HostResult]:
+    """Break the host lock whoever holds it (the CLI confirms first). Also finishes an interrupted
+    install or rollback left by the dead holder, so the host is consistent when the lock goes."""
+    who = operator or operator_name()
+
+    def one(ctx: HostContext) -> dict[str, Any]:
+        with _session(ctx, inventory) as session:
+            ctx.step("unlocking")
+            released = _call(session, "unlock", {"state_dir": ctx.host.state_dir, "force": True})
+            recovered = _call(session, "recover", {**_base_args(ctx.host, who)})
+            return {**released, **recovered}
+
+    return run_on_hosts(hosts, one, concurrency=concurrency, progress=progress)
+
+
+def summary(results: Sequence[HostResult]) -> dict[str, Any]:
+    """Counts and the names of failed / unreachable hosts, for the CLI's last line and --json."""
+    failed = [r.host for r in results if r.status == "failed"]
+    unreachable = [r.host for r in results if r.status == "unreachable"]
+    noop = [r.host for r in results if r.ok and isinstance(r.data, dict) and r.data.get("noop")]
+    return {"hosts": len(results), "ok": sum(r.ok for r in results), "noop": noop, "failed": failed,
+            "unreachable": unreachable}
