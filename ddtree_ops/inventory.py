@@ -471,13 +471,15 @@ def load_inventory(path: Path | str) -> Inventory:
         issues.append(InventoryIssue("", f"top level must be a mapping with `hosts:`, got {type(data).__name__}", marks.line_for(()),
                                      hint="start from inventory/example.yaml"))
         raise InventoryError(path, issues)
+    context = {"base_dir": path.resolve().parent}
     try:
         shape = _InventoryFile.model_validate(data)
     except ValidationError as exc:
         issues += _issues_from_validation(exc, (), marks, _level_of)
+        # Keep checking the layers that did parse, so one mistake does not hide the others.
+        issues += _layer_issues(_layers_of_raw(data), context, marks)
         raise InventoryError(path, issues) from None
 
-    context = {"base_dir": path.resolve().parent}
     all_vars = (shape.all.vars if shape.all else None) or {}
     groups = {name: g or _GroupBlock() for name, g in shape.groups.items()}
     host_entries = {name: entry or {} for name, entry in shape.hosts.items()}
@@ -486,11 +488,7 @@ def load_inventory(path: Path | str) -> Inventory:
     layers: list[tuple[PathKey, dict[str, Any]]] = [(("all", "vars"), all_vars)]
     layers += [(("groups", name, "vars"), g.vars or {}) for name, g in groups.items()]
     layers += [(("hosts", name), entry) for name, entry in host_entries.items()]
-    for prefix, values in layers:
-        try:
-            HostVars.model_validate(values, context=context)
-        except ValidationError as exc:
-            issues += _issues_from_validation(exc, prefix, marks, _level_of)
+    issues += _layer_issues(layers, context, marks)
 
     issues += _check_names(host_entries, groups, marks)
     membership: dict[str, list[str]] = {h: [] for h in host_entries}
@@ -532,6 +530,33 @@ def load_inventory(path: Path | str) -> Inventory:
     if issues:
         raise InventoryError(path, issues)
     return Inventory(path=path, hosts=hosts, groups={g: tuple(m for m in hosts if m in groups[g].hosts) for g in groups})
+
+
+def _layer_issues(layers: list[tuple[PathKey, dict[str, Any]]], context: dict[str, Any], marks: _Marks) -> list[InventoryIssue]:
+    issues = []
+    for prefix, values in layers:
+        try:
+            HostVars.model_validate(values, context=context)
+        except ValidationError as exc:
+            issues += _issues_from_validation(exc, prefix, marks, _level_of)
+    return issues
+
+
+def _layers_of_raw(data: dict[str, Any]) -> list[tuple[PathKey, dict[str, Any]]]:
+    """The host-variable mappings of a file whose overall shape is wrong, as far as they parse."""
+    layers: list[tuple[PathKey, dict[str, Any]]] = []
+    all_block = data.get("all")
+    if isinstance(all_block, dict) and isinstance(all_block.get("vars"), dict):
+        layers.append((("all", "vars"), all_block["vars"]))
+    groups = data.get("groups")
+    for name, group in (groups.items() if isinstance(groups, dict) else ()):
+        if isinstance(group, dict) and isinstance(group.get("vars"), dict):
+            layers.append((("groups", name, "vars"), group["vars"]))
+    hosts = data.get("hosts")
+    for name, entry in (hosts.items() if isinstance(hosts, dict) else ()):
+        if isinstance(entry, dict):
+            layers.append((("hosts", name), entry))
+    return layers
 
 
 def _check_names(host_entries: dict[str, Any], groups: dict[str, Any], marks: _Marks) -> list[InventoryIssue]:

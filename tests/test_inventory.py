@@ -314,3 +314,8 @@ def test_local_paths_carry_shell_characters(tmp_path: Path) -> None:
     weird = "keys/it's;$(x)`y`.key"
     path.write_text(yaml.safe_dump({"hosts": {"a": {"address": "x", "identity_file": weird}}}))
     assert load_inventory(path).hosts["a"].identity_path == tmp_path.resolve() / weird
+
+
+def test_a_shape_error_does_not_hide_field_errors(tmp_path: Path) -> None:
+    err = issues_of(tmp_path, "groups:\n  g: {hostz: []}\nhosts:\n  a: {adress: x}\n")
+    assert {i.path for i in err.issues} == {"groups.g.hostz", "hosts.a.adress"}

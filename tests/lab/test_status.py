@@ -87,7 +87,7 @@ def test_unreachable_host_reported_while_others_succeed(lab_fleet, lab2_stopped:
 
 def _ssh_logins_between(lab_fleet, host: str, since: float, until: float) -> list[str]:
     result = lab_fleet.ssh(host, "journalctl", "-o", "cat", "--no-pager", "-t", "sshd", "-t", "sshd-session",
-                           f"--since=@{since:.3f}", f"--until=@{until:.3f}")
+                           f"--since=@{int(since)}", f"--until=@{int(until) + 1}")
     assert result.returncode == 0, result.stderr
     return [ln for ln in result.stdout.splitlines() if "Accepted" in ln]
 
@@ -96,14 +96,22 @@ def test_unknown_host_key_refused_and_nothing_ran(lab_fleet, tmp_path: Path) -> 
     empty = tmp_path / "empty_known_hosts"
     empty.write_text("")
     inventory = inventory_copy(lab_fleet, tmp_path, lambda d: d["all"]["vars"].update(known_hosts=str(empty)))
+    time.sleep(1.1)  # journal windows are whole seconds: keep earlier tests' logins out of ours
     before = time.time()
     code, rows = status_json(inventory, "--limit", "lab-1")
     after = time.time()
+    time.sleep(2)  # ... and the login that reads the journal out of it too
     assert code == 1
     assert rows["lab-1"]["status"] == "failed" and rows["lab-1"]["error"]["code"] == "host_key_unknown"
     assert "SHA256:" in rows["lab-1"]["error"]["message"]
     assert empty.read_text() == ""  # strict mode never learns a key
-    assert _ssh_logins_between(lab_fleet, "lab-1", before - 1, after + 0.5) == []
+    assert _ssh_logins_between(lab_fleet, "lab-1", before, after) == []
+    # Positive control: the same window check does see a login that was accepted.
+    before = time.time()
+    assert status_json(lab_fleet.inventory_path, "--limit", "lab-1")[0] == 0
+    after = time.time()
+    time.sleep(2)
+    assert _ssh_logins_between(lab_fleet, "lab-1", before, after)
 
 
 def test_accept_new_learns_the_key_and_says_so(lab_fleet, tmp_path: Path) -> None:
