@@ -218,6 +218,12 @@ def hosts(
         stdout_console().print(table)
 
 
+# push, smoke, rollback, history, unlock live in release_cli.py (issue 5); same conventions as above.
+from ddtree_ops import release_cli  # noqa: E402 - needs the options and helpers defined above
+
+release_cli.register(app)
+
+
 def main() -> None:
     """Console entry point: unexpected exceptions print one line unless --debug asks for the traceback."""
     debug = _Session.debug or "--debug" in sys.argv[1:]

@@ -1,0 +1,275 @@
+"""CLI commands push, smoke, rollback, history, unlock: thin wrappers over release.py / smoke.py.
+
+Registered on the main app by `register(app)` (called from cli.py). Same conventions as every
+command: -i/--inventory, --limit, --json (one document on stdout), exit 0 all ok / 1 some host
+failed or was unreachable / 2 usage or inventory error. Heavy imports happen inside commands.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from ddtree_ops.cli import (
+    EXIT_USAGE,
+    ConcurrencyOption,
+    InventoryOption,
+    JsonOption,
+    LimitOption,
+    _Session,
+    load_selection,
+    reported_errors,
+)
+
+if TYPE_CHECKING:
+    from ddtree_ops.fleet import HostResult
+    from ddtree_ops.inventory import HostConfig
+
+LockWaitOption = Annotated[float, typer.Option("--lock-wait", min=0, metavar="SECONDS",
+                                               help="Wait this long for another run's host lock, then fail naming its holder.")]
+AdoptOption = Annotated[bool, typer.Option("--adopt", help="Take over files that hash to neither pristine nor patched "
+                                                           "(they are backed up first) instead of refusing the host.")]
+
+
+def _finish(command: str, hosts: list[HostConfig], results: list[HostResult], json_output: bool,
+            render: Any = None) -> None:
+    from ddtree_ops.fleet import exit_code
+    from ddtree_ops.output import emit_json, print_failures, print_notices
+    from ddtree_ops.release import summary
+
+    summ = summary(results)
+    if json_output:
+        emit_json({"command": command, "results": [r.to_dict() for r in results], "summary": summ})
+    elif render is not None:
+        render(hosts, results)
+    print_notices(results)
+    print_failures(results, debug=_Session.debug)
+    bad = [*summ["failed"], *summ["unreachable"]]
+    line = f"{command}: {summ['ok']}/{summ['hosts']} ok"
+    if summ["noop"]:
+        line += f", {len(summ['noop'])} already current"
+    if summ["failed"]:
+        line += f"; failed: {', '.join(summ['failed'])}"
+    if summ["unreachable"]:
+        line += f"; unreachable: {', '.join(summ['unreachable'])}"
+    sys.stderr.write(line + "\n")
+    raise typer.Exit(exit_code(results) if bad else 0)
+
+
+def _table(columns: list[str]) -> Any:
+    from rich.table import Table
+
+    table = Table()
+    for c in columns:
+        table.add_column(c)
+    return table
+
+
+def _short(h: str | None) -> str:
+    return "absent" if h is None else h[:12]
+
+
+def _render_push(hosts: list[HostConfig], results: list[HostResult]) -> None:
+    from ddtree_ops.output import stdout_console
+
+    table = _table(["host", "status", "release", "result", "files", "time"])
+    for r in results:
+        d = r.data or {}
+        if not r.ok:
+            table.add_row(r.host, r.status, "-", r.error.code if r.error else "-", "-", f"{r.elapsed_s:.1f}s", style="red")
+            continue
+        if d.get("dry_run"):
+            result = "would refuse" if d.get("refusals") else ("no change" if d.get("noop") else "would install")
+            table.add_row(r.host, "dry-run", d.get("release", "-"), result, str(d.get("changes", 0)), f"{r.elapsed_s:.1f}s")
+            continue
+        changed = "0" if d.get("noop") else str(len(d.get("changed", [])))
+        table.add_row(r.host, r.status, d.get("release", "-"), "already current" if d.get("noop") else "installed",
+                      changed, f"{r.elapsed_s:.1f}s")
+    console = stdout_console()
+    console.print(table)
+    for r in results:
+        d = r.data or {}
+        if r.ok and d.get("dry_run"):
+            console.print(f"[bold]{r.host}[/bold] ({d.get('site_packages')}):")
+            for f in d.get("files", []):
+                console.print(f"  {f['action']:<9} {f['path']}  {_short(f['now'])} → {_short(f['target'])}")
+            for ref in d.get("refusals", []):
+                console.print(f"  [red]refused[/red] {ref['message']}")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def push(
+        inventory: InventoryOption = None,
+        limit: LimitOption = None,
+        bundle: Annotated[Path | None, typer.Option("--bundle", "-b", help="Bundle to push (default: newest in dist/).")] = None,
+        dry_run: Annotated[bool, typer.Option("--dry-run", help="Show per host which files would change "
+                                                                  "(hash now → hash after); change nothing.")] = False,
+        adopt: AdoptOption = False,
+        lock_wait: LockWaitOption = 0.0,
+        json_output: JsonOption = False,
+        concurrency: ConcurrencyOption = 16,
+    ) -> None:
+        """Install a payload bundle on hosts: preflight, lock, upload, verify, back up, install, record.
+
+        Refuses a host whose SGLang version is not the bundle's base, or whose files hash to
+        neither pristine nor patched (unless --adopt). Re-pushing the current bundle is a no-op.
+        An interrupted install is completed by the next push or rollback.
+        """
+        with reported_errors(json_output):
+            inv, hosts = load_selection(inventory, limit)
+            from ddtree_ops.output import progress_for
+            from ddtree_ops.release import default_bundle
+            from ddtree_ops.release import push as do_push
+
+            progress = progress_for(hosts, "dry run" if dry_run else "push", json_mode=json_output)
+            with progress or nullcontext():
+                results = do_push(inv, hosts, bundle or default_bundle(), dry_run=dry_run, adopt=adopt,
+                                  lock_wait_s=lock_wait, concurrency=concurrency, progress=progress)
+        _finish("push --dry-run" if dry_run else "push", hosts, results, json_output, _render_push)
+
+    @app.command()
+    def smoke(
+        inventory: InventoryOption = None,
+        limit: LimitOption = None,
+        step_timeout: Annotated[float, typer.Option("--step-timeout", min=1, metavar="SECONDS",
+                                                    help="Timeout of each smoke step on a host.")] = 240.0,
+        json_output: JsonOption = False,
+        concurrency: ConcurrencyOption = 16,
+    ) -> None:
+        """Check the installed payload with each host's own SGLang Python.
+
+        Steps: import the DDTree and patched modules; parse server args with valid DDTree flags
+        and check each bad combination is refused; a CPU tree-builder self-test with a known answer.
+        """
+        with reported_errors(json_output):
+            inv, hosts = load_selection(inventory, limit)
+            from ddtree_ops.output import progress_for, stdout_console
+            from ddtree_ops.smoke import smoke as do_smoke
+
+            progress = progress_for(hosts, "smoke", json_mode=json_output)
+            with progress or nullcontext():
+                results = do_smoke(inv, hosts, step_timeout_s=step_timeout, concurrency=concurrency, progress=progress)
+
+        def render(hosts: list[HostConfig], results: list[HostResult]) -> None:
+            table = _table(["host", "status", "import", "server_args", "tree", "time"])
+            for r in results:
+                steps = {s["name"]: s for s in (r.data or {}).get("steps", [])}
+                cells = [("pass" if steps[n]["passed"] else "FAIL") + f" {steps[n]['seconds']:.0f}s" if n in steps
+                         else "-" for n in ("import", "server_args", "tree")]
+                table.add_row(r.host, r.status, *cells, f"{r.elapsed_s:.1f}s", style="" if r.ok else "red")
+            stdout_console().print(table)
+
+        _finish("smoke", hosts, results, json_output, render)
+
+    @app.command()
+    def rollback(
+        inventory: InventoryOption = None,
+        limit: LimitOption = None,
+        to: Annotated[str, typer.Option("--to", metavar="previous|pristine|RELEASE",
+                                        help="previous: undo the current release; pristine: undo all; "
+                                             "RELEASE: a release id from `history`.")] = "previous",
+        adopt: Annotated[bool, typer.Option("--adopt", help="Overwrite files changed by someone since the push "
+                                                            "(their bytes are kept in the state dir).")] = False,
+        lock_wait: LockWaitOption = 0.0,
+        json_output: JsonOption = False,
+        concurrency: ConcurrencyOption = 16,
+    ) -> None:
+        """Restore files from the backups of a release, byte for byte (sha256-verified).
+
+        Nothing to roll back is a no-op that says so; an interrupted push is completed first and
+        then rolled back.
+        """
+        with reported_errors(json_output):
+            inv, hosts = load_selection(inventory, limit)
+            from ddtree_ops.output import progress_for, stdout_console
+            from ddtree_ops.release import rollback as do_rollback
+
+            progress = progress_for(hosts, "rollback", json_mode=json_output)
+            with progress or nullcontext():
+                results = do_rollback(inv, hosts, to=to, adopt=adopt, lock_wait_s=lock_wait,
+                                      concurrency=concurrency, progress=progress)
+
+        def render(hosts: list[HostConfig], results: list[HostResult]) -> None:
+            table = _table(["host", "status", "now", "result", "time"])
+            for r in results:
+                d = r.data or {}
+                now = d.get("current", d.get("release")) or "pristine"
+                table.add_row(r.host, r.status, now if r.ok else "-",
+                              d.get("message", "") if r.ok else (r.error.code if r.error else "-"),
+                              f"{r.elapsed_s:.1f}s", style="" if r.ok else "red")
+            stdout_console().print(table)
+
+        _finish("rollback", hosts, results, json_output, render)
+
+    @app.command()
+    def history(
+        inventory: InventoryOption = None,
+        limit: LimitOption = None,
+        entries: Annotated[int, typer.Option("--entries", "-n", min=1, help="Audit entries per host.")] = 20,
+        json_output: JsonOption = False,
+        concurrency: ConcurrencyOption = 16,
+    ) -> None:
+        """Per host: current and previous release, installed stack, and the audit log's latest entries."""
+        with reported_errors(json_output):
+            inv, hosts = load_selection(inventory, limit)
+            from ddtree_ops.output import stdout_console
+            from ddtree_ops.release import history as do_history
+
+            results = do_history(inv, hosts, limit=entries, concurrency=concurrency)
+
+        def render(hosts: list[HostConfig], results: list[HostResult]) -> None:
+            console = stdout_console()
+            for r in results:
+                if not r.ok:
+                    continue
+                st = r.data["state"]
+                console.print(f"[bold]{r.host}[/bold]: current {st.get('current') or 'pristine'}, "
+                              f"previous {st.get('previous') or '-'}, stack {' > '.join(st.get('stack') or []) or '-'}")
+                for a in r.data["audit"]:
+                    console.print(f"  {a.get('time')}  {a.get('operator')}  {a.get('command')}  "
+                                  f"{a.get('release') or '-'}  {a.get('result')}")
+
+        _finish("history", hosts, results, json_output, render)
+
+    @app.command()
+    def unlock(
+        inventory: InventoryOption = None,
+        limit: LimitOption = None,
+        yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation (for scripts).")] = False,
+        json_output: JsonOption = False,
+        concurrency: ConcurrencyOption = 16,
+    ) -> None:
+        """Break the host lock left by a dead run (shows the holder and asks first; --yes for scripts).
+
+        Also completes an install or rollback the dead run left half done.
+        """
+        with reported_errors(json_output):
+            inv, hosts = load_selection(inventory, limit)
+            from ddtree_ops.release import lock_holders
+            from ddtree_ops.release import unlock as do_unlock
+
+            holders = lock_holders(inv, hosts, concurrency=concurrency)
+            locked = [h for h, r in zip(hosts, holders, strict=True) if r.ok and r.data.get("holder")]
+            for h, r in zip(hosts, holders, strict=True):
+                if r.ok and r.data.get("holder"):
+                    o = r.data["holder"]
+                    stale = f" (stale: {o['stale_reason']})" if o.get("stale") else " (NOT stale: it may still be running)"
+                    sys.stderr.write(f"{h.name}: locked by {o.get('who')} running {o.get('command')!r} "
+                                     f"from {o.get('host')} since {o.get('start')}{stale}\n")
+            if not locked:
+                sys.stderr.write("no selected host is locked\n")
+                results = holders
+            else:
+                if not yes:
+                    if not sys.stdin.isatty():
+                        sys.stderr.write("error: refusing to unlock without confirmation\nhint: pass --yes\n")
+                        raise typer.Exit(EXIT_USAGE)
+                    typer.confirm(f"Break the lock on {', '.join(h.name for h in locked)}?", abort=True, err=True)
+                results = do_unlock(inv, locked, concurrency=concurrency)
+                hosts = locked
+        _finish("unlock", hosts, results, json_output)
