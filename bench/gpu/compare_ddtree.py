@@ -1,0 +1,117 @@
+#!/usr/bin/env python3
+"""Compare the DDTree proof run's variants (run_device.sh) and summarise them.
+
+Usage: python compare_ddtree.py OUT_DIR   → prints a report, writes OUT_DIR/summary.json and summary.md
+Checks: every DFLASH / DDTree variant is token-identical to plain decoding of the same model set
+(single request, batch of 3, text prompt); shadow-linear's accept lengths and verify counts equal
+DFLASH's; full mode on the hybrid targets was refused by the DDTree worker's guard (its message in
+the server log) while shadow-linear on a hybrid serves.
+"""
+import json
+import os
+import re
+import sys
+
+d = sys.argv[1]
+REFUSAL = "DDTree full mode refused"
+
+
+def load(tag):
+    p = os.path.join(d, f"{tag}.json")
+    return json.load(open(p)) if os.path.exists(p) else None
+
+
+def log(tag):
+    p = os.path.join(d, f"server_{tag}.log")
+    return open(p, errors="replace").read() if os.path.exists(p) else ""
+
+
+def seqs(j):
+    if not j or "batch" not in j:
+        return None
+    return [j["single"]["output_ids"]] + [x["output_ids"] for x in j["batch"]] + [j["text"]["output_ids"]]
+
+
+def spec(j):
+    if not j or "batch" not in j:
+        return None
+    metas = [j["single"]["meta_info"]] + [x["meta_info"] for x in j["batch"]]
+    return [(m.get("spec_accept_length"), m.get("spec_verify_ct")) for m in metas]
+
+
+def step_ms(j, plain):
+    if not j or "single" not in j:
+        return None
+    m = j["single"]["meta_info"]
+    steps = m.get("spec_verify_ct") or m.get("completion_tokens") or len(j["single"]["output_ids"])
+    return 1e3 * j["single_s"] / max(1, steps)
+
+
+def ddtree_stats(tag):
+    lines = re.findall(r"DDTree stats \([^)]*\): (\{.*\})", log(tag))
+    return lines[-1] if lines else None
+
+
+summary = {"sets": {}, "hybrid": {}, "ok": True}
+rows = []
+for s in ("p", "r"):
+    plain = load(f"{s}_plain")
+    P = seqs(plain)
+    dfl = load(f"{s}_dflash")
+    res = {}
+    for v in ("plain", "dflash", "shadow", "full15", "full64", "full256"):
+        tag = f"{s}_{v}"
+        j = load(tag)
+        X = seqs(j)
+        ident = None if (P is None or X is None) else (X == P)
+        sp = spec(j)
+        r = {
+            "served": X is not None,
+            "identical_to_plain": ident,
+            "single_accept_len": sp[0][0] if sp else None,
+            "batch_accept_len": [a for a, _ in sp[1:]] if sp else None,
+            "verify_ct": [c for _, c in sp] if sp else None,
+            "single_s": j.get("single_s") if j else None,
+            "step_ms": step_ms(j, plain),
+            "ddtree_stats": ddtree_stats(tag),
+            "error": (j or {}).get("error"),
+        }
+        if v != "plain" and ident is not True:
+            summary["ok"] = False
+        if v == "shadow":
+            r["accept_equal_to_dflash"] = (sp is not None and sp == spec(dfl))
+            if not r["accept_equal_to_dflash"]:
+                summary["ok"] = False
+        res[v] = r
+        rows.append((tag, r))
+    summary["sets"][s] = res
+for tag in ("h_next_full", "h_marker_full", "h_marker_shadow"):
+    text = log(tag)
+    m = re.search(REFUSAL + r"[^\n]*", text)
+    j = load(tag)
+    summary["hybrid"][tag] = {
+        "refused_by_ddtree_guard": bool(m),
+        "message": m.group(0)[:400] if m else None,
+        "served": seqs(j) is not None,
+        "other_error": None if m else (re.findall(r"\n(\w+Error: [^\n]*)", text)[-1:] or [None])[0],
+    }
+    if tag.endswith("_full") and tag.startswith("h_marker") and not m:
+        summary["ok"] = False
+
+print(f"{'variant':<12} {'served':>6} {'same':>5} {'acc(single)':>11} {'acc(batch)':>22} {'verify_ct':>18} {'ms/step':>8}")
+for tag, r in rows:
+    bal = ",".join(f"{a:.2f}" for a in r["batch_accept_len"]) if r["batch_accept_len"] and None not in r["batch_accept_len"] else "-"
+    sal = f"{r['single_accept_len']:.2f}" if r["single_accept_len"] is not None else "-"
+    ms = f"{r['step_ms']:.2f}" if r["step_ms"] is not None else "-"
+    print(f"{tag:<12} {str(r['served']):>6} {str(r['identical_to_plain']):>5} {sal:>11} {bal:>22} {str(r['verify_ct']):>18} {ms:>8}")
+    if r.get("accept_equal_to_dflash") is not None:
+        print(f"{'':<12} shadow accept lengths == dflash: {r['accept_equal_to_dflash']}")
+    if r["ddtree_stats"]:
+        print(f"{'':<12} {r['ddtree_stats'][:300]}")
+    if r["error"]:
+        print(f"{'':<12} error: {r['error'][:300]}")
+for tag, h in summary["hybrid"].items():
+    print(f"{tag:<16} refused_by_guard={h['refused_by_ddtree_guard']} served={h['served']} "
+          f"{h['message'] or h['other_error'] or ''}")
+print("ALL CHECKS OK" if summary["ok"] else "SOME CHECKS FAILED")
+json.dump(summary, open(os.path.join(d, "summary.json"), "w"), indent=1, default=str)

@@ -1,0 +1,130 @@
+#!/bin/bash
+# DDTree proof in real SGLang 0.5.13.post1 — run ON THE GPU MACHINE (nvidia-h200) from the repo root,
+# with `.gpu` (carried site-packages, bench/gpu/build_carry.sh) and `dist` (the payload bundle,
+# `ddtree-ops build` / ddtree_ops.bundle.build_bundle) in the run's carry:
+#   bash bench/gpu/run_device.sh 2>&1 | tee $OUT/run.log
+# 1) unpack the carry to /tmp/site, install the DDTree bundle there (sha256-checked, pristine-checked)
+# 2) tiny random Qwen3 target + DFlash draft, random (/tmp/tiny_r) and PEAKED (/tmp/tiny_p), and tiny
+#    hybrid targets (/tmp/tiny_h: a real Qwen3-Next, and a Qwen3 with a recurrent config marker)
+# 3) servers, all with --attention-backend triton, greedy: for each model set
+#    plain | DFLASH | DFLASH+DDTree shadow-linear | DFLASH+DDTree full at budgets 15, 64, 256,
+#    plus DDTree full (must be refused by the worker's hybrid guard) and shadow-linear on the hybrids.
+#    One server starts alone to warm the JIT caches; the rest start together on the one GPU so a
+#    single call fits every variant. Each tiny server really uses ~2 GB (KV capped by
+#    --max-total-tokens); --mem-fraction-static 0.3 only has to exceed the memory the others hold,
+#    because SGLang sizes its pool as fraction * total - used.
+# 4) the same greedy requests to each (sequentially: timings are not shared), then compare_ddtree.py.
+# Env: BUDGET_S (deadline, default 560), ONLY="tag tag" (subset), SGLANG_DDTREE_LOG_EVERY (default 8).
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+HERE=$(cd "$(dirname "$0")" && pwd)
+T0=$(date +%s)
+ts() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export SGLANG_DISABLE_REQUEST_LOGGING=1 SGLANG_DDTREE_LOG_EVERY=${SGLANG_DDTREE_LOG_EVERY:-8}
+if ! ldconfig -p 2>/dev/null | grep -q 'libnuma.so.1 '; then export LD_LIBRARY_PATH=$PWD/.gpu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}; fi
+if command -v nvcc >/dev/null; then export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}; fi
+DEADLINE=$(( T0 + ${BUDGET_S:-560} ))
+
+ts "start"; nvidia-smi -L; python3 -V
+# Always a fresh pristine tree: a bundle from an earlier call must not meet a newer one.
+rm -rf /tmp/site && mkdir -p /tmp/site && tar -C /tmp/site -xJf .gpu/site312.tar.xz || { echo "extract failed"; exit 1; }
+export PYTHONPATH=/tmp/site
+BUNDLE=$(ls dist/ddtree-payload-*.tar.gz | head -1)
+PYTHONPATH=/tmp/site:$PWD python3 - "$BUNDLE" <<'EOF' || { echo "bundle install failed"; exit 1; }
+import sys
+from ddtree_ops.bundle import check_tree_against_record, install_bundle
+m = install_bundle(sys.argv[1], "/tmp/site")
+print("installed", sys.argv[1], m.payload_version, [f.path for f in m.patched_files + m.new_files])
+bad = check_tree_against_record("/tmp/site", ignore=[f.path for f in m.patched_files])
+bad = [b for b in bad if b.startswith("sglang/") and not b.endswith(": missing")]  # the carry drops tests/benchmarks
+print("untouched upstream files differing from RECORD:", len(bad), bad[:5])
+EOF
+ts "site extracted + bundle installed"
+
+# The peaked set first (the warm-up server uses it); the others are made while it starts.
+PEAKED=1 python3 $HERE/make_tiny_models.py /tmp/tiny_p 2>&1 | grep -v -i "warn\|Writing model"
+( PEAKED=0 python3 $HERE/make_tiny_models.py /tmp/tiny_r > "$OUT/make_r.log" 2>&1;
+  python3 $HERE/make_tiny_hybrid.py /tmp/tiny_h > "$OUT/make_h.log" 2>&1 ) &
+MAKE_PID=$!
+ts "peaked models made"
+
+COMMON=(--host 127.0.0.1 --attention-backend triton --sampling-backend pytorch --grammar-backend none
+        --disable-cuda-graph --disable-piecewise-cuda-graph --mem-fraction-static 0.3
+        --max-total-tokens 16384 --log-level info)
+DF=(--speculative-algorithm DFLASH --speculative-num-draft-tokens 16)
+# tag | model dir | extra args   (the draft is <model dir>/draft when DFLASH is on)
+VARIANTS=(
+  "p_plain|/tmp/tiny_p|"
+  "p_dflash|/tmp/tiny_p|DF"
+  "p_shadow|/tmp/tiny_p|DF --speculative-ddtree-mode shadow-linear --speculative-ddtree-budget 64"
+  "p_full15|/tmp/tiny_p|DF --speculative-ddtree-mode full --speculative-ddtree-budget 15"
+  "p_full64|/tmp/tiny_p|DF --speculative-ddtree-mode full --speculative-ddtree-budget 64"
+  "p_full256|/tmp/tiny_p|DF --speculative-ddtree-mode full --speculative-ddtree-budget 256"
+  "r_plain|/tmp/tiny_r|"
+  "r_dflash|/tmp/tiny_r|DF"
+  "r_shadow|/tmp/tiny_r|DF --speculative-ddtree-mode shadow-linear --speculative-ddtree-budget 64"
+  "r_full15|/tmp/tiny_r|DF --speculative-ddtree-mode full --speculative-ddtree-budget 15"
+  "r_full64|/tmp/tiny_r|DF --speculative-ddtree-mode full --speculative-ddtree-budget 64"
+  "r_full256|/tmp/tiny_r|DF --speculative-ddtree-mode full --speculative-ddtree-budget 256"
+  "h_next_full|/tmp/tiny_h/next|DF --speculative-ddtree-mode full --speculative-ddtree-budget 64"
+  "h_marker_full|/tmp/tiny_h/marker|DF --speculative-ddtree-mode full --speculative-ddtree-budget 64"
+  "h_marker_shadow|/tmp/tiny_h/marker|DF --speculative-ddtree-mode shadow-linear"
+)
+declare -A PID PORT
+launch() {  # TAG MODEL_DIR EXTRA...
+  local tag=$1 model=$2; shift 2
+  local args=()
+  for a in "$@"; do if [ "$a" = DF ]; then args+=("${DF[@]}" --speculative-draft-model-path "$model/draft"); else args+=("$a"); fi; done
+  rm -f /tmp/spid_$tag
+  setsid bash -c 'echo $$ > /tmp/spid_'$tag'; exec python3 -m sglang.launch_server "$@"' _ \
+    --model-path "$model/target" --port "${PORT[$tag]}" "${COMMON[@]}" "${args[@]}" > "$OUT/server_$tag.log" 2>&1 &
+  for i in $(seq 50); do [ -s /tmp/spid_$tag ] && break; sleep 0.1; done
+  PID[$tag]=$(cat /tmp/spid_$tag)
+  ts "launched $tag port=${PORT[$tag]} pid=${PID[$tag]} ${args[*]}"
+}
+stop_all() {
+  for tag in "${!PID[@]}"; do kill -TERM -- "-${PID[$tag]}" 2>/dev/null; done
+  sleep 5
+  for tag in "${!PID[@]}"; do kill -KILL -- "-${PID[$tag]}" 2>/dev/null; done
+}
+trap stop_all EXIT
+query() {  # TAG
+  local tag=$1 left=$(( DEADLINE - $(date +%s) - 20 ))
+  if [ "$left" -lt 10 ]; then ts "skip $tag: no time left"; return 9; fi
+  # A refused server should already be gone; never let one eat the deadline.
+  if [[ $tag == h_*_full ]] && [ "$left" -gt 60 ]; then left=60; fi
+  python3 $HERE/client.py --port "${PORT[$tag]}" --tag "$tag" --out "$OUT/$tag.json" --wait "$left" --pid "${PID[$tag]}" \
+    > "$OUT/client_$tag.log" 2>&1
+  local rc=$?
+  ts "$tag client rc=$rc $(grep -c . "$OUT/client_$tag.log") lines"
+  grep -E "DDTree|Traceback|Error|refused" "$OUT/server_$tag.log" | grep -v "server_args=" | cut -c1-400 | tail -6
+  # Free the GPU share and CPU as soon as a server has answered.
+  kill -TERM -- "-${PID[$tag]}" 2>/dev/null
+  return $rc
+}
+
+i=0; TAGS=()
+for v in "${VARIANTS[@]}"; do
+  tag=${v%%|*}
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $tag "* ]]; then continue; fi
+  PORT[$tag]=$(( 30000 + 10 * i )); i=$((i + 1)); TAGS+=("$v")
+done
+first=${TAGS[0]}; rest=("${TAGS[@]:1}")
+IFS='|' read -r tag model extra <<< "$first"; launch "$tag" "$model" $extra
+python3 $HERE/client.py --port "${PORT[$tag]}" --tag "$tag" --out "$OUT/$tag.json" --wait 300 --pid "${PID[$tag]}" > "$OUT/client_$tag.log" 2>&1
+ts "$tag (warm-up server) client rc=$?"
+kill -TERM -- "-${PID[$tag]}" 2>/dev/null
+wait $MAKE_PID; grep -v -i "warn\|Writing model" "$OUT/make_r.log" "$OUT/make_h.log" | tail -8
+ts "other models made"
+for v in "${rest[@]}"; do IFS='|' read -r tag model extra <<< "$v"; launch "$tag" "$model" $extra; done
+# Query only once every server is up (or dead), so start-up CPU load does not skew the timings.
+ALLPORTS=(); for v in "${rest[@]}"; do t=${v%%|*}; ALLPORTS+=("${PORT[$t]}:${PID[$t]}"); done
+python3 $HERE/wait_all.py $(( DEADLINE - $(date +%s) - 150 )) "${ALLPORTS[@]}"
+ts "all servers up or dead; GPU mem: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader)"
+for v in "${rest[@]}"; do IFS='|' read -r tag model extra <<< "$v"; query "$tag"; done
+ts "queries done; GPU mem: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader)"
+stop_all; trap - EXIT
+python3 $HERE/compare_ddtree.py "$OUT" | tee "$OUT/summary.txt"
+ts "done"

@@ -1,0 +1,196 @@
+"""DDTree server flags: CLI definitions and validation (installed as
+`sglang/srt/speculative/ddtree_args.py` by the ddtree-ops payload).
+
+Upstream files only carry hooks into this module, so the flag semantics live in one place:
+- `add_ddtree_cli_args(parser)` is called from `ServerArgs.add_cli_args`;
+- `handle_ddtree_server_args(server_args)` is called from `ServerArgs.__post_init__`, right after
+  `handle_speculative_decoding`, so the DFLASH block size is already resolved.
+
+Every refusal is a `ValueError` whose message names the flag and the allowed values, because an
+operator reads it in a failed unit's journal, not in a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+DDTREE_MODES = ("off", "shadow-linear", "full")
+# Non-root tree nodes. 512 keeps the verify batch (1 + budget tokens per request) and its
+# custom mask (prefix x tree, per request) in a size the target-verify path is built for.
+DDTREE_BUDGET_MIN = 1
+DDTREE_BUDGET_MAX = 512
+DDTREE_TOPK_CAP_MIN = 1
+# Full mode changes the target-verify width per step; these backends take a custom tree mask
+# and a verify width other than --speculative-num-draft-tokens in our wiring.
+DDTREE_FULL_ATTENTION_BACKENDS = ("triton",)
+
+FLAG_MODE = "--speculative-ddtree-mode"
+FLAG_BUDGET = "--speculative-ddtree-budget"
+FLAG_TOPK_CAP = "--speculative-ddtree-topk-cap"
+FLAG_ALLOW_HYBRID = "--speculative-ddtree-allow-hybrid-unsafe"
+
+
+class DDTreeConfigError(ValueError):
+    """A DDTree flag combination that the server refuses to start with."""
+
+
+def add_ddtree_cli_args(parser: argparse.ArgumentParser) -> None:
+    # No argparse `choices`/ranges here: the same checks must hold for ServerArgs built in
+    # Python (Engine kwargs), so they live in handle_ddtree_server_args with one message style.
+    parser.add_argument(
+        FLAG_MODE,
+        type=str,
+        default="off",
+        help="DFLASH only. DDTree tree speculation: 'off' (plain DFLASH), 'shadow-linear' (build and "
+        "measure the draft tree, verify the linear DFLASH path: outputs equal plain DFLASH), or "
+        "'full' (verify the whole tree in one target pass; greedy requests; triton attention).",
+    )
+    parser.add_argument(
+        FLAG_BUDGET,
+        type=int,
+        default=None,
+        help=f"DFLASH + DDTree. Non-root tree nodes per request and step "
+        f"({DDTREE_BUDGET_MIN}..{DDTREE_BUDGET_MAX}); default: block size - 1.",
+    )
+    parser.add_argument(
+        FLAG_TOPK_CAP,
+        type=int,
+        default=None,
+        help="DFLASH + DDTree. Candidate tokens per tree depth (1..budget); default: the budget.",
+    )
+    parser.add_argument(
+        FLAG_ALLOW_HYBRID,
+        action="store_true",
+        default=False,
+        help="DFLASH + DDTree full mode. Start full mode on a hybrid (Mamba/GDN/linear-attention) "
+        "target although its recurrent state cannot follow sibling branches: UNSAFE, outputs may "
+        "differ from plain decoding.",
+    )
+
+
+def _ddtree_flags_given(server_args: Any) -> list[str]:
+    given = []
+    if (getattr(server_args, "speculative_ddtree_mode", "off") or "off") != "off":
+        given.append(FLAG_MODE)
+    if getattr(server_args, "speculative_ddtree_budget", None) is not None:
+        given.append(FLAG_BUDGET)
+    if getattr(server_args, "speculative_ddtree_topk_cap", None) is not None:
+        given.append(FLAG_TOPK_CAP)
+    if getattr(server_args, "speculative_ddtree_allow_hybrid_unsafe", False):
+        given.append(FLAG_ALLOW_HYBRID)
+    return given
+
+
+def _as_int(value: Any, flag: str) -> int:
+    # ServerArgs built in Python may carry strings or floats; bool is an int subclass but a mistake.
+    if isinstance(value, bool):
+        raise DDTreeConfigError(f"{flag} must be an integer, got {value!r}.")
+    try:
+        as_int = int(value)
+    except (TypeError, ValueError):
+        raise DDTreeConfigError(f"{flag} must be an integer, got {value!r}.") from None
+    if as_int != value and str(as_int) != str(value).strip():
+        raise DDTreeConfigError(f"{flag} must be an integer, got {value!r}.")
+    return as_int
+
+
+def handle_ddtree_server_args(server_args: Any) -> None:
+    """Validate and normalise the DDTree fields of a ServerArgs in place."""
+    mode = getattr(server_args, "speculative_ddtree_mode", "off")
+    mode = "off" if mode is None else str(mode).strip().lower()
+    if mode not in DDTREE_MODES:
+        raise DDTreeConfigError(
+            f"{FLAG_MODE} must be one of {', '.join(DDTREE_MODES)}; got {mode!r}."
+        )
+    server_args.speculative_ddtree_mode = mode
+
+    given = _ddtree_flags_given(server_args)
+    if not given:
+        return
+    algo = (getattr(server_args, "speculative_algorithm", None) or "").upper()
+    if algo != "DFLASH":
+        raise DDTreeConfigError(
+            f"{', '.join(given)} {'requires' if len(given) == 1 else 'require'} --speculative-algorithm DFLASH "
+            f"(got --speculative-algorithm {getattr(server_args, 'speculative_algorithm', None)})."
+        )
+    if mode == "off":
+        raise DDTreeConfigError(
+            f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect with {FLAG_MODE} off; "
+            f"set {FLAG_MODE} to shadow-linear or full, or drop them."
+        )
+
+    block_size = getattr(server_args, "speculative_num_draft_tokens", None)
+    if block_size is None or int(block_size) < 2:
+        raise DDTreeConfigError(
+            f"{FLAG_MODE} {mode} needs a DFLASH block size of at least 2 "
+            f"(--speculative-num-draft-tokens), got {block_size!r}."
+        )
+    block_size = int(block_size)
+
+    budget = server_args.speculative_ddtree_budget
+    if budget is None:
+        budget = block_size - 1
+    budget = _as_int(budget, FLAG_BUDGET)
+    if not DDTREE_BUDGET_MIN <= budget <= DDTREE_BUDGET_MAX:
+        raise DDTreeConfigError(
+            f"{FLAG_BUDGET} must be in {DDTREE_BUDGET_MIN}..{DDTREE_BUDGET_MAX} "
+            f"(non-root tree nodes), got {budget}."
+        )
+    server_args.speculative_ddtree_budget = budget
+
+    cap = server_args.speculative_ddtree_topk_cap
+    if cap is not None:
+        cap = _as_int(cap, FLAG_TOPK_CAP)
+        if not DDTREE_TOPK_CAP_MIN <= cap <= budget:
+            raise DDTreeConfigError(
+                f"{FLAG_TOPK_CAP} must be in {DDTREE_TOPK_CAP_MIN}..{budget} "
+                f"(1..{FLAG_BUDGET}), got {cap}."
+            )
+        server_args.speculative_ddtree_topk_cap = cap
+
+    if server_args.speculative_ddtree_allow_hybrid_unsafe and mode != "full":
+        raise DDTreeConfigError(
+            f"{FLAG_ALLOW_HYBRID} only applies to {FLAG_MODE} full (got {mode}); "
+            "shadow-linear is always allowed on hybrid targets."
+        )
+
+    if mode == "full":
+        _check_full_mode(server_args)
+
+
+def _check_full_mode(server_args: Any) -> None:
+    # Only explicit settings can be checked here; the worker re-checks the backend that was
+    # actually built (DDTreeController), since "auto" is resolved later.
+    names = {
+        "--attention-backend": getattr(server_args, "attention_backend", None),
+        "--prefill-attention-backend": getattr(server_args, "prefill_attention_backend", None),
+        "--decode-attention-backend": getattr(server_args, "decode_attention_backend", None),
+    }
+    for flag, backend in names.items():
+        if backend is not None and backend not in DDTREE_FULL_ATTENTION_BACKENDS:
+            raise DDTreeConfigError(
+                f"{FLAG_MODE} full needs a target attention backend that takes a custom tree mask "
+                f"with a variable verify width; supported: {', '.join(DDTREE_FULL_ATTENTION_BACKENDS)}; "
+                f"got {flag} {backend}. Use --attention-backend triton or {FLAG_MODE} shadow-linear."
+            )
+    page_size = getattr(server_args, "page_size", None)
+    if page_size is not None and int(page_size) != 1:
+        raise DDTreeConfigError(
+            f"{FLAG_MODE} full needs --page-size 1 (accepted tree nodes are committed slot by "
+            f"slot), got --page-size {page_size}."
+        )
+    if getattr(server_args, "enable_dp_attention", False):
+        raise DDTreeConfigError(f"{FLAG_MODE} full does not support --enable-dp-attention.")
+    # The target-verify CUDA graphs are captured for exactly block-size tokens per request;
+    # a tree of 1 + budget tokens would replay the wrong graph, so decode graphs go.
+    if not getattr(server_args, "disable_cuda_graph", False):
+        server_args.disable_cuda_graph = True
+        logger.warning(
+            "%s full: CUDA graphs disabled (the target-verify graphs are captured for "
+            "--speculative-num-draft-tokens tokens per request; a DDTree verify has 1 + budget).",
+            FLAG_MODE,
+        )

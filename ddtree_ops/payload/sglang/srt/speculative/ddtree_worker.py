@@ -1,0 +1,492 @@
+"""DDTree inside SGLang's DFlash worker (installed as `sglang/srt/speculative/ddtree_worker.py`
+by the ddtree-ops payload; upstream `dflash_worker.py` only carries three short hooks).
+
+Modes (flag `--speculative-ddtree-mode`):
+- `shadow-linear`: after DFlash drafts its block, build the DDTree from the same draft logits and
+  record its size and build time; verification stays the linear DFlash path, untouched, so outputs
+  and accept lengths equal plain DFlash.
+- `full`: build the tree, verify all `1 + budget` tree tokens in one TARGET_VERIFY pass with an
+  ancestor-only custom mask (positions = prefix length + depth), walk the tree with the target's
+  argmax, and commit the accepted path's KV slots and hidden states. Used only for greedy batches
+  without penalties, logit bias or custom logit processors; any other step falls back to the
+  linear DFlash verify, which is lossless by upstream's own construction.
+
+Why full mode is lossless here: every tree node's KV entry is computed at position
+`prefix + depth` attending to the committed prefix, its ancestors and itself, which is exactly
+what a linear pass over `prefix + path` computes; the walk accepts a child only when its token
+equals the target's argmax at the parent, and the first mismatch yields the target's own token.
+The accepted path's slots are re-pointed (req_to_token) in path order, the rest are freed.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.managers.schedule_batch import ScheduleBatch
+from sglang.srt.mem_cache.common import alloc_token_slots
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.speculative.ddtree_args import (
+    DDTREE_FULL_ATTENTION_BACKENDS,
+    FLAG_ALLOW_HYBRID,
+    FLAG_MODE,
+)
+from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+from sglang.srt.speculative.spec_utils import assign_req_to_token_pool_func
+
+logger = logging.getLogger(__name__)
+
+# Log the debug metrics every this many DDTree steps (tp rank 0 only); the first step is logged too.
+LOG_EVERY = max(1, int(os.environ.get("SGLANG_DDTREE_LOG_EVERY", "64") or 64))
+# Triton is the one backend whose target-verify metadata we can re-size per step: it reads the
+# verify width from `num_draft_tokens` on every eager forward.
+_TRITON_BACKEND_CLASS = "TritonAttnBackend"
+
+
+class DDTreeRefused(RuntimeError):
+    """The worker refuses to start DDTree in the configured mode on this target/backend."""
+
+
+def target_is_hybrid(model_runner: Any) -> tuple[bool, str]:
+    """Hybrid detection from SGLang's runtime model config (authoritative), with the offline
+    config.json heuristic of ddtree_utils as the readable reason."""
+    runtime = []
+    for attr in ("mambaish_config", "hybrid_gdn_config"):
+        try:
+            if getattr(model_runner, attr, None) is not None:
+                runtime.append(attr)
+        except Exception as e:  # a property that cannot evaluate is no proof of a plain model
+            runtime.append(f"{attr} (unreadable: {type(e).__name__})")
+    reason = ""
+    try:
+        from sglang.srt.speculative.ddtree_utils import is_hybrid_model
+
+        hf_config = model_runner.model_config.hf_config
+        as_dict = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
+        offline, reason = is_hybrid_model(as_dict)
+    except Exception as e:  # only the reason text depends on this
+        offline, reason = False, f"config check failed: {type(e).__name__}: {e}"
+    if runtime:
+        return True, f"SGLang runtime model config has {', '.join(runtime)}" + (
+            f"; {reason}" if reason else ""
+        )
+    if offline:
+        return True, reason
+    return False, reason or "no hybrid markers"
+
+
+@dataclass
+class DDTreeStats:
+    """Debug metrics; read by logs and by `DDTreeController.internal_state()`."""
+
+    steps: int = 0
+    tree_steps: int = 0
+    fallback_steps: int = 0
+    nodes_sum: int = 0
+    requests_sum: int = 0
+    build_ms_last: float = 0.0
+    build_ms_sum: float = 0.0
+    build_ms_n: int = 0
+
+    def __post_init__(self) -> None:
+        self.accepted_depth_hist: collections.Counter[int] = collections.Counter()
+
+    def as_dict(self) -> dict[str, Any]:
+        n_req = max(1, sum(self.accepted_depth_hist.values()))
+        return {
+            "steps": self.steps,
+            "tree_steps": self.tree_steps,
+            "fallback_steps": self.fallback_steps,
+            "avg_tree_nodes": round(self.nodes_sum / max(1, self.requests_sum), 3),
+            "avg_build_ms": round(self.build_ms_sum / max(1, self.build_ms_n), 4),
+            "accepted_depth_hist": dict(sorted(self.accepted_depth_hist.items())),
+            "avg_accepted_depth": round(
+                sum(k * v for k, v in self.accepted_depth_hist.items()) / n_req, 4
+            ),
+        }
+
+
+class DDTreeController:
+    """Per-worker DDTree state; created by a hook at the end of `DFlashWorker.__init__`."""
+
+    @classmethod
+    def maybe_create(cls, worker: Any) -> DDTreeController | None:
+        mode = getattr(worker.server_args, "speculative_ddtree_mode", "off") or "off"
+        if mode == "off":
+            return None
+        return cls(worker, mode)
+
+    def __init__(self, worker: Any, mode: str) -> None:
+        sa = worker.server_args
+        self.worker = worker
+        self.mode = mode
+        self.block_size = int(worker.block_size)
+        self.depth = self.block_size - 1
+        self.budget = int(sa.speculative_ddtree_budget or self.depth)
+        self.topk_cap = sa.speculative_ddtree_topk_cap
+        self.tp_rank = worker.tp_rank
+        self.stats = DDTreeStats()
+        self._pending_build_events: tuple[Any, Any] | None = None
+        self._attn_backend = worker.model_runner.attn_backend
+        self._backend_verify_width = getattr(self._attn_backend, "num_draft_tokens", None)
+
+        if mode == "full":
+            hybrid, reason = target_is_hybrid(worker.model_runner)
+            if hybrid and not sa.speculative_ddtree_allow_hybrid_unsafe:
+                raise DDTreeRefused(
+                    f"DDTree full mode refused: the target model is hybrid ({reason}). Its "
+                    "recurrent Mamba/GDN/linear-attention state cannot follow sibling tree branches "
+                    f"in the DFLASH verify path. Use {FLAG_MODE} shadow-linear, or pass "
+                    f"{FLAG_ALLOW_HYBRID} to accept possibly wrong outputs."
+                )
+            if hybrid:
+                logger.warning(
+                    "DDTree full mode on a hybrid target (%s) because %s is set: outputs may "
+                    "differ from plain decoding.",
+                    reason,
+                    FLAG_ALLOW_HYBRID,
+                )
+            backend_name = type(self._attn_backend).__name__
+            if backend_name != _TRITON_BACKEND_CLASS or self._backend_verify_width is None:
+                raise DDTreeRefused(
+                    f"DDTree full mode refused: target-verify attention backend {backend_name} "
+                    "cannot take a DDTree custom mask with a variable verify width; supported: "
+                    f"{', '.join(DDTREE_FULL_ATTENTION_BACKENDS)} (--attention-backend triton)."
+                )
+            if int(worker.page_size) != 1:
+                raise DDTreeRefused(
+                    f"DDTree full mode refused: needs --page-size 1, got {worker.page_size}."
+                )
+        from sglang.srt.speculative import ddtree_utils  # noqa: F401  (fail at start, not mid-serve)
+
+        if self.tp_rank == 0:
+            logger.info(
+                "DDTree enabled: mode=%s budget=%d topk_cap=%s depth=%d block_size=%d",
+                mode,
+                self.budget,
+                self.topk_cap,
+                self.depth,
+                self.block_size,
+            )
+
+    # ------------------------------------------------------------------ draft logits + tree
+    def draft_logits(self, hidden_states: torch.Tensor, lm_head: Any) -> torch.Tensor:
+        """Full-vocabulary draft logits `[n, vocab]` from the target's vocab-parallel LM head.
+
+        With TP > 1 each rank holds a vocab shard; the shards are gathered so every rank builds
+        the same tree (the tree must be identical across ranks: it is the verify input).
+        Added (LoRA) vocab entries are left out: the tree only drafts base-vocab tokens, which
+        costs acceptance at most, never correctness.
+        """
+        shard = lm_head.shard_indices
+        weight = lm_head.weight
+        num_org = int(shard.num_org_elements)
+        hs = hidden_states if hidden_states.dtype == weight.dtype else hidden_states.to(weight.dtype)
+        local = torch.matmul(hs, weight[:num_org].T)
+        from sglang.srt.distributed import get_tp_group
+
+        tp_group = get_tp_group()
+        if int(tp_group.world_size) == 1:
+            return local
+        # org_vocab_start_index(rank) = rank * num_org_elements_padded (vocab_parallel_embedding),
+        # so padding each shard to the padded width and concatenating gives column == token id.
+        padded = int(shard.num_org_elements_padded)
+        full_local = torch.full(
+            (local.shape[0], padded), float("-inf"), dtype=local.dtype, device=local.device
+        )
+        full_local[:, :num_org] = local
+        gathered = tp_group.all_gather(full_local.contiguous(), dim=-1)
+        vocab = int(self.worker.model_runner.model_config.vocab_size)
+        return gathered[:, :vocab]
+
+    def build_tree(self, draft_hidden: torch.Tensor, lm_head: Any) -> Any:
+        """draft_hidden: [bs, block_size, hidden]; positions 1.. predict the block's tokens."""
+        from sglang.srt.speculative.ddtree_utils import build_ddtree
+
+        bs = int(draft_hidden.shape[0])
+        flat = draft_hidden[:, 1:, :].reshape(-1, draft_hidden.shape[-1])
+        use_events = flat.is_cuda and self.stats.steps % LOG_EVERY == 0
+        if use_events:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        logits = self.draft_logits(flat, lm_head).view(bs, self.depth, -1)
+        tree = build_ddtree(logits, self.budget, topk_cap=self.topk_cap)
+        if use_events:
+            end.record()
+            # Read lazily at the next log line: no host sync in the serving path.
+            self._pending_build_events = (start, end)
+        elif not flat.is_cuda:
+            self._record_build_ms((time.perf_counter() - t0) * 1e3)
+        return tree
+
+    def _record_build_ms(self, ms: float) -> None:
+        self.stats.build_ms_last = ms
+        self.stats.build_ms_sum += ms
+        self.stats.build_ms_n += 1
+
+    # ------------------------------------------------------------------ shadow-linear
+    def shadow_observe(self, draft_hidden: torch.Tensor, lm_head: Any) -> None:
+        """Build and measure the tree; never touches the verify input."""
+        tree = self.build_tree(draft_hidden, lm_head)
+        self.stats.nodes_sum += int(tree.num_nodes.sum().item())
+        self.stats.requests_sum += int(draft_hidden.shape[0])
+
+    # ------------------------------------------------------------------ hooks
+    def on_draft(
+        self,
+        batch: ScheduleBatch,
+        *,
+        bonus_tokens: torch.Tensor,
+        target_prefix_lens: torch.Tensor,
+        draft_hidden: torch.Tensor,
+        lm_head: Any,
+    ) -> bool:
+        """Hook after the DFlash draft forward. True: the tree verify input is installed and
+        the caller must return; False: continue with upstream's linear path."""
+        self.set_verify_width(None)
+        if self.tree_verify_allowed(batch):
+            self.prepare_tree_verify(
+                batch,
+                bonus_tokens=bonus_tokens,
+                target_prefix_lens=target_prefix_lens,
+                draft_hidden=draft_hidden,
+                lm_head=lm_head,
+            )
+            return True
+        if self.mode == "shadow-linear":
+            self.shadow_observe(draft_hidden, lm_head)
+        return False
+
+    def on_verified(self, verify_input: Any, num_correct_drafts_per_req: list[int]) -> None:
+        """Hook at the end of a DFlash decode step (both verify kinds)."""
+        self.on_step_done(
+            num_correct_drafts_per_req, linear=not isinstance(verify_input, DDTreeVerifyInput)
+        )
+
+    # ------------------------------------------------------------------ full mode
+    def tree_verify_allowed(self, batch: ScheduleBatch) -> bool:
+        if self.mode != "full":
+            return False
+        info = batch.sampling_info
+        if info is None:
+            return True
+        # Anything but plain greedy argmax takes upstream's linear verify: its semantics for
+        # sampling, penalties, biases and custom processors are per-position and linear.
+        if not info.is_all_greedy or info.has_custom_logit_processor or info.logit_bias is not None:
+            return False
+        orchestrator = getattr(info, "penalizer_orchestrator", None)
+        return not (orchestrator is not None and orchestrator.is_required)
+
+    def prepare_tree_verify(
+        self,
+        batch: ScheduleBatch,
+        *,
+        bonus_tokens: torch.Tensor,
+        target_prefix_lens: torch.Tensor,
+        draft_hidden: torch.Tensor,
+        lm_head: Any,
+    ) -> None:
+        """Replace DFlash's linear verify input by the tree's (called instead of the argmax)."""
+        bs = batch.batch_size()
+        tree = self.build_tree(draft_hidden, lm_head)
+        n = self.budget + 1
+        tokens = torch.empty((bs, n), dtype=torch.long, device=bonus_tokens.device)
+        tokens[:, 0] = bonus_tokens.to(torch.long)
+        # Padding slots (num_nodes < 1 + budget) carry PAD_TOKEN_ID, depth 0 and a mask row of
+        # their own; they are verified like any node and never accepted.
+        tokens[:, 1:] = tree.token_ids.to(torch.long)
+        positions = tree.positions(target_prefix_lens)
+        verify_input = DDTreeVerifyInput(
+            draft_token=tokens.reshape(-1),
+            positions=positions.reshape(-1),
+            draft_token_num=n,
+            tree=tree,
+            controller=self,
+        )
+        verify_input.prepare_for_verify(batch, self.worker.page_size)
+        self.stats.tree_steps += 1
+        self.stats.nodes_sum += int(tree.num_nodes.sum().item())
+        self.stats.requests_sum += bs
+        batch.forward_mode = ForwardMode.TARGET_VERIFY
+        batch.spec_info = verify_input
+        batch.return_hidden_states = False
+
+    def set_verify_width(self, width: int | None) -> None:
+        if self._backend_verify_width is None:
+            return
+        self._attn_backend.num_draft_tokens = (
+            self._backend_verify_width if width is None else int(width)
+        )
+
+    # ------------------------------------------------------------------ metrics
+    def on_step_done(self, num_correct_drafts_per_req: list[int], *, linear: bool) -> None:
+        self.stats.steps += 1
+        if linear:
+            if self.mode == "full":
+                self.stats.fallback_steps += 1
+            for k in num_correct_drafts_per_req:
+                self.stats.accepted_depth_hist[int(k)] += 1
+        if (self.stats.steps % LOG_EVERY == 0 or self.stats.steps == 1) and self.tp_rank == 0:
+            if self._pending_build_events is not None:
+                start, end = self._pending_build_events
+                end.synchronize()
+                self._record_build_ms(float(start.elapsed_time(end)))
+                self._pending_build_events = None
+            logger.info("DDTree stats (%s): %s", self.mode, self.stats.as_dict())
+
+    def internal_state(self) -> dict[str, Any]:
+        return {
+            "ddtree_mode": self.mode,
+            "ddtree_budget": self.budget,
+            "ddtree_topk_cap": self.topk_cap,
+            **{f"ddtree_{k}": v for k, v in self.stats.as_dict().items()},
+        }
+
+
+@dataclass
+class DDTreeVerifyInput(DFlashVerifyInput):
+    """TARGET_VERIFY input for a DDTree: `draft_token_num = 1 + budget` tokens per request,
+    node order as built (parents before children), custom mask = prefix + tree ancestors."""
+
+    tree: Any = None
+    controller: Any = None
+
+    def prepare_for_verify(self, batch: ScheduleBatch, page_size: int, *, build_custom_mask: bool = True):
+        if batch.forward_mode.is_idle():
+            return
+        if page_size != 1:
+            raise DDTreeRefused(f"DDTree full mode needs page_size 1, got {page_size}.")
+        n = int(self.draft_token_num)
+        bs = batch.batch_size()
+        batch.input_ids = self.draft_token
+        batch.out_cache_loc = alloc_token_slots(batch.tree_cache, bs * n)
+        end_offset = batch.seq_lens + n
+        assign_req_to_token_pool_func(
+            batch.req_pool_indices,
+            batch.req_to_token_pool.req_to_token,
+            batch.seq_lens,
+            end_offset,
+            batch.out_cache_loc,
+            bs,
+        )
+        # Triton layout per request: row-major [q = n, kv = prefix + n]; the whole prefix is
+        # visible, the tree part is the ancestor-or-self mask of the builder.
+        tree_mask = self.tree.tree_mask.to(device=batch.device, dtype=torch.bool)
+        chunks = []
+        for i, prefix_len in enumerate(batch.seq_lens_cpu.tolist()):
+            rows = torch.ones((n, int(prefix_len) + n), dtype=torch.bool, device=batch.device)
+            rows[:, int(prefix_len) :] = tree_mask[i]
+            chunks.append(rows.flatten())
+        self.custom_mask = torch.cat(chunks) if chunks else torch.empty((0,), dtype=torch.bool)
+        self.controller.set_verify_width(n)
+
+    def verify(
+        self,
+        *,
+        batch: ScheduleBatch,
+        logits_output: LogitsProcessorOutput,
+        page_size: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        """Same contract as DFlashVerifyInput.verify (greedy only; see tree_verify_allowed)."""
+        from sglang.srt.speculative.ddtree_utils import follow_verified_tree
+
+        self.controller.set_verify_width(None)
+        if batch.forward_mode.is_idle():
+            empty = torch.empty((0,), dtype=torch.int64, device=batch.device)
+            return empty, empty.to(torch.int32), empty, []
+
+        bs = batch.batch_size()
+        n = int(self.draft_token_num)
+        device = logits_output.next_token_logits.device
+        tokens = self.draft_token.view(bs, n)
+        target_predict = torch.argmax(logits_output.next_token_logits, dim=-1).view(bs, n)
+        accepted_nodes, accept_lens, bonus = follow_verified_tree(self.tree, target_predict)
+        accepted_nodes = accepted_nodes.to(torch.int64)  # [bs, depth + 1], root first, -1 pad
+        max_path = int(accepted_nodes.shape[1])
+        safe_nodes = accepted_nodes.clamp(min=0)
+        path_tokens = tokens.gather(1, safe_nodes)  # path_tokens[:, 0] is the root (bonus)
+
+        # One D2H copy for everything the per-request Python loop needs.
+        packed = torch.cat(
+            [path_tokens[:, 1:], accept_lens.to(torch.int64)[:, None], bonus.to(torch.int64)[:, None]],
+            dim=1,
+        ).cpu()
+
+        commit_lens_cpu: list[int] = []
+        new_bonus_tokens_list: list[int] = []
+        num_correct: list[int] = []
+        for i, req in enumerate(batch.reqs):
+            acc_len = int(packed[i, max_path - 1].item())
+            proposed = packed[i, :acc_len].tolist() + [int(packed[i, max_path].item())]
+            appended = 0
+            for token_id in proposed:
+                req.output_ids.append(int(token_id))
+                appended += 1
+                req.update_finish_state()
+                if req.finished():
+                    break
+                if req.grammar is not None:
+                    req.grammar.accept_token(int(token_id))
+            if req.output_ids:
+                new_bonus = int(req.output_ids[-1])
+            elif req.origin_input_ids:
+                new_bonus = int(req.origin_input_ids[-1])
+            else:
+                raise RuntimeError("DDTree verify cannot determine the current token.")
+            commit_lens_cpu.append(appended)
+            new_bonus_tokens_list.append(new_bonus)
+            num_correct.append(max(0, appended - 1))
+            req.spec_verify_ct += 1
+            req.spec_num_correct_drafts += num_correct[-1]
+
+        commit_lens = torch.tensor(commit_lens_cpu, dtype=torch.int32, device=device)
+        new_bonus_tokens = torch.tensor(new_bonus_tokens_list, dtype=torch.int64, device=device)
+
+        # KV: keep the slots of the committed path nodes, in path order; free all others.
+        out_cache_loc = batch.out_cache_loc.view(bs, n)
+        in_commit = torch.arange(max_path, device=device)[None, :] < commit_lens[:, None]
+        # scatter_add, not scatter: padded path entries (-1, clamped to the root's 0) must not
+        # overwrite the root's keep flag.
+        keep_count = torch.zeros((bs, n), dtype=torch.int32, device=device)
+        keep_count.scatter_add_(1, safe_nodes, in_commit.to(torch.int32))
+        keep_mask = keep_count > 0
+        batch.token_to_kv_pool_allocator.free(out_cache_loc[~keep_mask])
+        kept_slots = out_cache_loc.gather(1, safe_nodes)
+        batch.out_cache_loc = kept_slots[in_commit]
+
+        for req, commit_len in zip(batch.reqs, commit_lens_cpu, strict=True):
+            req.kv_committed_len += commit_len
+            req.kv_allocated_len = req.kv_committed_len
+
+        end_offset = batch.seq_lens + commit_lens.to(batch.seq_lens.dtype)
+        assign_req_to_token_pool_func(
+            batch.req_pool_indices,
+            batch.req_to_token_pool.req_to_token,
+            batch.seq_lens,
+            end_offset,
+            batch.out_cache_loc,
+            bs,
+        )
+        batch.seq_lens.add_(commit_lens.to(batch.seq_lens.dtype))
+        batch.seq_lens_cpu.add_(torch.tensor(commit_lens_cpu, dtype=batch.seq_lens_cpu.dtype))
+        batch.seq_lens_sum += sum(commit_lens_cpu)
+
+        # Draft context features: the committed path's hidden states, in path order.
+        hidden = logits_output.hidden_states
+        if hidden is None:
+            raise RuntimeError("DDTree verify requires target hidden states, but got None.")
+        hidden = hidden.view(bs, n, -1)
+        path_hidden = hidden.gather(1, safe_nodes[:, :, None].expand(-1, -1, hidden.shape[-1]))
+        next_target_hidden = path_hidden[in_commit]
+        logits_output.hidden_states = None
+
+        for k in num_correct:
+            self.controller.stats.accepted_depth_hist[int(k)] += 1
+        return new_bonus_tokens, commit_lens, next_target_hidden, num_correct

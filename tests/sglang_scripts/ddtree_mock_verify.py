@@ -1,0 +1,204 @@
+"""Run inside a patched sglang tree (PYTHONPATH): drive DDTreeVerifyInput.prepare_for_verify and
+.verify with a fake ScheduleBatch on CPU and check the bookkeeping that makes full mode lossless:
+emitted tokens = greedy decoding of a known target, committed KV slots = the accepted path's slots
+in path order (req_to_token), all other slots freed, hidden states = the path's rows, custom mask =
+prefix + ancestor mask in triton's row-major layout. Prints one JSON line; exit 0 only if all pass.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from types import SimpleNamespace
+
+import torch
+
+import sglang.srt.speculative.ddtree_worker as dw
+from sglang.srt.speculative.ddtree_utils import build_ddtree
+
+VOCAB = 11
+HID = 3
+
+
+def fake_assign(req_pool_indices, req_to_token, start, end, out_cache_loc, bs):
+    off = 0
+    for i in range(bs):
+        s, e = int(start[i]), int(end[i])
+        req_to_token[int(req_pool_indices[i]), s:e] = out_cache_loc[off : off + (e - s)]
+        off += e - s
+
+
+class FakeAllocator:
+    def __init__(self, size: int) -> None:
+        self.free_slots = list(range(1, size))
+        self.freed: list[int] = []
+
+    def alloc(self, n: int) -> torch.Tensor:
+        out, self.free_slots = self.free_slots[:n], self.free_slots[n:]
+        return torch.tensor(out, dtype=torch.int64)
+
+    def free(self, t: torch.Tensor) -> None:
+        self.freed.extend(int(x) for x in t.flatten().tolist())
+
+
+class FakeReq:
+    def __init__(self, prompt: list[int], max_new: int) -> None:
+        self.origin_input_ids = prompt
+        self.output_ids: list[int] = []
+        self.max_new = max_new
+        self.grammar = None
+        self.spec_verify_ct = 0
+        self.spec_num_correct_drafts = 0
+        self.kv_committed_len = len(prompt)
+        self.kv_allocated_len = len(prompt)
+
+    def update_finish_state(self) -> None:
+        pass
+
+    def finished(self) -> bool:
+        return len(self.output_ids) >= self.max_new
+
+
+def target_next(seq: list[int]) -> int:
+    """A deterministic 'target model': greedy next token of a sequence."""
+    return (sum((i + 3) * t for i, t in enumerate(seq)) * 7 + len(seq)) % VOCAB
+
+
+def main() -> int:
+    torch.manual_seed(0)
+    failures: list[str] = []
+    steps = 0
+    for trial in range(60):
+        bs = 1 + trial % 3
+        depth = 1 + trial % 5
+        budget = [1, 3, 7, 15, 40][trial % 5]
+        cap = [None, 1, 2, 4][trial % 4]
+        n = budget + 1
+        prefix = [int(x) for x in torch.randint(0, VOCAB, (bs,)) + 4]
+        histories = [list(torch.randint(0, VOCAB, (prefix[i] + 1,)).tolist()) for i in range(bs)]
+        # Draft logits that agree with the target often enough to accept several nodes.
+        logits = torch.randn(bs, depth, VOCAB) * 2
+        for i in range(bs):
+            seq = list(histories[i])
+            for d in range(depth):
+                t = target_next(seq)
+                if torch.rand(()) < 0.7:
+                    logits[i, d, t] += 4.0
+                seq.append(t)
+        tree = build_ddtree(logits, budget, topk_cap=cap)
+        max_new = [64, 64, 2][trial % 3]
+        reqs = [FakeReq(histories[i][:-1], max_new) for i in range(bs)]
+        R, L = bs + 2, 512
+        req_to_token = torch.full((R, L), -1, dtype=torch.int64)
+        allocator = FakeAllocator(4096)
+        seq_lens = torch.tensor(prefix, dtype=torch.int64)
+        controller = SimpleNamespace(
+            stats=dw.DDTreeStats(), widths=[], set_verify_width=lambda w: controller.widths.append(w)
+        )
+        batch = SimpleNamespace(
+            forward_mode=SimpleNamespace(is_idle=lambda: False),
+            batch_size=lambda bs=bs: bs,
+            device=torch.device("cpu"),
+            seq_lens=seq_lens.clone(),
+            seq_lens_cpu=seq_lens.clone(),
+            seq_lens_sum=int(seq_lens.sum()),
+            req_pool_indices=torch.arange(bs, dtype=torch.int64) + 1,
+            req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
+            token_to_kv_pool_allocator=allocator,
+            tree_cache=None,
+            reqs=reqs,
+            input_ids=None,
+            out_cache_loc=None,
+        )
+        dw.alloc_token_slots = lambda _cache, k: allocator.alloc(k)
+        dw.assign_req_to_token_pool_func = fake_assign
+        roots = torch.tensor([h[-1] for h in histories], dtype=torch.int64)
+        tokens = tree.full_token_ids(roots)
+        vi = dw.DDTreeVerifyInput(
+            draft_token=tokens.reshape(-1),
+            positions=tree.positions(seq_lens).reshape(-1),
+            draft_token_num=n,
+            tree=tree,
+            controller=controller,
+        )
+        vi.prepare_for_verify(batch, 1)
+        slots = batch.out_cache_loc.view(bs, n).clone()
+        # custom mask layout
+        off = 0
+        for i in range(bs):
+            rows = vi.custom_mask[off : off + n * (prefix[i] + n)].view(n, prefix[i] + n)
+            off += n * (prefix[i] + n)
+            if not bool(rows[:, : prefix[i]].all()) or not torch.equal(rows[:, prefix[i] :], tree.tree_mask[i]):
+                failures.append(f"trial {trial}: custom mask layout wrong for request {i}")
+        if off != vi.custom_mask.numel():
+            failures.append(f"trial {trial}: custom mask size {vi.custom_mask.numel()} != {off}")
+        # target logits per node: argmax = target_next(history + path to node)
+        nt_logits = torch.zeros(bs, n, VOCAB)
+        hidden = torch.zeros(bs, n, HID)
+        for i in range(bs):
+            for node in range(int(tree.num_nodes[i])):
+                path = []
+                j = node
+                while j > 0:
+                    path.append(int(tree.token_ids[i, j - 1]))
+                    j = int(tree.parents[i, j])
+                nt_logits[i, node, target_next(histories[i] + path[::-1])] = 5.0
+                hidden[i, node] = torch.tensor([i, node, 7.0])
+        logits_output = SimpleNamespace(
+            next_token_logits=nt_logits.view(bs * n, VOCAB), hidden_states=hidden.view(bs * n, HID)
+        )
+        new_bonus, commit_lens, next_hidden, ncorrect = vi.verify(
+            batch=batch, logits_output=logits_output, page_size=1
+        )
+        steps += 1
+        off = 0
+        all_slots = set(int(x) for x in slots.flatten().tolist())
+        kept: set[int] = set()
+        for i in range(bs):
+            # expected: greedy walk
+            expected, nodes = [], [0]
+            seq = list(histories[i])
+            node = 0
+            while True:
+                t = target_next(seq)
+                child = None
+                for c in range(1, int(tree.num_nodes[i])):
+                    if int(tree.parents[i, c]) == node and int(tree.token_ids[i, c - 1]) == t:
+                        child = c
+                expected.append(t)
+                if child is None:
+                    break
+                node = child
+                nodes.append(child)
+                seq.append(t)
+            expected = expected[: max_new]
+            if reqs[i].output_ids != expected:
+                failures.append(f"trial {trial} req {i}: tokens {reqs[i].output_ids} != greedy {expected}")
+            cl = int(commit_lens[i])
+            if cl != len(expected):
+                failures.append(f"trial {trial} req {i}: commit_len {cl} != {len(expected)}")
+            want_slots = [int(slots[i, k]) for k in nodes[:cl]]
+            got_slots = req_to_token[i + 1, prefix[i] : prefix[i] + cl].tolist()
+            if got_slots != want_slots:
+                failures.append(f"trial {trial} req {i}: req_to_token {got_slots} != path slots {want_slots}")
+            kept.update(want_slots)
+            rows = next_hidden[off : off + cl]
+            off += cl
+            if rows[:, 1].tolist() != [float(k) for k in nodes[:cl]] or not bool((rows[:, 0] == i).all()):
+                failures.append(f"trial {trial} req {i}: hidden rows {rows.tolist()} != path {nodes[:cl]}")
+            if int(new_bonus[i]) != reqs[i].output_ids[-1]:
+                failures.append(f"trial {trial} req {i}: bonus {int(new_bonus[i])} != last token")
+            if int(batch.seq_lens[i]) != prefix[i] + cl:
+                failures.append(f"trial {trial} req {i}: seq_lens not advanced")
+        if sorted(allocator.freed) != sorted(all_slots - kept):
+            failures.append(f"trial {trial}: freed {sorted(allocator.freed)} != {sorted(all_slots - kept)}")
+        if off != next_hidden.shape[0]:
+            failures.append(f"trial {trial}: hidden rows {next_hidden.shape[0]} != {off}")
+        if controller.widths != [n, None]:
+            failures.append(f"trial {trial}: verify width calls {controller.widths}")
+    print(json.dumps({"ok": not failures, "steps": steps, "failures": failures[:10]}))
+    return 0 if not failures else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
