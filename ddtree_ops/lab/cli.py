@@ -1,0 +1,131 @@
+"""`ddtree-ops lab up|down|status`: the local rehearsal fleet.
+
+Mounted by the main CLI with `app.add_typer(lab_app, name="lab")`. Only typer and rich are
+imported here; the lab's modules load inside the commands.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from ddtree_ops.lab.fleet import LabStatus
+
+lab_app = typer.Typer(
+    name="lab",
+    help="The local rehearsal fleet: systemd-nspawn hosts with sshd and SGLang on a private bridge "
+    "(10.200.0.0/24). Needs root.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+RepoRoot = Annotated[
+    Path,
+    typer.Option(
+        "--repo-root", help="Checkout whose inventory/ receives lab.yaml.", show_default="current directory"
+    ),
+]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of a table.")]
+
+
+def _progress(console: Console, as_json: bool) -> Callable[[str], None]:
+    """Progress lines with elapsed time, on stderr so that --json stdout stays a single object."""
+    started = time.monotonic()
+
+    def report(message: str) -> None:
+        if as_json:
+            print(f"[{time.monotonic() - started:5.0f}s] {message}", file=sys.stderr, flush=True)
+        else:
+            console.log(f"[dim]{time.monotonic() - started:5.0f}s[/] {message}")
+
+    return report
+
+
+def _fail(console: Console, exc: Exception) -> typer.Exit:
+    console.print(f"[bold red]lab:[/] {exc}", highlight=False)
+    return typer.Exit(1)
+
+
+@lab_app.command("up")
+def up(
+    hosts: Annotated[int, typer.Option("--hosts", "-n", min=1, help="Number of hosts: lab-1 … lab-N.")] = 3,
+    repo_root: RepoRoot = Path("."),
+    as_json: JsonFlag = False,
+) -> None:
+    """Boot lab-1 … lab-N (building the cached base image first if needed) and write inventory/lab.yaml.
+
+    Idempotent: hosts already running stay; missing ones are created. The first run builds the
+    base image (debootstrap + SGLang venv, a few minutes); later runs boot in seconds.
+    """
+    from ddtree_ops.lab.fleet import lab_up
+    from ddtree_ops.lab.steps import LabError
+
+    console = Console(stderr=True)
+    report = _progress(console, as_json)
+    try:
+        if as_json:
+            status = lab_up(hosts, repo_root.resolve(), report)
+        else:
+            with console.status("lab up …") as spinner:
+
+                def report_and_spin(message: str) -> None:
+                    report(message)
+                    spinner.update(f"lab up: {message}")
+
+                status = lab_up(hosts, repo_root.resolve(), report_and_spin)
+    except LabError as exc:
+        raise _fail(console, exc) from exc
+    _render(status, as_json)
+
+
+@lab_app.command("down")
+def down(repo_root: RepoRoot = Path(".")) -> None:
+    """Stop every lab host and remove overlays, bridge and inventory/lab.yaml (the base image stays)."""
+    from ddtree_ops.lab.fleet import lab_down
+    from ddtree_ops.lab.steps import LabError
+
+    console = Console(stderr=True)
+    try:
+        lab_down(repo_root.resolve(), _progress(console, False))
+    except LabError as exc:
+        raise _fail(console, exc) from exc
+
+
+@lab_app.command("status")
+def status(repo_root: RepoRoot = Path("."), as_json: JsonFlag = False) -> None:
+    """Show each lab host: address, whether it runs, whether its ssh port answers. Exit 1 if any is down."""
+    from ddtree_ops.lab.fleet import lab_status
+
+    result = lab_status(repo_root.resolve())
+    _render(result, as_json)
+    if not result.all_up:
+        raise typer.Exit(1)
+
+
+def _render(status: LabStatus, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(status.to_json(), indent=2))
+        return
+    console = Console()
+    if not status.hosts:
+        console.print("no lab hosts; run [bold]ddtree-ops lab up[/]")
+        return
+    table = Table("host", "address", "running", "ssh", "pid")
+    for h in status.hosts:
+        table.add_row(h.name, h.address, _mark(h.running), _mark(h.ssh), str(h.pid or "-"))
+    console.print(table)
+    if status.inventory_path:
+        console.print(f"inventory: {status.inventory_path}")
+
+
+def _mark(ok: bool) -> str:
+    return "[green]yes[/]" if ok else "[red]no[/]"

@@ -1,0 +1,76 @@
+"""The ready inventory `lab up` writes: inventory/lab.yaml, inventory/lab/id_ed25519, inventory/lab/known_hosts.
+
+Paths inside lab.yaml are relative to the file, as the inventory loader resolves them. All three
+are git-ignored; they are copies of the lab's state (the lab is the trust root for the host keys).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from ddtree_ops.lab.config import HOST_STATE_DIR, SERVE_PORT, SERVICE, SSH_PORT, VENV_DIR, LabPaths
+from ddtree_ops.lab.host import LabHost
+
+INVENTORY_NAME = "lab.yaml"
+FILES_DIR = "lab"
+
+
+def path(repo_root: Path) -> Path:
+    return repo_root / "inventory" / INVENTORY_NAME
+
+
+def render(hosts: list[LabHost]) -> dict[str, object]:
+    names = [h.name for h in hosts]
+    groups: dict[str, object] = {"canary": {"hosts": names[:1]}}
+    if names[1:]:
+        groups["main"] = {"hosts": names[1:]}
+    return {
+        "all": {
+            "vars": {
+                "user": "root",
+                "identity_file": f"{FILES_DIR}/id_ed25519",
+                "known_hosts": f"{FILES_DIR}/known_hosts",
+                "python": f"{VENV_DIR}/bin/python",
+                "service": SERVICE,
+                "state_dir": HOST_STATE_DIR,
+                "serve_port": SERVE_PORT,
+            }
+        },
+        "groups": groups,
+        "hosts": {h.name: {"address": h.address, "port": SSH_PORT} for h in hosts},
+    }
+
+
+def write(repo_root: Path, paths: LabPaths, hosts: list[LabHost]) -> Path:
+    import yaml  # lazy: keeps `import ddtree_ops.lab.cli` light
+
+    target = path(repo_root)
+    files = target.parent / FILES_DIR
+    files.mkdir(parents=True, exist_ok=True)
+    _copy_private(paths.client_key, files / "id_ed25519")
+    shutil.copyfile(paths.client_key.with_suffix(".pub"), files / "id_ed25519.pub")
+    shutil.copyfile(paths.known_hosts, files / "known_hosts")
+    header = "# Written by `ddtree-ops lab up`; rewritten on every run, removed by `ddtree-ops lab down`.\n"
+    text = header + yaml.safe_dump(render(hosts), sort_keys=False, default_flow_style=None)
+    tmp = target.with_suffix(".yaml.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, target)
+    return target
+
+
+def remove(repo_root: Path) -> None:
+    target = path(repo_root)
+    target.unlink(missing_ok=True)
+    shutil.rmtree(target.parent / FILES_DIR, ignore_errors=True)
+
+
+def _copy_private(src: Path, dst: Path) -> None:
+    # ssh refuses a private key that others can read, so create it 0600 before writing the bytes.
+    tmp = dst.with_suffix(".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(src.read_bytes())
+    os.replace(tmp, dst)

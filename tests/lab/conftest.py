@@ -1,0 +1,80 @@
+"""The lab fleet, brought up once per test session (3 hosts) for every test under tests/lab.
+
+Set DDTREE_LAB_KEEP=1 to leave the fleet running after the session (faster reruns; the next
+session finds the hosts up and `lab up` returns in about a second).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+LAB_HOSTS = 3
+
+
+@dataclass(frozen=True)
+class LabFleet:
+    inventory_path: Path
+    hosts: list[str]
+    repo_root: Path
+    addresses: dict[str, str]
+
+    @property
+    def identity_file(self) -> Path:
+        return self.inventory_path.parent / "lab" / "id_ed25519"
+
+    @property
+    def known_hosts(self) -> Path:
+        return self.inventory_path.parent / "lab" / "known_hosts"
+
+    def ssh_argv(self, host: str, *remote: str) -> list[str]:
+        """Plain OpenSSH with the lab's key and strict host-key checking against the lab's known_hosts."""
+        return [
+            "ssh", "-i", str(self.identity_file), "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes",
+            "-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={self.known_hosts}",
+            "-o", "ConnectTimeout=5", f"root@{self.addresses[host]}", "--", *remote,
+        ]  # fmt: skip
+
+    def ssh(self, host: str, *remote: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            self.ssh_argv(host, *remote), capture_output=True, text=True, timeout=timeout, check=False
+        )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "lab_destructive: takes the whole lab down and up again; runs after every other test"
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # Tests that cycle the whole lab wipe every host's overlay; run them last so that other tests'
+    # state (pushed releases, units) is not pulled from under them.
+    items.sort(key=lambda item: item.get_closest_marker("lab_destructive") is not None)
+
+
+@pytest.fixture(scope="session")
+def lab_fleet() -> Iterator[LabFleet]:
+    if os.geteuid() != 0 or shutil.which("systemd-nspawn") is None:
+        pytest.fail(
+            "the lab fleet needs root and systemd-nspawn (apt-get install systemd-container debootstrap)"
+        )
+    from ddtree_ops.lab.fleet import lab_down, lab_up
+
+    status = lab_up(LAB_HOSTS, REPO_ROOT)
+    assert status.inventory_path is not None
+    yield LabFleet(
+        inventory_path=status.inventory_path,
+        hosts=[h.name for h in status.hosts],
+        repo_root=REPO_ROOT,
+        addresses={h.name: h.address for h in status.hosts},
+    )
+    if not os.environ.get("DDTREE_LAB_KEEP"):
+        lab_down(REPO_ROOT)

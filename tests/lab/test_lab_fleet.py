@@ -1,0 +1,270 @@
+"""The lab fleet itself: real nspawn hosts with systemd, sshd and SGLang, on a private bridge."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ddtree_ops.lab import fleet
+from ddtree_ops.lab.config import BRIDGE, LabPaths
+
+pytestmark = pytest.mark.lab
+
+# Parses the DFlash flags with the host's own SGLang, the way `smoke` will. ServerArgs loads the
+# model's config while parsing, so the probe writes a tiny one.
+SERVER_ARGS_PROBE = """
+import json, pathlib, tempfile, sglang
+from sglang.srt.server_args import prepare_server_args
+model = pathlib.Path(tempfile.mkdtemp()) / "tiny-llama"
+model.mkdir()
+(model / "config.json").write_text(json.dumps({
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+    "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6, "torch_dtype": "float32"}))
+args = prepare_server_args(["--model-path", str(model), "--device", "cpu",
+    "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(model),
+    "--speculative-num-draft-tokens", "16"])
+print(json.dumps({"version": sglang.__version__, "algorithm": str(args.speculative_algorithm),
+                  "draft": args.speculative_draft_model_path == str(model),
+                  "draft_tokens": args.speculative_num_draft_tokens}))
+"""
+
+
+def _nspawn_processes() -> list[int]:
+    """Live (not zombie) systemd-nspawn processes booting lab hosts."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if (
+            state != "Z"
+            and cmdline
+            and cmdline[0].endswith(b"systemd-nspawn")
+            and b"--machine=lab-" in b" ".join(cmdline)
+        ):
+            pids.append(int(proc.name))
+    return pids
+
+
+def _net_namespaces_in_use() -> set[str]:
+    found = set()
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError):
+                found.add(os.readlink(proc / "ns" / "net"))
+    return found
+
+
+def _host_net_namespaces() -> set[str]:
+    """The network namespaces of the running lab hosts (their nspawn's child is the container's init)."""
+    namespaces = set()
+    for pid in _nspawn_processes():
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                namespaces.add(os.readlink(f"/proc/{child}/ns/net"))
+    return namespaces
+
+
+def _lab_mounts() -> list[str]:
+    hosts_dir = str(LabPaths.from_env().hosts)
+    leftovers = []
+    for mountinfo in Path("/proc").glob("[0-9]*/mountinfo"):
+        try:
+            leftovers += [line for line in mountinfo.read_text().splitlines() if hosts_dir in line]
+        except OSError:
+            continue
+    return leftovers
+
+
+def _lab_interfaces() -> list[str]:
+    return sorted(
+        p.name for p in Path("/sys/class/net").iterdir() if p.name.startswith(("ddtlab", "vb-lab-"))
+    )
+
+
+def test_three_hosts_answer_ssh_with_their_own_host_keys(lab_fleet):
+    assert lab_fleet.hosts == ["lab-1", "lab-2", "lab-3"]
+    assert lab_fleet.addresses == {"lab-1": "10.200.0.11", "lab-2": "10.200.0.12", "lab-3": "10.200.0.13"}
+    entries = [line.split() for line in lab_fleet.known_hosts.read_text().splitlines()]
+    assert [e[0] for e in entries] == ["10.200.0.11", "10.200.0.12", "10.200.0.13"]
+    assert all(e[1] == "ssh-ed25519" for e in entries)
+    assert len({e[2] for e in entries}) == 3, "hosts share a host key"
+    machine_ids = set()
+    for name in lab_fleet.hosts:
+        result = lab_fleet.ssh(name, "hostname; cat /etc/machine-id; systemctl is-system-running")
+        assert result.returncode == 0, result.stderr
+        hostname, machine_id, state = result.stdout.split()
+        assert hostname == name
+        assert state == "running"
+        machine_ids.add(machine_id)
+        # The key the host actually serves is the one the lab wrote to known_hosts.
+        scanned = subprocess.run(
+            ["ssh-keyscan", "-t", "ed25519", lab_fleet.addresses[name]],
+            capture_output=True,
+            text=True,
+            timeout=15,
+            check=False,
+        )
+        served = scanned.stdout.split()
+        assert served[1:3] in [e[1:3] for e in entries if e[0] == lab_fleet.addresses[name]]
+    assert len(machine_ids) == 3
+
+
+def test_inventory_is_ready_to_use(lab_fleet):
+    inventory = yaml.safe_load(lab_fleet.inventory_path.read_text())
+    assert lab_fleet.inventory_path == lab_fleet.repo_root / "inventory" / "lab.yaml"
+    assert inventory["all"]["vars"] == {
+        "user": "root",
+        "identity_file": "lab/id_ed25519",
+        "known_hosts": "lab/known_hosts",
+        "python": "/opt/sglang/venv/bin/python",
+        "service": "sglang.service",
+        "state_dir": "/var/lib/ddtree-ops",
+        "serve_port": 30000,
+    }
+    assert inventory["groups"] == {"canary": {"hosts": ["lab-1"]}, "main": {"hosts": ["lab-2", "lab-3"]}}
+    assert inventory["hosts"]["lab-2"] == {"address": "10.200.0.12", "port": 22}
+    assert lab_fleet.identity_file.stat().st_mode & 0o077 == 0, "ssh refuses a key others can read"
+
+
+def test_only_the_lab_key_logs_in(lab_fleet, tmp_path):
+    stranger = tmp_path / "stranger"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(stranger)], check=True)
+    argv = lab_fleet.ssh_argv("lab-1", "true")
+    argv[argv.index("-i") + 1] = str(stranger)
+    refused = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+    assert refused.returncode == 255
+    assert "Permission denied" in refused.stderr
+
+
+def test_unknown_host_key_is_refused(lab_fleet, tmp_path):
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    argv = lab_fleet.ssh_argv("lab-1", "true")
+    argv[argv.index(f"UserKnownHostsFile={lab_fleet.known_hosts}")] = f"UserKnownHostsFile={empty}"
+    refused = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+    assert refused.returncode == 255
+    assert "Host key verification failed" in refused.stderr
+
+
+def test_lab_up_again_is_idempotent(lab_fleet):
+    before = fleet.lab_status(lab_fleet.repo_root)
+    known_hosts = lab_fleet.known_hosts.read_text()
+    started = time.monotonic()
+    after = fleet.lab_up(3, lab_fleet.repo_root)
+    assert time.monotonic() - started < 30
+    assert [(h.name, h.pid) for h in after.hosts] == [(h.name, h.pid) for h in before.hosts], (
+        "hosts were restarted"
+    )
+    assert after.all_up
+    assert lab_fleet.known_hosts.read_text() == known_hosts
+
+
+def test_host_venv_imports_sglang_and_parses_dflash_args(lab_fleet):
+    result = lab_fleet.ssh("lab-2", "/opt/sglang/venv/bin/python", "-c", SERVER_ARGS_PROBE, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    parsed = json.loads(result.stdout.strip().splitlines()[-1])
+    assert parsed["version"] == "0.5.13.post1"
+    assert "DFLASH" in parsed["algorithm"]
+    assert parsed["draft"] is True
+    assert parsed["draft_tokens"] == 16
+
+
+def test_hosts_reach_each_other_but_nothing_beyond_the_bridge(lab_fleet):
+    peer = lab_fleet.ssh(
+        "lab-1",
+        "/opt/sglang/venv/bin/python",
+        "-c",
+        "import socket; socket.create_connection(('10.200.0.12', 22), timeout=3); print('ok')",
+    )
+    assert peer.stdout.strip() == "ok", peer.stderr
+    route = lab_fleet.ssh("lab-1", "ip", "route", "get", "1.1.1.1")
+    assert route.returncode != 0
+    assert "unreachable" in route.stderr.lower()
+    outside = lab_fleet.ssh(
+        "lab-1",
+        "/opt/sglang/venv/bin/python",
+        "-c",
+        "import socket; socket.create_connection(('1.1.1.1', 53), timeout=3)",
+    )
+    assert outside.returncode != 0
+    # Even a host that adds a default route via the bridge gets nowhere: this machine does not forward.
+    assert Path(f"/proc/sys/net/ipv4/conf/{BRIDGE}/forwarding").read_text().strip() == "0"
+
+
+def test_one_host_stopped_and_started_again(lab_fleet):
+    fleet.stop_host("lab-3")
+    try:
+        status = fleet.lab_status(lab_fleet.repo_root)
+        assert not status.host("lab-3").running and not status.host("lab-3").ssh
+        assert status.host("lab-1").ssh and status.host("lab-2").ssh
+        assert lab_fleet.ssh("lab-3", "true", timeout=30).returncode == 255
+    finally:
+        fleet.start_host("lab-3")
+    result = lab_fleet.ssh("lab-3", "hostname")
+    assert result.returncode == 0 and result.stdout.strip() == "lab-3", result.stderr
+
+
+def test_status_cli_json(lab_fleet):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from ddtree_ops.lab.cli import lab_app; lab_app()",
+            "status",
+            "--json",
+            "--repo-root",
+            str(lab_fleet.repo_root),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    status = json.loads(result.stdout)
+    assert status["all_up"] is True
+    assert [h["name"] for h in status["hosts"]] == lab_fleet.hosts
+
+
+@pytest.mark.lab_destructive
+def test_down_leaves_nothing_behind_and_up_works_twice(lab_fleet):
+    for _ in range(2):
+        host_namespaces = _host_net_namespaces()
+        assert len(host_namespaces) == 3
+        fleet.lab_down(lab_fleet.repo_root)
+        assert _nspawn_processes() == []
+        assert _lab_mounts() == []
+        assert _lab_interfaces() == []
+        assert not host_namespaces & _net_namespaces_in_use(), "a host's network namespace outlived it"
+        assert not lab_fleet.inventory_path.exists()
+        fleet.lab_down(lab_fleet.repo_root)  # nothing up: still fine
+        status = fleet.lab_up(3, lab_fleet.repo_root)
+        assert status.all_up
+        for name in lab_fleet.hosts:
+            assert lab_fleet.ssh(name, "true").returncode == 0
+
+
+def test_lab_cli_import_stays_light():
+    probe = (
+        "import sys, ddtree_ops.lab.cli; "
+        "print([m for m in ('fabric', 'paramiko', 'torch', 'yaml') if m in sys.modules])"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert result.stdout.strip() == "[]"
