@@ -63,13 +63,12 @@ def up(
 ) -> None:
     """Boot lab-1 … lab-N (building the cached base image first if needed) and write inventory/lab.yaml.
 
-    Idempotent: hosts already running stay; missing ones are created. The first run builds the
-    base image (debootstrap + SGLang venv, a few minutes); later runs boot in seconds.
+    Idempotent: hosts already running stay; missing ones are created; hosts above N are removed. The first run builds the base image (debootstrap + SGLang venv, about 5 minutes, cached under /var/cache/ddtree-ops-lab); later runs boot in seconds. Writes inventory/lab.yaml with inventory/lab/id_ed25519 and inventory/lab/known_hosts.
     """
     from ddtree_ops.lab.fleet import lab_up
     from ddtree_ops.lab.steps import LabError
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, log_path=False)
     report = _progress(console, as_json)
     try:
         if as_json:
@@ -93,7 +92,7 @@ def down(repo_root: RepoRoot = Path(".")) -> None:
     from ddtree_ops.lab.fleet import lab_down
     from ddtree_ops.lab.steps import LabError
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, log_path=False)
     try:
         lab_down(repo_root.resolve(), _progress(console, False))
     except LabError as exc:

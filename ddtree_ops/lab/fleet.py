@@ -125,9 +125,6 @@ def lab_down(
     """
     repo_root = Path(repo_root or Path.cwd())
     paths = paths or LabPaths.from_env()
-    if not paths.state.exists():
-        inventory_file.remove(repo_root)
-        return
     with _lab_lock(paths):
         for h in _existing_hosts(paths):
             progress(f"stopping {h.name}")

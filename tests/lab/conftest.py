@@ -43,6 +43,8 @@ class LabFleet:
         ]  # fmt: skip
 
     def ssh(self, host: str, *remote: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        """Run a command like the plain ssh client does: the words are joined with spaces and the
+        host's shell parses them, so quote with shlex.join for arguments that hold shell syntax."""
         return subprocess.run(
             self.ssh_argv(host, *remote), capture_output=True, text=True, timeout=timeout, check=False
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -175,7 +176,9 @@ def test_lab_up_again_is_idempotent(lab_fleet):
 
 
 def test_host_venv_imports_sglang_and_parses_dflash_args(lab_fleet):
-    result = lab_fleet.ssh("lab-2", "/opt/sglang/venv/bin/python", "-c", SERVER_ARGS_PROBE, timeout=300)
+    result = lab_fleet.ssh(
+        "lab-2", shlex.join(["/opt/sglang/venv/bin/python", "-c", SERVER_ARGS_PROBE]), timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     parsed = json.loads(result.stdout.strip().splitlines()[-1])
     assert parsed["version"] == "0.5.13.post1"
@@ -184,26 +187,25 @@ def test_host_venv_imports_sglang_and_parses_dflash_args(lab_fleet):
     assert parsed["draft_tokens"] == 16
 
 
+def _connect_probe(address: str, port: int) -> str:
+    code = f"import socket; socket.create_connection(({address!r}, {port}), timeout=3); print('ok')"
+    return shlex.join(["/opt/sglang/venv/bin/python", "-c", code])
+
+
 def test_hosts_reach_each_other_but_nothing_beyond_the_bridge(lab_fleet):
-    peer = lab_fleet.ssh(
-        "lab-1",
-        "/opt/sglang/venv/bin/python",
-        "-c",
-        "import socket; socket.create_connection(('10.200.0.12', 22), timeout=3); print('ok')",
-    )
+    peer = lab_fleet.ssh("lab-1", _connect_probe("10.200.0.12", 22))
     assert peer.stdout.strip() == "ok", peer.stderr
-    route = lab_fleet.ssh("lab-1", "ip", "route", "get", "1.1.1.1")
+    route = lab_fleet.ssh("lab-1", "ip route get 1.1.1.1")
     assert route.returncode != 0
     assert "unreachable" in route.stderr.lower()
-    outside = lab_fleet.ssh(
-        "lab-1",
-        "/opt/sglang/venv/bin/python",
-        "-c",
-        "import socket; socket.create_connection(('1.1.1.1', 53), timeout=3)",
-    )
-    assert outside.returncode != 0
-    # Even a host that adds a default route via the bridge gets nowhere: this machine does not forward.
+    assert lab_fleet.ssh("lab-1", _connect_probe("1.1.1.1", 53)).returncode != 0
+    # Even a host that routes via the bridge gets nowhere: this machine does not forward for it.
     assert Path(f"/proc/sys/net/ipv4/conf/{BRIDGE}/forwarding").read_text().strip() == "0"
+    assert lab_fleet.ssh("lab-1", "ip route add default via 10.200.0.1").returncode == 0
+    try:
+        assert lab_fleet.ssh("lab-1", _connect_probe("1.1.1.1", 53)).returncode != 0
+    finally:
+        lab_fleet.ssh("lab-1", "ip route del default via 10.200.0.1")
 
 
 def test_one_host_stopped_and_started_again(lab_fleet):
