@@ -2,13 +2,20 @@
 
 Set DDTREE_LAB_KEEP=1 to leave the fleet running after the session (faster reruns; the next
 session finds the hosts up and `lab up` returns in about a second).
+
+The lab is one per machine and several test sessions may use it at once, so each session holds a
+shared lease on it (flock on <state>/sessions.lock). A test that takes the whole lab down
+(`lab_exclusive`) waits for the other sessions first, and a session's teardown only takes the lab
+down when no other session is using it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +24,35 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LAB_HOSTS = 3
+EXCLUSIVE_WAIT_S = 900.0
+
+
+class LabLease:
+    """This session's claim on the shared lab: shared while testing, exclusive to cycle the lab."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("a")
+
+    def shared(self) -> None:
+        fcntl.flock(self._file, fcntl.LOCK_SH)
+
+    def try_exclusive(self, wait_s: float) -> bool:
+        """Exclusive once no other session holds the lab; False after wait_s (the lease is then shared)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                # A failed conversion may drop our shared lock; take it back before waiting on.
+                fcntl.flock(self._file, fcntl.LOCK_SH)
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(1)
+
+    def close(self) -> None:
+        self._file.close()
 
 
 @dataclass(frozen=True)
@@ -63,7 +99,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(scope="session")
-def lab_fleet() -> Iterator[LabFleet]:
+def lab_lease() -> Iterator[LabLease]:
+    from ddtree_ops.lab.config import LabPaths
+
+    lease = LabLease(LabPaths.from_env().state / "sessions.lock")
+    lease.shared()
+    yield lease
+    lease.close()
+
+
+@pytest.fixture(scope="session")
+def lab_fleet(lab_lease: LabLease) -> Iterator[LabFleet]:
     if os.geteuid() != 0 or shutil.which("systemd-nspawn") is None:
         pytest.fail(
             "the lab fleet needs root and systemd-nspawn (apt-get install systemd-container debootstrap)"
@@ -78,5 +124,17 @@ def lab_fleet() -> Iterator[LabFleet]:
         repo_root=REPO_ROOT,
         addresses={h.name: h.address for h in status.hosts},
     )
-    if not os.environ.get("DDTREE_LAB_KEEP"):
+    # Another session still testing on the lab keeps it up; the last one out takes it down.
+    if not os.environ.get("DDTREE_LAB_KEEP") and lab_lease.try_exclusive(wait_s=0):
         lab_down(REPO_ROOT)
+
+
+@pytest.fixture
+def lab_exclusive(lab_fleet: LabFleet, lab_lease: LabLease) -> Iterator[LabFleet]:
+    """The lab to this test alone (for tests that take it down): waits for other sessions to finish."""
+    if not lab_lease.try_exclusive(EXCLUSIVE_WAIT_S):
+        pytest.skip(f"other test sessions kept using the lab for {EXCLUSIVE_WAIT_S:.0f} s")
+    try:
+        yield lab_fleet
+    finally:
+        lab_lease.shared()

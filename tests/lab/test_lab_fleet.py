@@ -244,7 +244,8 @@ def test_status_cli_json(lab_fleet):
 
 
 @pytest.mark.lab_destructive
-def test_down_leaves_nothing_behind_and_up_works_twice(lab_fleet):
+def test_down_leaves_nothing_behind_and_up_works_twice(lab_exclusive):
+    lab_fleet = lab_exclusive
     for _ in range(2):
         host_namespaces = _host_net_namespaces()
         assert len(host_namespaces) == 3
