@@ -51,7 +51,7 @@ def _finish(command: str, hosts: list[HostConfig], results: list[HostResult], js
     bad = [*summ["failed"], *summ["unreachable"]]
     line = f"{command}: {summ['ok']}/{summ['hosts']} ok"
     if summ["noop"]:
-        line += f", {len(summ['noop'])} already current"
+        line += f", {len(summ['noop'])} no-op (nothing to do)"
     if summ["failed"]:
         line += f"; failed: {', '.join(summ['failed'])}"
     if summ["unreachable"]:
@@ -238,6 +238,8 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def unlock(
+        host: Annotated[str | None, typer.Argument(help="Host (or group/glob) to unlock; same as --limit.",
+                                                   show_default=False)] = None,
         inventory: InventoryOption = None,
         limit: LimitOption = None,
         yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation (for scripts).")] = False,
@@ -249,7 +251,7 @@ def register(app: typer.Typer) -> None:
         Also completes an install or rollback the dead run left half done.
         """
         with reported_errors(json_output):
-            inv, hosts = load_selection(inventory, limit)
+            inv, hosts = load_selection(inventory, host or limit)
             from ddtree_ops.release import lock_holders
             from ddtree_ops.release import unlock as do_unlock
 

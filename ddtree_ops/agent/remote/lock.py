@@ -144,7 +144,7 @@ def acquire(state_dir: str | os.PathLike[str], *, who: str, command: str, host: 
             current = holder(state_dir) or {}
             raise AgentError(
                 "locked", f"host is locked by {describe(current)}",
-                "wait for it to finish (--lock-wait SECONDS), or if it is dead: ddtree-ops unlock HOST",
+                "wait for it to finish (--lock-wait SECONDS), or if it is dead: ddtree-ops unlock -i INVENTORY HOST",
                 holder={k: current.get(k) for k in ("who", "command", "host", "pid", "start", "ttl_s")},
             )
         time.sleep(POLL_S)
