@@ -361,3 +361,18 @@ def test_full_state_dir_fs_leaves_host_unchanged(host: Host, tmp_path: Path) -> 
         assert host.hashes(b.paths) == patched_hashes(b)
     finally:
         subprocess.run(["umount", "-l", str(host.state_dir)], check=False)
+
+
+def test_repush_repairs_a_reverted_file(host: Host, tmp_path: Path) -> None:
+    before = host.snapshot()
+    b = make_bundle(tmp_path / "dist")
+    rid = host.push(b)["result"]["release"]
+    # Someone reinstalled sglang's wheel file: back to pristine, our current release half gone.
+    (host.site / "sglang/srt/server_args.py").write_bytes(PRISTINE["sglang/srt/server_args.py"])
+    ans = host.push(b)
+    assert ans["ok"] and not ans["result"]["noop"] and ans["result"]["changed"] == ["sglang/srt/server_args.py"]
+    assert host.hashes(b.paths) == patched_hashes(b)
+    st = host.call("history")["result"]["state"]
+    assert st["stack"] == [rid]
+    assert host.call("rollback", to="previous")["ok"]
+    assert host.snapshot() == before

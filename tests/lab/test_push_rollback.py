@@ -315,8 +315,12 @@ def test_nothing_secret_in_json_or_logs(lab_fleet, inv, bundle, pristine_fleet):
     assert "lock_id" not in proc.stdout
 
 
-def test_unreachable_host_others_complete(lab_fleet, inv, bundle, pristine_fleet):
+@pytest.mark.lab_destructive
+def test_unreachable_host_others_complete(lab_exclusive, inv, bundle, pristine_fleet):
+    # Stopping a host would pull it from under other sessions' tests: lab_exclusive waits for them.
     from ddtree_ops.lab.fleet import start_host, stop_host
+
+    lab_fleet = lab_exclusive
 
     stop_host("lab-3")
     try:

@@ -255,7 +255,7 @@ def op_plan(request: dict) -> dict:
 
 
 def _write_release_dir(sd: Path, rid: str, bundle: Path, man: dict, blobs: dict[str, bytes],
-                       site: Path, pl: dict, reuse_backup: dict | None) -> dict:
+                       site: Path, pl: dict) -> dict:
     """Write releases/<id>/ (bundle, manifest, payload, backup, backup.json) in a temp dir, then rename."""
     final = release_dir(sd, rid)
     tmp = sd / RELEASES / f".{rid}.tmp"
@@ -269,13 +269,6 @@ def _write_release_dir(sd: Path, rid: str, bundle: Path, man: dict, blobs: dict[
     targets = {f["path"]: f["target"] for f in pl["files"]}
     for f in pl["files"]:
         rel = f["path"]
-        prior = (reuse_backup or {}).get("files", {}).get(rel)
-        if prior is not None:
-            # Repairing the current release: its backup already holds the true "before".
-            if prior.get("before") is not None:
-                copy_file_atomic(final / "backup" / rel, tmp / "backup" / rel)
-            record["files"][rel] = {**prior, "after": targets[rel]}
-            continue
         src = site / rel
         before = sha256_file(src)
         mode = (os.stat(src).st_mode & 0o7777) if before is not None else 0o644
@@ -331,7 +324,16 @@ def install(sd: Path, bundle: Path, *, operator: str, sys_path: list | None = No
     tmp = sd / RELEASES / f".{rid}.tmp"
     try:
         prior = read_json(release_dir(sd, rid) / "backup.json") if repairing else None
-        record = _write_release_dir(sd, rid, bundle, man, blobs, site, pl, prior if isinstance(prior, dict) else None)
+        if isinstance(prior, dict) and isinstance(prior.get("files"), dict):
+            # Repairing the current release (someone reverted some of its files): its backup still
+            # holds the true "before", and a content-addressed id means the same patched bytes, so
+            # the release dir is kept as is; only a damaged payload copy is rewritten.
+            record = prior
+            for rel, data in blobs.items():
+                if sha256_file(release_dir(sd, rid) / "payload" / rel) != sha256_bytes(data):
+                    write_bytes_atomic(release_dir(sd, rid) / "payload" / rel, data)
+        else:
+            record = _write_release_dir(sd, rid, bundle, man, blobs, site, pl)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if is_enospc(exc):
