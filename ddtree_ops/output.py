@@ -7,6 +7,7 @@ stderr. rich is imported only when something is actually drawn, to keep `--help`
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 from collections.abc import Sequence
@@ -35,7 +36,10 @@ def stderr_console() -> Console:
 def stdout_console() -> Console:
     from rich.console import Console
 
-    return Console(highlight=False)
+    # Piped into a file or CI log, rich would assume 80 columns and squash the table's cells
+    # into unreadable slivers; give it room unless the caller set COLUMNS.
+    piped_width = 200 if not sys.stdout.isatty() and "COLUMNS" not in os.environ else None
+    return Console(highlight=False, width=piped_width)
 
 
 def print_error(exc: OpsError) -> None:

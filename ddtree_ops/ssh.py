@@ -258,13 +258,21 @@ class HostSession:
             self._notice_sink(message)
 
     def open(self) -> HostSession:
+        """Connect, retrying transient failures (refused, reset, no route, timeout, no banner).
+
+        Retries stop after `retries` or once a whole connect_timeout has been spent: a refused
+        port (sshd restarting) is retried quickly, while a host that times out is not waited
+        for three times over.
+        """
+        started = time.monotonic()
         for attempt in range(self.retries + 1):
             self.attempts = attempt + 1
             try:
                 self.conn = self._connect_once()
                 return self
             except _HopError as failed:
-                if not _is_transient(failed.cause) or attempt == self.retries:
+                out_of_time = time.monotonic() - started >= self.host.connect_timeout
+                if not _is_transient(failed.cause) or attempt == self.retries or out_of_time:
                     raise _describe_failure(failed.hop, failed.cause, self.attempts) from failed.cause
             # Exponential backoff with jitter so a fleet does not retry in lockstep.
             time.sleep(BACKOFF_S * (2**attempt) * (0.5 + random.random()))

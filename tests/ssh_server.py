@@ -48,9 +48,12 @@ def _execute(channel: paramiko.Channel, command: str) -> None:
 
     def feed() -> None:
         assert proc.stdin is not None
-        while data := channel.recv(65536):
-            proc.stdin.write(data)
-        proc.stdin.close()
+        try:
+            while data := channel.recv(65536):
+                proc.stdin.write(data)
+            proc.stdin.close()
+        except BrokenPipeError:  # the command exited without reading all of its stdin
+            pass
 
     def pump_err() -> None:
         assert proc.stderr is not None

@@ -154,3 +154,18 @@ def test_hostile_python_path_runs_nothing(host_factory, server: LocalSSHServer, 
     assert info.value.code == "python_not_found"
     assert not marker.exists()
     assert shlex.split(server.commands[0])[0] == python  # arrived as one word
+
+
+def test_timeouts_are_not_retried_past_one_connect_timeout(host_factory, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    def slow_timeout(self):
+        calls.append(1)
+        ssh.time.sleep(0.3)
+        raise ssh._HopError(self.host, TimeoutError("timed out"))
+
+    monkeypatch.setattr(HostSession, "_connect_once", slow_timeout)
+    session = HostSession(host_factory(connect_timeout=0.25), retries=5)
+    with pytest.raises(ConnectionFailure) as info:
+        session.open()
+    assert info.value.unreachable and len(calls) == 1
