@@ -65,7 +65,8 @@ def test_status_table_on_a_terminal_free_run(lab_fleet) -> None:
 
 
 @pytest.fixture
-def lab2_stopped(lab_fleet) -> Iterator[str]:
+def lab2_stopped(lab_exclusive) -> Iterator[str]:
+    """lab-2 powered off; the lab is ours alone meanwhile, so other sessions' tests never see it down."""
     from ddtree_ops.lab.fleet import start_host, stop_host
 
     stop_host("lab-2")
