@@ -1,0 +1,363 @@
+"""DDTree builder: equality with the best-first heap oracle, structure, optimality, edge cases."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from ddtree_oracle import f32, heap_oracle, load_ddtree_utils, oracle_logprobs
+
+du = load_ddtree_utils()
+
+BUDGETS = [0, 1, 2, 7, 16, 63, 255]
+CAPS = [1, 2, 4, None]
+DEPTHS = [1, 3, 15]
+BATCHES = [1, 5]
+
+
+def random_logits(rng: random.Random, batch: int, depth: int, vocab: int) -> torch.Tensor:
+    """Random logits of one of several kinds; every row keeps at least one finite value."""
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    kind = rng.choice(["gauss", "repeated", "repeated_inf", "gauss_inf", "peaked", "flat"])
+    if kind in ("gauss", "gauss_inf"):
+        x = torch.randn(batch, depth, vocab, generator=g) * rng.choice([0.5, 2.0, 8.0])
+    elif kind == "peaked":
+        x = torch.randn(batch, depth, vocab, generator=g) * 30.0
+    elif kind == "flat":
+        x = torch.zeros(batch, depth, vocab)  # every path ties: tie order decides everything
+    else:  # few distinct values: many exact ties among tokens and among path sums
+        x = torch.randint(0, 3, (batch, depth, vocab), generator=g).float() * rng.choice([0.5, 1.0])
+    if kind.endswith("_inf"):
+        drop = torch.rand(batch, depth, vocab, generator=g) < rng.choice([0.3, 0.8, 0.97])
+        x = x.masked_fill(drop, float("-inf"))
+        keep = torch.randint(0, vocab, (batch, depth, 1), generator=g)
+        x.scatter_(2, keep, torch.randn(batch, depth, 1, generator=g))
+    if rng.random() < 0.3:
+        x = x.to(rng.choice([torch.bfloat16, torch.float16, torch.float64]))
+    return x
+
+
+def assert_matches_oracle(logits: torch.Tensor, budget: int, cap: int | None) -> None:
+    tree = du.build_ddtree(logits, budget, cap)
+    n = budget + 1
+    assert tree.token_ids.shape == (logits.shape[0], budget)
+    assert tree.parents.shape == tree.depths.shape == tree.tree_mask.shape[:2] == (logits.shape[0], n)
+    for b in range(logits.shape[0]):
+        ref = heap_oracle(logits[b], budget, cap)
+        m = len(ref.parents)
+        ctx = f"b={b} budget={budget} cap={cap} shape={tuple(logits.shape)}"
+        assert int(tree.num_nodes[b]) == m, ctx
+        assert tree.token_ids[b, : m - 1].tolist() == ref.tokens, ctx
+        assert tree.parents[b, :m].tolist() == ref.parents, ctx
+        assert tree.depths[b, :m].tolist() == ref.depths, ctx
+        assert tree.token_ranks[b, :m].tolist() == ref.ranks, ctx
+        assert tree.scores[b, :m].tolist() == ref.scores, ctx
+        # padding
+        assert (tree.token_ids[b, m - 1 :] == du.PAD_TOKEN_ID).all(), ctx
+        assert (tree.parents[b, m:] == -1).all() and (tree.depths[b, m:] == 0).all(), ctx
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize("cap", CAPS)
+def test_builder_equals_heap_oracle(budget: int, cap: int | None) -> None:
+    rng = random.Random(1000 * budget + (cap or 0))
+    cases = 0
+    for depth, batch in itertools.product(DEPTHS, BATCHES):
+        for _ in range(12 if budget < 255 else 6):
+            big_vocab_ok = budget <= 63 or cap is not None
+            vocab = rng.choice([2, 3, 5, 12, 40] + ([300] if big_vocab_ok else []))
+            assert_matches_oracle(random_logits(rng, batch, depth, vocab), budget, cap)
+            cases += 1
+    assert cases >= 36
+
+
+def check_structure(tree, logits: torch.Tensor, cap: int | None) -> None:
+    batch, depth, vocab = logits.shape
+    budget = tree.budget
+    k = min(budget if cap is None else cap, budget, vocab) if budget else 0
+    n = budget + 1
+    topv, topi = du.topk_logprobs(logits, max(k, 1))
+    for b in range(batch):
+        m = int(tree.num_nodes[b])
+        parents = tree.parents[b].tolist()
+        depths = tree.depths[b].tolist()
+        children: dict[int, list[int]] = {i: [] for i in range(n)}
+        for i in range(1, m):
+            p = parents[i]
+            assert 0 <= p < i, "parents precede children (prefix-closed, topological order)"
+            assert depths[i] == depths[p] + 1 <= depth
+            rank = int(tree.token_ranks[b, i])
+            assert 0 <= rank < k, "rank < cap"
+            assert int(tree.token_ids[b, i - 1]) == int(topi[b, depths[i] - 1, rank])
+            children[p].append(i)
+        for i in range(n):
+            sibling_tokens = [int(tree.token_ids[b, c - 1]) for c in children[i]]
+            assert len(set(sibling_tokens)) == len(sibling_tokens), "siblings carry distinct tokens"
+        # scores: monotone along paths, sorted best-first
+        scores = tree.scores[b, :m].tolist()
+        assert all(scores[i] <= scores[parents[i]] for i in range(1, m))
+        assert all(scores[i] >= scores[i + 1] for i in range(1, m - 1))
+        # mask = ancestor sets (self included); padding rows see only themselves
+        for i in range(n):
+            expect = set()
+            if i < m:
+                j = i
+                while j >= 0:
+                    expect.add(j)
+                    j = parents[j]
+            else:
+                expect = {i}
+            got = set(torch.nonzero(tree.tree_mask[b, i]).view(-1).tolist())
+            assert got == expect, (b, i)
+        # retrive_* round-trip to the children lists
+        assert tree.retrive_index[b].tolist() == [b * n + i for i in range(n)]
+        for i in range(n):
+            walk = []
+            c = int(tree.retrive_next_token[b, i])
+            while c != -1 and len(walk) <= n:  # bounded: a corrupted list may cycle
+                walk.append(c)
+                c = int(tree.retrive_next_sibling[b, c])
+            assert walk == children[i], (b, i, walk, children[i])
+        linked = {c for cs in children.values() for c in cs}
+        for i in range(m, n):
+            assert i not in linked and int(tree.retrive_next_sibling[b, i]) == -1
+        pos = tree.positions(torch.full((batch,), 7))
+        assert pos[b].tolist() == [7 + d for d in depths]
+
+
+def test_structural_properties() -> None:
+    rng = random.Random(7)
+    for _ in range(150):
+        budget = rng.choice(BUDGETS[1:-1])
+        cap = rng.choice(CAPS)
+        logits = random_logits(rng, rng.choice(BATCHES), rng.choice(DEPTHS), rng.choice([2, 5, 12, 40]))
+        check_structure(du.build_ddtree(logits, budget, cap), logits, cap)
+
+
+def test_structure_checker_catches_a_broken_tree() -> None:
+    logits = torch.randn(1, 3, 12)
+    tree = du.build_ddtree(logits, 7, None)
+    check_structure(tree, logits, None)
+    tree.retrive_next_sibling[0, 1], tree.retrive_next_sibling[0, 2] = 2, 1  # a cycle among siblings
+    with pytest.raises(AssertionError):
+        check_structure(tree, logits, None)
+
+
+def test_batch_rows_are_independent() -> None:
+    rng = random.Random(3)
+    logits = random_logits(rng, 5, 15, 40)
+    whole = du.build_ddtree(logits, 63, 4)
+    for b in range(5):
+        single = du.build_ddtree(logits[b : b + 1], 63, 4)
+        for name in (
+            "token_ids",
+            "parents",
+            "depths",
+            "num_nodes",
+            "tree_mask",
+            "retrive_next_token",
+            "retrive_next_sibling",
+            "scores",
+        ):
+            assert torch.equal(getattr(whole, name)[b], getattr(single, name)[0]), name
+
+
+def brute_force_nodes(logits_row: torch.Tensor, cap: int) -> list[tuple[tuple[int, ...], float]]:
+    """Every reachable token path with rank < cap at each position, with its float32 score."""
+    depth, vocab = logits_row.shape
+    lp = oracle_logprobs(logits_row)
+    ranked = [sorted(range(vocab), key=lambda v, row=row: (-row[v], v))[:cap] for row in lp]
+    nodes = []
+    for d in range(1, depth + 1):
+        for path in itertools.product(*ranked[:d]):
+            s = 0.0
+            for pos, tok in enumerate(path):
+                s = f32(s + lp[pos][tok])
+            if s > float("-inf"):
+                nodes.append((path, s))
+    return nodes
+
+
+@pytest.mark.parametrize("vocab,depth", [(2, 1), (2, 3), (3, 2), (3, 3), (4, 2)])
+def test_brute_force_optimality(vocab: int, depth: int) -> None:
+    rng = random.Random(vocab * 10 + depth)
+    for _ in range(25):
+        logits = random_logits(rng, 1, depth, vocab)
+        for cap in (1, 2, None):
+            for budget in range(0, 12):
+                tree = du.build_ddtree(logits, budget, cap)
+                k = min(budget if cap is None else cap, budget, vocab) if budget else 1
+                nodes = brute_force_nodes(logits[0], k)
+                best = sorted((s for _, s in nodes), reverse=True)[:budget]
+                m = int(tree.num_nodes[0])
+                got = sorted(tree.scores[0, 1:m].tolist(), reverse=True)
+                assert got == best, (budget, cap)
+                # the selected paths are real paths with those scores
+                by_path = dict(nodes)
+                for i in range(1, m):
+                    path, j = [], i
+                    while j > 0:
+                        path.append(int(tree.token_ids[0, j - 1]))
+                        j = int(tree.parents[0, j])
+                    assert by_path[tuple(reversed(path))] == float(tree.scores[0, i])
+
+
+def test_best_prefix_closed_subset_maximises_expected_acceptance() -> None:
+    """Over all prefix-closed subsets of a tiny tree, ours maximises the sum of path probabilities."""
+    rng = random.Random(11)
+    for _ in range(20):
+        logits = random_logits(rng, 1, 2, 3)
+        nodes = brute_force_nodes(logits[0], 3)
+        paths = [p for p, _ in nodes]
+        prob = {p: math.exp(s) for p, s in nodes}
+        for budget in range(1, len(paths) + 1):
+            best = max(
+                sum(prob[p] for p in subset)
+                for subset in itertools.combinations(paths, budget)
+                if all(len(p) == 1 or p[:-1] in subset for p in subset)
+            )
+            tree = du.build_ddtree(logits, budget, None)
+            m = int(tree.num_nodes[0])
+            ours = sum(math.exp(s) for s in tree.scores[0, 1:m].tolist())
+            assert ours == pytest.approx(best, rel=1e-9, abs=1e-12)
+
+
+def test_edge_cases() -> None:
+    logits = torch.randn(2, 4, 10)
+    t0 = du.build_ddtree(logits, 0)
+    assert t0.token_ids.shape == (2, 0) and t0.num_nodes.tolist() == [1, 1]
+    assert t0.tree_mask.shape == (2, 1, 1) and t0.tree_mask.all()
+    assert t0.retrive_next_token.tolist() == [[-1], [-1]]
+    # fewer reachable nodes than the budget: one finite token per position -> a chain of 4
+    sparse = torch.full((1, 4, 10), float("-inf"))
+    sparse[0, torch.arange(4), torch.tensor([3, 1, 4, 1])] = 0.5
+    t = du.build_ddtree(sparse, 16)
+    assert int(t.num_nodes[0]) == 5 and t.token_ids[0, :4].tolist() == [3, 1, 4, 1]
+    assert t.parents[0, :5].tolist() == [-1, 0, 1, 2, 3]
+    # tiny vocab: 2 tokens, depth 2 -> at most 6 nodes
+    t = du.build_ddtree(torch.zeros(1, 2, 2), 255)
+    assert int(t.num_nodes[0]) == 7
+    # cap larger than vocab and budget is fine; cap 0 is refused
+    du.build_ddtree(logits, 3, 1000)
+    with pytest.raises(ValueError):
+        du.build_ddtree(logits, 3, 0)
+    with pytest.raises(ValueError):
+        du.build_ddtree(logits[0], 3)
+    # flat logits: ties resolved by (depth, parent order, token id): breadth-first in token order
+    t = du.build_ddtree(torch.zeros(1, 2, 3), 5)
+    assert t.token_ids[0].tolist() == [0, 1, 2, 0, 1] and t.parents[0].tolist() == [-1, 0, 0, 0, 1, 1]
+
+
+def test_sort_keys_order_values_then_index() -> None:
+    values = torch.tensor([0.0, -0.0, 1.5, float("-inf"), -3.0, 1.5, -1e-30])
+    keys = du._sort_keys(values, torch.arange(values.numel()))
+    order = torch.argsort(keys, descending=True).tolist()
+    assert order == [2, 5, 0, 1, 6, 4, 3]
+    v, i = du._decode_keys(keys)
+    assert torch.equal(i, torch.arange(values.numel())) and v[2] == 1.5 and v[3] == float("-inf")
+
+
+# -------------------------------- follow_verified_tree ---------------------------------------------
+
+
+def handmade_tree():
+    # position 1: tokens 5 (best) and 6; positions 2 and 3: only 7 and 8 are finite. Budget 8 holds
+    # all 6 reachable nodes (5, 5-7, 5-7-8, 6, 6-7, 6-7-8) and 2 padding slots.
+    logits = torch.full((1, 3, 10), float("-inf"))
+    logits[0, 0, 5], logits[0, 0, 6] = 0.0, -1.0
+    logits[0, 1, 7] = 0.0
+    logits[0, 2, 8] = 0.0
+    tree = du.build_ddtree(logits, 8)
+    assert int(tree.num_nodes[0]) == 7
+    assert tree.token_ids[0].tolist() == [5, 7, 8, 6, 7, 8, du.PAD_TOKEN_ID, du.PAD_TOKEN_ID]
+    assert tree.parents[0].tolist() == [-1, 0, 1, 2, 0, 4, 5, -1, -1]
+    return tree
+
+
+def test_follow_verified_tree_paths() -> None:
+    tree = handmade_tree()
+    pad = 9
+    cases = [
+        # target token at each slot: root, 5, 5-7, 5-7-8, 6, 6-7, 6-7-8, pad, pad
+        ([5, 7, 8, 2, 0, 0, 0, pad, pad], [0, 1, 2, 3], 3, 2),  # full chain, bonus from node 3
+        ([5, 7, 3, 0, 0, 0, 0, pad, pad], [0, 1, 2, -1], 2, 3),
+        ([6, 1, 1, 1, 7, 8, 4, pad, pad], [0, 4, 5, 6], 3, 4),  # the sibling branch
+        ([6, 7, 8, 2, 1, 0, 0, pad, pad], [0, 4, -1, -1], 1, 1),
+        ([1, 7, 8, 2, 7, 8, 4, pad, pad], [0, -1, -1, -1], 0, 1),  # nothing matches
+    ]
+    for target, nodes, length, bonus in cases:
+        acc, lens, bon = du.follow_verified_tree(tree, torch.tensor([target]))
+        assert acc[0].tolist() == nodes and int(lens[0]) == length and int(bon[0]) == bonus, target
+
+
+def test_follow_verified_tree_ignores_padding_and_batches() -> None:
+    tree = handmade_tree()
+    # padding slots carry token PAD_TOKEN_ID (0); a target of 0 at the root must not "accept" them
+    both = du.DDTree(
+        **{k: (torch.cat([v, v]) if isinstance(v, torch.Tensor) else v) for k, v in vars(tree).items()}
+    )
+    target = torch.tensor([[0] * 9, [5, 7, 8, 2, 0, 0, 0, 0, 0]])
+    acc, lens, bon = du.follow_verified_tree(both, target)
+    assert lens.tolist() == [0, 3] and bon.tolist() == [0, 2]
+
+
+# -------------------------------- is_hybrid_model ----------------------------------------------------
+
+HYBRID = [
+    ({"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"]}, "qwen3_next"),
+    (
+        {"model_type": "qwen3_5_moe", "text_config": {"layer_types": ["linear_attention", "full_attention"]}},
+        "qwen3_5",
+    ),
+    (
+        {
+            "model_type": "some_vl",
+            "text_config": {"model_type": "x", "layer_types": ["linear_attention"] * 3 + ["full_attention"]},
+        },
+        "3 of 4",
+    ),
+    ({"model_type": "jamba", "attn_layer_period": 8}, "Jamba"),
+    ({"model_type": "nemotron_h", "hybrid_override_pattern": "M-M-M*-"}, "Nemotron-H"),
+    ({"model_type": "falcon_h1"}, "Falcon-H1"),
+    ({"model_type": "granitemoehybrid", "layer_types": ["mamba", "attention"]}, "Granite"),
+    ({"model_type": "kimi_linear"}, "Kimi"),
+    ({"model_type": "lfm2", "layer_types": ["conv", "full_attention"]}, "LFM2"),
+    ({"architectures": ["MyCustomMambaForCausalLM"]}, "Mamba"),
+    ({"model_type": "custom", "layer_types": ["full_attention", "mamba2"]}, "mamba2"),
+    ({"model_type": "custom", "mamba_d_state": 128}, "mamba_d_state"),
+    ({"model_type": "custom", "linear_num_value_heads": 32}, "linear_num_value_heads"),
+]
+NOT_HYBRID = [
+    {"model_type": "llama", "architectures": ["LlamaForCausalLM"]},
+    {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "sliding_window": 4096},
+    {"model_type": "gpt_oss", "layer_types": ["sliding_attention", "full_attention"]},
+    {"model_type": "gemma3", "text_config": {"layer_types": ["sliding_attention"] * 5 + ["full_attention"]}},
+    {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 128},
+]
+
+
+@pytest.mark.parametrize("config,evidence", HYBRID)
+def test_is_hybrid_model_detects_hybrids(config: dict, evidence: str) -> None:
+    hybrid, reason = du.is_hybrid_model(config)
+    assert hybrid, reason
+    assert evidence.lower() in reason.lower(), reason
+
+
+@pytest.mark.parametrize("config", NOT_HYBRID)
+def test_is_hybrid_model_passes_attention_models(config: dict) -> None:
+    hybrid, reason = du.is_hybrid_model(config)
+    assert not hybrid, reason
+    assert "attention" in reason
+
+
+def test_module_imports_only_torch() -> None:
+    source = du.__file__
+    text = Path(source).read_text()
+    imports = {
+        line.split()[1].split(".")[0] for line in text.splitlines() if line.startswith(("import ", "from "))
+    }
+    assert imports <= {"__future__", "os", "dataclasses", "torch"}, imports
