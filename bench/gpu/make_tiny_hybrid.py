@@ -45,9 +45,11 @@ def make_next(out_dir):
 def make_marker(out_dir):
     tm.make_target(out_dir)
     p = os.path.join(out_dir, "config.json")
-    cfg = json.load(open(p))
+    with open(p) as f:
+        cfg = json.load(f)
     cfg["mamba_d_state"] = 16  # recurrent-only key: the offline hybrid check's evidence
-    json.dump(cfg, open(p, "w"), indent=2)
+    with open(p, "w") as f:
+        json.dump(cfg, f, indent=2)
     print(f"marker target: {out_dir}")
 
 

@@ -68,7 +68,7 @@ VARIANTS=(
   "r_full15|/tmp/tiny_r|DF --speculative-ddtree-mode full --speculative-ddtree-budget 15"
   "r_full64|/tmp/tiny_r|DF --speculative-ddtree-mode full --speculative-ddtree-budget 64"
   "r_full256|/tmp/tiny_r|DF --speculative-ddtree-mode full --speculative-ddtree-budget 256"
-  "h_next_full|/tmp/tiny_h/next|DF --speculative-ddtree-mode full --speculative-ddtree-budget 64"
+  "h_next_full|/tmp/tiny_h/next|DF --speculative-ddtree-mode full --speculative-ddtree-budget 64 --disable-radix-cache"
   "h_marker_full|/tmp/tiny_h/marker|DF --speculative-ddtree-mode full --speculative-ddtree-budget 64"
   "h_marker_shadow|/tmp/tiny_h/marker|DF --speculative-ddtree-mode shadow-linear"
 )
@@ -128,3 +128,6 @@ ts "queries done; GPU mem: $(nvidia-smi --query-gpu=memory.used --format=csv,noh
 stop_all; trap - EXIT
 python3 $HERE/compare_ddtree.py "$OUT" | tee "$OUT/summary.txt"
 ts "done"
+# Only a few files come back from the device: keep the summaries, pack everything else.
+( cd "$OUT" && tar -czf logs.tgz --exclude logs.tgz --exclude summary.txt --exclude summary.json --exclude run.log . \
+  && find . -maxdepth 1 -type f ! -name logs.tgz ! -name summary.txt ! -name summary.json ! -name run.log -delete )

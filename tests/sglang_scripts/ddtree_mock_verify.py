@@ -11,9 +11,8 @@ import json
 import sys
 from types import SimpleNamespace
 
-import torch
-
 import sglang.srt.speculative.ddtree_worker as dw
+import torch
 from sglang.srt.speculative.ddtree_utils import build_ddtree
 
 VOCAB = 11
@@ -92,9 +91,8 @@ def main() -> int:
         req_to_token = torch.full((R, L), -1, dtype=torch.int64)
         allocator = FakeAllocator(4096)
         seq_lens = torch.tensor(prefix, dtype=torch.int64)
-        controller = SimpleNamespace(
-            stats=dw.DDTreeStats(), widths=[], set_verify_width=lambda w: controller.widths.append(w)
-        )
+        widths: list[int | None] = []
+        controller = SimpleNamespace(stats=dw.DDTreeStats(), widths=widths, set_verify_width=widths.append)
         batch = SimpleNamespace(
             forward_mode=SimpleNamespace(is_idle=lambda: False),
             batch_size=lambda bs=bs: bs,
@@ -110,7 +108,7 @@ def main() -> int:
             input_ids=None,
             out_cache_loc=None,
         )
-        dw.alloc_token_slots = lambda _cache, k: allocator.alloc(k)
+        dw.alloc_token_slots = lambda _cache, k, allocator=allocator: allocator.alloc(k)
         dw.assign_req_to_token_pool_func = fake_assign
         roots = torch.tensor([h[-1] for h in histories], dtype=torch.int64)
         tokens = tree.full_token_ids(roots)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.managers.schedule_batch import ScheduleBatch
-from sglang.srt.mem_cache.common import alloc_token_slots
+from sglang.srt.mem_cache.common import alloc_token_slots, evict_from_tree_cache
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.speculative.ddtree_args import (
     DDTREE_FULL_ATTENTION_BACKENDS,
@@ -81,6 +81,14 @@ def target_is_hybrid(model_runner: Any) -> tuple[bool, str]:
     return False, reason or "no hybrid markers"
 
 
+def _median(values: Any) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+
+
 @dataclass
 class DDTreeStats:
     """Debug metrics; read by logs and by `DDTreeController.internal_state()`."""
@@ -90,12 +98,14 @@ class DDTreeStats:
     fallback_steps: int = 0
     nodes_sum: int = 0
     requests_sum: int = 0
-    build_ms_last: float = 0.0
-    build_ms_sum: float = 0.0
     build_ms_n: int = 0
 
     def __post_init__(self) -> None:
         self.accepted_depth_hist: collections.Counter[int] = collections.Counter()
+        # Recent tree-build times (draft logits + build_ddtree, CUDA events). The first build of a
+        # process includes Triton JIT compilation, so it is kept apart.
+        self.build_ms_first: float | None = None
+        self.build_ms_recent: collections.deque[float] = collections.deque(maxlen=256)
 
     def as_dict(self) -> dict[str, Any]:
         n_req = max(1, sum(self.accepted_depth_hist.values()))
@@ -104,7 +114,10 @@ class DDTreeStats:
             "tree_steps": self.tree_steps,
             "fallback_steps": self.fallback_steps,
             "avg_tree_nodes": round(self.nodes_sum / max(1, self.requests_sum), 3),
-            "avg_build_ms": round(self.build_ms_sum / max(1, self.build_ms_n), 4),
+            "build_ms_median": round(_median(self.build_ms_recent), 4),
+            "build_ms_max": round(max(self.build_ms_recent, default=0.0), 4),
+            "build_ms_first": None if self.build_ms_first is None else round(self.build_ms_first, 3),
+            "build_samples": self.build_ms_n,
             "accepted_depth_hist": dict(sorted(self.accepted_depth_hist.items())),
             "avg_accepted_depth": round(
                 sum(k * v for k, v in self.accepted_depth_hist.items()) / n_req, 4
@@ -132,7 +145,9 @@ class DDTreeController:
         self.topk_cap = sa.speculative_ddtree_topk_cap
         self.tp_rank = worker.tp_rank
         self.stats = DDTreeStats()
-        self._pending_build_events: tuple[Any, Any] | None = None
+        # (start, end) CUDA event pairs of builds not yet read; read at the next log line, so the
+        # serving path never waits on the GPU for a metric.
+        self._pending_build_events: list[tuple[Any, Any]] = []
         self._attn_backend = worker.model_runner.attn_backend
         self._backend_verify_width = getattr(self._attn_backend, "num_draft_tokens", None)
 
@@ -211,7 +226,7 @@ class DDTreeController:
 
         bs = int(draft_hidden.shape[0])
         flat = draft_hidden[:, 1:, :].reshape(-1, draft_hidden.shape[-1])
-        use_events = flat.is_cuda and self.stats.steps % LOG_EVERY == 0
+        use_events = flat.is_cuda and len(self._pending_build_events) < 4 * LOG_EVERY
         if use_events:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -221,14 +236,16 @@ class DDTreeController:
         if use_events:
             end.record()
             # Read lazily at the next log line: no host sync in the serving path.
-            self._pending_build_events = (start, end)
+            self._pending_build_events.append((start, end))
         elif not flat.is_cuda:
             self._record_build_ms((time.perf_counter() - t0) * 1e3)
         return tree
 
     def _record_build_ms(self, ms: float) -> None:
-        self.stats.build_ms_last = ms
-        self.stats.build_ms_sum += ms
+        if self.stats.build_ms_first is None:
+            self.stats.build_ms_first = ms
+        else:
+            self.stats.build_ms_recent.append(ms)
         self.stats.build_ms_n += 1
 
     # ------------------------------------------------------------------ shadow-linear
@@ -282,7 +299,20 @@ class DDTreeController:
         if not info.is_all_greedy or info.has_custom_logit_processor or info.logit_bias is not None:
             return False
         orchestrator = getattr(info, "penalizer_orchestrator", None)
-        return not (orchestrator is not None and orchestrator.is_required)
+        if orchestrator is not None and orchestrator.is_required:
+            return False
+        return self._tree_fits_in_kv(batch)
+
+    def _tree_fits_in_kv(self, batch: ScheduleBatch) -> bool:
+        # The scheduler reserves --speculative-num-draft-tokens slots per request for the next
+        # decode step (ScheduleBatch.new_tokens_required_next_decode), not 1 + budget. When the
+        # pool is that tight, verify this step linearly instead of failing the allocation.
+        needed = batch.batch_size() * (self.budget + 1)
+        allocator = batch.token_to_kv_pool_allocator
+        if allocator.available_size() >= needed:
+            return True
+        evict_from_tree_cache(batch.tree_cache, needed)
+        return allocator.available_size() >= needed
 
     def prepare_tree_verify(
         self,
@@ -334,20 +364,19 @@ class DDTreeController:
             for k in num_correct_drafts_per_req:
                 self.stats.accepted_depth_hist[int(k)] += 1
         if (self.stats.steps % LOG_EVERY == 0 or self.stats.steps == 1) and self.tp_rank == 0:
-            if self._pending_build_events is not None:
-                start, end = self._pending_build_events
-                end.synchronize()
-                self._record_build_ms(float(start.elapsed_time(end)))
-                self._pending_build_events = None
+            if self._pending_build_events:
+                self._pending_build_events[-1][1].synchronize()
+                for start, end in self._pending_build_events:
+                    self._record_build_ms(float(start.elapsed_time(end)))
+                self._pending_build_events = []
             logger.info("DDTree stats (%s): %s", self.mode, self.stats.as_dict())
 
     def internal_state(self) -> dict[str, Any]:
-        return {
-            "ddtree_mode": self.mode,
-            "ddtree_budget": self.budget,
-            "ddtree_topk_cap": self.topk_cap,
-            **{f"ddtree_{k}": v for k, v in self.stats.as_dict().items()},
-        }
+        """For the scheduler's get_internal_state (`/server_info` → internal_states[i]["ddtree"]);
+        string keys only, because the HTTP layer serialises with orjson."""
+        stats = self.stats.as_dict()
+        stats["accepted_depth_hist"] = {str(k): v for k, v in stats["accepted_depth_hist"].items()}
+        return {"mode": self.mode, "budget": self.budget, "topk_cap": self.topk_cap, **stats}
 
 
 @dataclass
