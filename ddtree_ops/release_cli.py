@@ -7,8 +7,10 @@ failed or was unreachable / 2 usage or inventory error. Heavy imports happen ins
 
 from __future__ import annotations
 
+import signal
 import sys
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -58,6 +60,21 @@ def _finish(command: str, hosts: list[HostConfig], results: list[HostResult], js
         line += f"; unreachable: {', '.join(summ['unreachable'])}"
     sys.stderr.write(line + "\n")
     raise typer.Exit(exit_code(results) if bad else 0)
+
+
+@contextmanager
+def _terminate_like_ctrl_c() -> Iterator[None]:
+    """SIGTERM (systemd, CI cancel) unwinds like Ctrl-C: hosts in flight finish their step and
+    release their lock in `finally` instead of leaving it to expire by TTL."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _table(columns: list[str]) -> Any:
@@ -127,7 +144,7 @@ def register(app: typer.Typer) -> None:
             from ddtree_ops.release import push as do_push
 
             progress = progress_for(hosts, "dry run" if dry_run else "push", json_mode=json_output)
-            with progress or nullcontext():
+            with _terminate_like_ctrl_c(), progress or nullcontext():
                 results = do_push(inv, hosts, bundle or default_bundle(), dry_run=dry_run, adopt=adopt,
                                   lock_wait_s=lock_wait, concurrency=concurrency, progress=progress)
         _finish("push --dry-run" if dry_run else "push", hosts, results, json_output, _render_push)
@@ -190,7 +207,7 @@ def register(app: typer.Typer) -> None:
             from ddtree_ops.release import rollback as do_rollback
 
             progress = progress_for(hosts, "rollback", json_mode=json_output)
-            with progress or nullcontext():
+            with _terminate_like_ctrl_c(), progress or nullcontext():
                 results = do_rollback(inv, hosts, to=to, adopt=adopt, lock_wait_s=lock_wait,
                                       concurrency=concurrency, progress=progress)
 

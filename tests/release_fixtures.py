@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -91,9 +92,13 @@ def make_bundle(out: Path, version: str = "1.0.0", *, tag: str = "v1", base_vers
     return FakeBundle(path, manifest, blobs)
 
 
+# The agent must run on the hosts' interpreters, not only ours: DDTREE_TEST_AGENT_PYTHON=python3.12 ...
+AGENT_PYTHON = os.environ.get("DDTREE_TEST_AGENT_PYTHON") or sys.executable
+
+
 def run_agent(op: str, args: dict, *, env: dict | None = None, timeout: float = 60,
-              python: str = sys.executable) -> dict:
-    proc = subprocess.run(agent_argv(python), input=agent_stdin(op, args), capture_output=True,
+              python: str | None = None) -> dict:
+    proc = subprocess.run(agent_argv(python or AGENT_PYTHON), input=agent_stdin(op, args), capture_output=True,
                           timeout=timeout, env=env)
     assert proc.stdout, f"agent {op} gave no answer (rc {proc.returncode}): {proc.stderr.decode()[-2000:]}"
     return json.loads(proc.stdout)
