@@ -361,6 +361,3 @@ class HostSession:
         finally:
             chan.close()
 
-
-def open_session(host: HostConfig, jump_chain: Sequence[HostConfig] = (), **kwargs: object) -> HostSession:
-    return HostSession(host, jump_chain=jump_chain, **kwargs).open()  # type: ignore[arg-type]
