@@ -61,7 +61,8 @@ class _LazyGroup(TyperGroup):
                 continue
             command = self.get_command(ctx, name)
             if command is not None and not command.hidden:
-                rows.append((name, command.get_short_help_str(limit=formatter.width - 6 - len(name))))
+                # The whole first sentence, wrapped if need be: a description cut off by "..." reads as broken.
+                rows.append((name, command.get_short_help_str(limit=150)))
         if rows:
             with formatter.section("Commands"):
                 formatter.write_dl(rows)
