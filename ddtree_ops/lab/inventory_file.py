@@ -53,7 +53,7 @@ def write(repo_root: Path, paths: LabPaths, hosts: list[LabHost]) -> Path:
     shutil.copyfile(paths.client_key.with_suffix(".pub"), files / "id_ed25519.pub")
     shutil.copyfile(paths.known_hosts, files / "known_hosts")
     header = "# Written by `ddtree-ops lab up`; rewritten on every run, removed by `ddtree-ops lab down`.\n"
-    text = header + yaml.safe_dump(render(hosts), sort_keys=False, default_flow_style=None)
+    text = header + yaml.safe_dump(render(hosts), sort_keys=False, default_flow_style=None, width=200)
     tmp = target.with_suffix(".yaml.tmp")
     tmp.write_text(text)
     os.replace(tmp, target)

@@ -17,8 +17,6 @@ import yaml
 from ddtree_ops.lab import fleet
 from ddtree_ops.lab.config import BRIDGE, LabPaths
 
-pytestmark = pytest.mark.lab
-
 # Parses the DFlash flags with the host's own SGLang, the way `smoke` will. ServerArgs loads the
 # model's config while parsing, so the probe writes a tiny one.
 SERVER_ARGS_PROBE = """
@@ -97,6 +95,7 @@ def _lab_interfaces() -> list[str]:
     )
 
 
+@pytest.mark.lab
 def test_three_hosts_answer_ssh_with_their_own_host_keys(lab_fleet):
     assert lab_fleet.hosts == ["lab-1", "lab-2", "lab-3"]
     assert lab_fleet.addresses == {"lab-1": "10.200.0.11", "lab-2": "10.200.0.12", "lab-3": "10.200.0.13"}
@@ -125,6 +124,7 @@ def test_three_hosts_answer_ssh_with_their_own_host_keys(lab_fleet):
     assert len(machine_ids) == 3
 
 
+@pytest.mark.lab
 def test_inventory_is_ready_to_use(lab_fleet):
     inventory = yaml.safe_load(lab_fleet.inventory_path.read_text())
     assert lab_fleet.inventory_path == lab_fleet.repo_root / "inventory" / "lab.yaml"
@@ -142,6 +142,7 @@ def test_inventory_is_ready_to_use(lab_fleet):
     assert lab_fleet.identity_file.stat().st_mode & 0o077 == 0, "ssh refuses a key others can read"
 
 
+@pytest.mark.lab
 def test_only_the_lab_key_logs_in(lab_fleet, tmp_path):
     stranger = tmp_path / "stranger"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(stranger)], check=True)
@@ -152,6 +153,7 @@ def test_only_the_lab_key_logs_in(lab_fleet, tmp_path):
     assert "Permission denied" in refused.stderr
 
 
+@pytest.mark.lab
 def test_unknown_host_key_is_refused(lab_fleet, tmp_path):
     empty = tmp_path / "known_hosts"
     empty.write_text("")
@@ -162,6 +164,7 @@ def test_unknown_host_key_is_refused(lab_fleet, tmp_path):
     assert "Host key verification failed" in refused.stderr
 
 
+@pytest.mark.lab
 def test_lab_up_again_is_idempotent(lab_fleet):
     before = fleet.lab_status(lab_fleet.repo_root)
     known_hosts = lab_fleet.known_hosts.read_text()
@@ -175,6 +178,7 @@ def test_lab_up_again_is_idempotent(lab_fleet):
     assert lab_fleet.known_hosts.read_text() == known_hosts
 
 
+@pytest.mark.lab
 def test_host_venv_imports_sglang_and_parses_dflash_args(lab_fleet):
     result = lab_fleet.ssh(
         "lab-2", shlex.join(["/opt/sglang/venv/bin/python", "-c", SERVER_ARGS_PROBE]), timeout=300
@@ -192,6 +196,7 @@ def _connect_probe(address: str, port: int) -> str:
     return shlex.join(["/opt/sglang/venv/bin/python", "-c", code])
 
 
+@pytest.mark.lab
 def test_hosts_reach_each_other_but_nothing_beyond_the_bridge(lab_fleet):
     peer = lab_fleet.ssh("lab-1", _connect_probe("10.200.0.12", 22))
     assert peer.stdout.strip() == "ok", peer.stderr
@@ -208,6 +213,7 @@ def test_hosts_reach_each_other_but_nothing_beyond_the_bridge(lab_fleet):
         lab_fleet.ssh("lab-1", "ip route del default via 10.200.0.1")
 
 
+@pytest.mark.lab
 def test_one_host_stopped_and_started_again(lab_fleet):
     fleet.stop_host("lab-3")
     try:
@@ -221,6 +227,7 @@ def test_one_host_stopped_and_started_again(lab_fleet):
     assert result.returncode == 0 and result.stdout.strip() == "lab-3", result.stderr
 
 
+@pytest.mark.lab
 def test_status_cli_json(lab_fleet):
     result = subprocess.run(
         [
@@ -243,6 +250,7 @@ def test_status_cli_json(lab_fleet):
     assert [h["name"] for h in status["hosts"]] == lab_fleet.hosts
 
 
+@pytest.mark.lab
 @pytest.mark.lab_destructive
 def test_down_leaves_nothing_behind_and_up_works_twice(lab_exclusive):
     lab_fleet = lab_exclusive
@@ -271,3 +279,38 @@ def test_lab_cli_import_stays_light():
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
     )
     assert result.stdout.strip() == "[]"
+
+
+# Plain unit tests of the lab's pure parts (no fleet needed).
+
+
+def test_inventory_for_one_host_has_no_empty_main_group(tmp_path):
+    from ddtree_ops.lab.host import LabHost
+    from ddtree_ops.lab.inventory_file import render
+
+    paths = LabPaths(cache=tmp_path / "cache", state=tmp_path / "state")
+    rendered = render([LabHost("lab-1", paths)])
+    assert rendered["groups"] == {"canary": {"hosts": ["lab-1"]}}
+    assert rendered["hosts"] == {"lab-1": {"address": "10.200.0.11", "port": 22}}
+
+
+@pytest.mark.parametrize("name", ["lab-0", "lab-51", "lab-x", "gpu-1", "lab-1; rm -rf /", "../lab-1"])
+def test_foreign_host_names_are_refused(name):
+    from ddtree_ops.lab.config import host_index
+
+    with pytest.raises(ValueError):
+        host_index(name)
+
+
+def test_apt_packages_printable_without_dependencies():
+    # The install script runs this with Debian's python3 before any venv exists.
+    result = subprocess.run(
+        ["/usr/bin/python3", "-m", "ddtree_ops.lab.image", "apt-packages"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    packages = result.stdout.split()
+    assert {"systemd-container", "debootstrap", "iproute2", "openssh-client"} <= set(packages)
