@@ -139,3 +139,23 @@ def test_status_table_and_limit(two_host_inventory: Path) -> None:
     assert "up" in result.stdout and "down" in result.stdout and "unreachable:" in result.stderr
     only_up = cli("status", "-i", str(two_host_inventory), "--limit", "up", "--json")
     assert only_up.returncode == 0 and [r["host"] for r in json.loads(only_up.stdout)] == ["up"]
+
+
+def test_status_row_cells() -> None:
+    from ddtree_ops.errors import ErrorInfo
+    from ddtree_ops.fleet import HostResult
+    from ddtree_ops.inventory import HostConfig
+    from ddtree_ops.output import status_row
+
+    host = HostConfig(name="h", address="10.0.0.1", port=2222)
+    facts = {"os": {"id": "debian", "version_id": "12"}, "python": {"version": "3.11.2"},
+             "sglang": {"version": "0.5.13.post1"}, "service": {"active_state": "active", "sub_state": "running"},
+             "release": {"current": None}, "lock": {"who": "alice@laptop"},
+             "gpus": [{"name": "NVIDIA H200"}, {"name": "NVIDIA H200"}], "disk": {"free_bytes": 3 * 1024**3}}
+    row = status_row(host, HostResult("h", "ok", data=facts))
+    assert row == {**row, "address": "10.0.0.1:2222", "reachable": "yes", "os": "debian 12", "service": "active/running",
+                   "release": "pristine", "lock": "alice@laptop", "gpus": "2× NVIDIA H200", "free_disk": "3.0 GiB"}
+    assert status_row(host, HostResult("h", "ok", data={**facts, "release": None, "lock": None}))["release"] == "none"
+    refused = status_row(host, HostResult("h", "failed", error=ErrorInfo("host_key_unknown", "m")))
+    assert refused["reachable"] == "refused (host_key_unknown)" and refused["sglang"] == "-"
+    assert status_row(host, HostResult("h", "unreachable", error=ErrorInfo("unreachable", "m")))["reachable"] == "no"
