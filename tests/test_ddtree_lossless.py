@@ -92,7 +92,7 @@ def test_cap_one_is_linear_dflash() -> None:
         depth = 5
         drafter = make_drafter("noisy_oracle", seed, depth, noise=1.0)
 
-        def on_step(seq, tree, logits, target, accept_len, bonus, draft_logits, depth=depth):
+        def on_step(seq, tree, logits, target, accept_len, bonus, draft_logits, depth=depth, model=model):
             nonlocal steps
             chain = draft_logits.argmax(-1)
             assert int(tree.num_nodes[0]) == depth + 1
