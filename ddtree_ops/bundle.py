@@ -337,7 +337,10 @@ def parse_unified_diff(text: str, patch_file: str) -> list[FilePatch]:
         fp = FilePatch(patch_file, _strip_prefix(line[4:]), _strip_prefix(lines[i + 1][4:]), [])
         if fp.old_path == "/dev/null" or fp.new_path == "/dev/null":
             raise PatchError(f"{patch_file}: creating or deleting files is done by new_files, not patches")
-        _safe_relpath(fp.new_path, f"{patch_file} target")
+        try:
+            _safe_relpath(fp.new_path, f"{patch_file} target")
+        except BundleError as e:
+            raise PatchError(str(e)) from None
         if fp.old_path != fp.new_path:
             raise PatchError(f"{patch_file}: renames are not supported ({fp.old_path} -> {fp.new_path})")
         i += 2

@@ -39,6 +39,15 @@ def make_next(out_dir):
     torch.manual_seed(tm.SEED)
     model = Qwen3NextForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(out_dir, safe_serialization=True)
+    # SGLang 0.5.13.post1's Qwen3-Next reads `full_attention_interval`, which transformers 5.x
+    # no longer writes (it derives layer_types); without it the server fails before any DDTree code
+    # runs (seen on the H200: AttributeError in the scheduler).
+    p = os.path.join(out_dir, "config.json")
+    with open(p) as f:
+        saved = json.load(f)
+    saved["full_attention_interval"] = 4
+    with open(p, "w") as f:
+        json.dump(saved, f, indent=2)
     print(f"qwen3-next target: {out_dir} params={sum(p.numel() for p in model.parameters())}")
 
 

@@ -129,5 +129,7 @@ stop_all; trap - EXIT
 python3 $HERE/compare_ddtree.py "$OUT" | tee "$OUT/summary.txt"
 ts "done"
 # Only a few files come back from the device: keep the summaries, pack everything else.
-( cd "$OUT" && tar -czf logs.tgz --exclude logs.tgz --exclude summary.txt --exclude summary.json --exclude run.log . \
+# (tar into /tmp first: a tarball growing inside the folder it reads makes tar fail.)
+( cd "$OUT" && find . -maxdepth 1 -type f ! -name summary.txt ! -name summary.json ! -name run.log -printf '%P\n' \
+    | tar -czf /tmp/ddtree_logs.tgz -T - && mv /tmp/ddtree_logs.tgz logs.tgz \
   && find . -maxdepth 1 -type f ! -name logs.tgz ! -name summary.txt ! -name summary.json ! -name run.log -delete )

@@ -194,8 +194,83 @@ def main() -> int:
             failures.append(f"trial {trial}: hidden rows {next_hidden.shape[0]} != {off}")
         if controller.widths != [n, None]:
             failures.append(f"trial {trial}: verify width calls {controller.widths}")
+    failures += guard_checks()
     print(json.dumps({"ok": not failures, "steps": steps, "failures": failures[:10]}))
     return 0 if not failures else 1
+
+
+class TritonAttnBackend:  # same class name as SGLang's: the worker checks the backend by name
+    num_draft_tokens = 16
+
+
+class FlashInferAttnBackend:
+    num_draft_tokens = 16
+
+
+def _worker(mode="full", allow=False, backend=TritonAttnBackend, hybrid_attr=None, hf=None, page_size=1):
+    runner = SimpleNamespace(
+        attn_backend=backend(),
+        mambaish_config=None,
+        hybrid_gdn_config=None,
+        model_config=SimpleNamespace(hf_config=SimpleNamespace(to_dict=lambda: hf or {"model_type": "qwen3"})),
+    )
+    if hybrid_attr:
+        setattr(runner, hybrid_attr, object())
+    args = SimpleNamespace(
+        speculative_ddtree_mode=mode,
+        speculative_ddtree_budget=64,
+        speculative_ddtree_topk_cap=None,
+        speculative_ddtree_allow_hybrid_unsafe=allow,
+    )
+    return SimpleNamespace(server_args=args, block_size=16, tp_rank=0, page_size=page_size, model_runner=runner)
+
+
+def guard_checks() -> list[str]:
+    """The worker-start guards: hybrid targets (runtime attrs and config.json markers), backend, page size."""
+    out: list[str] = []
+
+    def refused(worker, *needles):
+        try:
+            dw.DDTreeController.maybe_create(worker)
+        except dw.DDTreeRefused as e:
+            missing = [n for n in needles if n not in str(e)]
+            return f"message lacks {missing}: {e}" if missing else None
+        return "not refused"
+
+    cases = {
+        "gdn runtime": (_worker(hybrid_attr="hybrid_gdn_config"), ("hybrid", "hybrid_gdn_config", "shadow-linear",
+                                                                   "--speculative-ddtree-allow-hybrid-unsafe")),
+        "mamba runtime": (_worker(hybrid_attr="mambaish_config"), ("mambaish_config",)),
+        "config marker": (_worker(hf={"model_type": "qwen3_next"}), ("qwen3_next",)),
+        "flashinfer": (_worker(backend=FlashInferAttnBackend), ("FlashInferAttnBackend", "supported: triton")),
+        "page size": (_worker(page_size=16), ("page-size 1",)),
+    }
+    for name, (worker, needles) in cases.items():
+        problem = refused(worker, *needles)
+        if problem:
+            out.append(f"guard {name}: {problem}")
+    for name, worker in {
+        "allow flag": _worker(hybrid_attr="hybrid_gdn_config", allow=True),
+        "shadow on hybrid": _worker(mode="shadow-linear", hybrid_attr="hybrid_gdn_config", backend=FlashInferAttnBackend),
+        "plain target": _worker(),
+    }.items():
+        try:
+            ctl = dw.DDTreeController.maybe_create(worker)
+            assert ctl is not None and ctl.budget == 64
+        except Exception as e:
+            out.append(f"guard {name}: refused unexpectedly: {e!r}")
+    if dw.DDTreeController.maybe_create(_worker(mode="off")) is not None:
+        out.append("mode off created a controller")
+    ctl = dw.DDTreeController.maybe_create(_worker())
+    ctl.set_verify_width(65)
+    width = ctl._attn_backend.num_draft_tokens
+    ctl.set_verify_width(None)
+    if (width, ctl._attn_backend.num_draft_tokens) != (65, 16):
+        out.append(f"verify width not set/restored: {width}, {ctl._attn_backend.num_draft_tokens}")
+    state = json.loads(json.dumps(ctl.internal_state()))
+    if state.get("mode") != "full" or "accepted_depth_hist" not in state:
+        out.append(f"internal_state: {state}")
+    return out
 
 
 if __name__ == "__main__":

@@ -73,8 +73,9 @@ def target_is_hybrid(model_runner: Any) -> tuple[bool, str]:
     except Exception as e:  # only the reason text depends on this
         offline, reason = False, f"config check failed: {type(e).__name__}: {e}"
     if runtime:
+        # Only quote the config.json evidence when it agrees; otherwise it would read as a contradiction.
         return True, f"SGLang runtime model config has {', '.join(runtime)}" + (
-            f"; {reason}" if reason else ""
+            f"; {reason}" if offline and reason else ""
         )
     if offline:
         return True, reason

@@ -1,0 +1,48 @@
+"""Run inside a patched sglang tree (PYTHONPATH): parse each argv case with SGLang's own
+`prepare_server_args` and print one JSON object per case (accepted + the DDTree fields, or the error).
+
+Usage: python server_args_cases.py CASES.json   (a list of {"name", "argv"} or {"name", "kwargs"})
+All cases run in one process because importing sglang costs ~8 s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import sys
+
+from sglang.srt.server_args import ServerArgs, prepare_server_args
+
+FIELDS = (
+    "speculative_algorithm",
+    "speculative_num_draft_tokens",
+    "speculative_ddtree_mode",
+    "speculative_ddtree_budget",
+    "speculative_ddtree_topk_cap",
+    "speculative_ddtree_allow_hybrid_unsafe",
+    "disable_cuda_graph",
+)
+
+
+def run(case: dict) -> dict:
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            args = ServerArgs(**case["kwargs"]) if "kwargs" in case else prepare_server_args(case["argv"])
+    except SystemExit as e:  # argparse: type errors print to stderr and exit 2
+        return {"name": case["name"], "ok": False, "error": err.getvalue().strip().splitlines()[-1:], "exit": e.code}
+    except Exception as e:
+        return {"name": case["name"], "ok": False, "error": f"{type(e).__name__}: {e}"}
+    return {"name": case["name"], "ok": True, **{f: getattr(args, f, None) for f in FIELDS}}
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        cases = json.load(f)
+    for case in cases:
+        print("CASE " + json.dumps(run(case)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""The real payload in a real sglang 0.5.13.post1 tree (a copy of the dev venv's), on CPU:
+files the payload does not touch stay byte-identical to RECORD; SGLang's own `prepare_server_args`
+accepts the DDTree flags and refuses every bad combination with the promised message; the DDTree
+verify bookkeeping and the worker guards behave (fake batch, CPU tensors).
+
+Each subprocess imports sglang (~8 s), so the cases are batched into two subprocesses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddtree_ops import bundle as B
+from tests.payload_helpers import BASE_VERSION, copy_sglang_tree, venv_site
+
+pytestmark = pytest.mark.slow
+
+HERE = Path(__file__).resolve().parent
+SCRIPTS = HERE / "sglang_scripts"
+QWEN3_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 4096,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+}
+DRAFT_CONFIG = {
+    **QWEN3_CONFIG,
+    "architectures": ["DFlashDraftModel"],
+    "num_hidden_layers": 1,
+    "block_size": 16,
+    "dflash_config": {"block_size": 16, "target_layer_ids": [1, 2], "mask_token_id": 7},
+}
+
+
+@pytest.fixture(scope="module")
+def patched(tmp_path_factory):
+    root = tmp_path_factory.mktemp("patched")
+    built = B.build_bundle_result(None, root / "dist", site_dir=venv_site())
+    site = copy_sglang_tree(root / "site")
+    manifest = B.install_bundle(built.bundle_path, site)
+    models = root / "models"
+    for name, cfg in (("target", QWEN3_CONFIG), ("draft", DRAFT_CONFIG)):
+        (models / name).mkdir(parents=True)
+        (models / name / "config.json").write_text(json.dumps(cfg))
+    return site, manifest, models
+
+
+def _run(site: Path, *argv: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(site), "PYTHONDONTWRITEBYTECODE": "1"}
+    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=timeout)
+    missing = [ln for ln in proc.stderr.splitlines() if "ModuleNotFoundError" in ln]
+    assert not missing, (
+        f"{missing[-1]}: an sglang dependency is missing from this venv "
+        "(add it to scripts/sglang-cpu-requirements.txt)"
+    )
+    return proc
+
+
+def test_untouched_files_byte_identical_to_record(patched):
+    site, manifest, _ = patched
+    patched_paths = [f.path for f in manifest.patched_files]
+    bad = [b for b in B.check_tree_against_record(site, "sglang", BASE_VERSION, ignore=patched_paths)
+           if b.startswith("sglang/")]
+    assert bad == []
+    for f in manifest.patched_files + manifest.new_files:
+        assert B.sha256_hex((site / f.path).read_bytes()) == f.sha256, f.path
+    # and the patched files really differ from pristine: the check above is not vacuous
+    assert len(B.check_tree_against_record(site, "sglang", BASE_VERSION)) >= len(patched_paths)
+
+
+def _cases(models: Path) -> tuple[list[dict], dict[str, object]]:
+    base = ["--model-path", str(models / "target"), "--device", "cpu"]
+    df = [*base, "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(models / "draft"),
+          "--speculative-num-draft-tokens", "16"]
+    full = [*df, "--attention-backend", "triton", "--speculative-ddtree-mode", "full"]
+    good = {
+        "plain": base,
+        "dflash only": df,
+        "shadow default budget": [*df, "--speculative-ddtree-mode", "shadow-linear"],
+        "full 64 cap 4": [*full, "--speculative-ddtree-budget", "64", "--speculative-ddtree-topk-cap", "4"],
+        "full edges": [*full, "--speculative-ddtree-budget", "512", "--speculative-ddtree-topk-cap", "512"],
+        "full budget 1": [*full, "--speculative-ddtree-budget", "1", "--speculative-ddtree-topk-cap", "1"],
+        "full allow hybrid": [*full, "--speculative-ddtree-allow-hybrid-unsafe"],
+        "mode case-insensitive": [*df, "--speculative-ddtree-mode", "Shadow-Linear"],
+    }
+    bad = {
+        "mode without DFLASH": ([*base, "--speculative-ddtree-mode", "full"],
+                                "--speculative-ddtree-mode requires --speculative-algorithm DFLASH"),
+        "budget without DFLASH": ([*base, "--speculative-ddtree-budget", "8"],
+                                  "--speculative-ddtree-budget requires --speculative-algorithm DFLASH"),
+        "allow flag without DFLASH": ([*base, "--speculative-ddtree-allow-hybrid-unsafe"],
+                                      "requires --speculative-algorithm DFLASH"),
+        "budget with mode off": ([*df, "--speculative-ddtree-budget", "8"],
+                                 "--speculative-ddtree-budget has no effect with --speculative-ddtree-mode off"),
+        "bad mode": ([*df, "--speculative-ddtree-mode", "tree"],
+                     "--speculative-ddtree-mode must be one of off, shadow-linear, full; got 'tree'"),
+        "budget 0": ([*full, "--speculative-ddtree-budget", "0"], "--speculative-ddtree-budget must be in 1..512"),
+        "budget 513": ([*full, "--speculative-ddtree-budget", "513"], "--speculative-ddtree-budget must be in 1..512"),
+        "budget not int": ([*full, "--speculative-ddtree-budget", "many"],
+                           "argument --speculative-ddtree-budget: invalid int value"),
+        "cap 0": ([*full, "--speculative-ddtree-topk-cap", "0"], "--speculative-ddtree-topk-cap must be in 1..15"),
+        "cap above budget": ([*full, "--speculative-ddtree-budget", "64", "--speculative-ddtree-topk-cap", "65"],
+                             "--speculative-ddtree-topk-cap must be in 1..64"),
+        "allow flag with shadow": ([*df, "--speculative-ddtree-mode", "shadow-linear",
+                                    "--speculative-ddtree-allow-hybrid-unsafe"],
+                                   "--speculative-ddtree-allow-hybrid-unsafe only applies to --speculative-ddtree-mode full"),
+        "full on flashinfer": ([*df, "--speculative-ddtree-mode", "full", "--attention-backend", "flashinfer"],
+                               "supported: triton; got --attention-backend flashinfer"),
+        "full on paged KV": ([*full, "--page-size", "16"], "--speculative-ddtree-mode full needs --page-size 1"),
+    }
+    cases = [{"name": k, "argv": v} for k, v in good.items()]
+    cases += [{"name": k, "argv": v} for k, (v, _) in bad.items()]
+    # ServerArgs built in Python (Engine kwargs) goes through the same checks.
+    cases.append({"name": "kwargs bad mode", "kwargs": {"model_path": str(models / "target"), "device": "cpu",
+                                                         "speculative_ddtree_mode": "fast"}})
+    expect: dict[str, object] = {k: "ok" for k in good} | {k: msg for k, (_, msg) in bad.items()}
+    expect["kwargs bad mode"] = "--speculative-ddtree-mode must be one of off, shadow-linear, full; got 'fast'"
+    return cases, expect
+
+
+def test_prepare_server_args_accepts_and_refuses(patched, tmp_path):
+    site, _, models = patched
+    cases, expect = _cases(models)
+    cases_file = tmp_path / "cases.json"
+    cases_file.write_text(json.dumps(cases))
+    proc = _run(site, str(SCRIPTS / "server_args_cases.py"), str(cases_file))
+    results = {r["name"]: r for r in (json.loads(ln[5:]) for ln in proc.stdout.splitlines() if ln.startswith("CASE "))}
+    assert sorted(results) == sorted(expect), proc.stderr[-3000:]
+    problems = []
+    for name, want in expect.items():
+        r = results[name]
+        if want == "ok":
+            if not r["ok"]:
+                problems.append(f"{name}: refused: {r['error']}")
+        elif r["ok"] or want not in json.dumps(r.get("error")).replace("\\", ""):
+            problems.append(f"{name}: want error containing {want!r}, got {r}")
+    assert not problems, "\n".join(problems)
+    assert results["plain"]["speculative_ddtree_mode"] == "off"
+    assert results["dflash only"]["speculative_ddtree_budget"] is None
+    shadow = results["shadow default budget"]
+    assert (shadow["speculative_ddtree_mode"], shadow["speculative_ddtree_budget"]) == ("shadow-linear", 15)
+    full = results["full 64 cap 4"]
+    assert (full["speculative_ddtree_mode"], full["speculative_ddtree_budget"], full["speculative_ddtree_topk_cap"]) == (
+        "full", 64, 4)
+    assert full["disable_cuda_graph"] is True  # target-verify graphs are captured for block-size tokens
+    assert results["dflash only"]["disable_cuda_graph"] is False
+    assert results["mode case-insensitive"]["speculative_ddtree_mode"] == "shadow-linear"
+
+
+def test_tree_verify_bookkeeping_and_worker_guards(patched):
+    site, _, _ = patched
+    proc = _run(site, str(SCRIPTS / "ddtree_mock_verify.py"))
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert lines, proc.stderr[-3000:]
+    result = json.loads(lines[-1])
+    assert result["ok"], result["failures"]
+    assert result["steps"] == 60
