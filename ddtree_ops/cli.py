@@ -220,8 +220,10 @@ def hosts(
 
 
 # push, smoke, rollback, history, unlock live in release_cli.py (issue 5); same conventions as above.
-from ddtree_ops import release_cli  # noqa: E402 - needs the options and helpers defined above
+# build lives in bundle_cli.py (issue 4).
+from ddtree_ops import bundle_cli, release_cli  # noqa: E402 - needs the options and helpers defined above
 
+bundle_cli.register(app)
 release_cli.register(app)
 
 
