@@ -38,18 +38,22 @@ class LabLease:
         fcntl.flock(self._file, fcntl.LOCK_SH)
 
     def try_exclusive(self, wait_s: float) -> bool:
-        """Exclusive once no other session holds the lab; False after wait_s (the lease is then shared)."""
+        """Exclusive once no other session holds the lab; False after wait_s (the lease is then shared).
+
+        While waiting this session holds nothing: it runs no test meanwhile, and two sessions that
+        both hold a shared lease while waiting for an exclusive one would wait for each other forever.
+        """
+        fcntl.flock(self._file, fcntl.LOCK_UN)
         deadline = time.monotonic() + wait_s
         while True:
             try:
                 fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 return True
             except BlockingIOError:
-                # A failed conversion may drop our shared lock; take it back before waiting on.
-                fcntl.flock(self._file, fcntl.LOCK_SH)
-                if time.monotonic() > deadline:
+                if time.monotonic() >= deadline:
+                    fcntl.flock(self._file, fcntl.LOCK_SH)
                     return False
-                time.sleep(1)
+                time.sleep(0.5)
 
     def close(self) -> None:
         self._file.close()
