@@ -116,6 +116,10 @@ def _render_push(hosts: list[HostConfig], results: list[HostResult]) -> None:
                 console.print(f"  {f['action']:<9} {f['path']}  {_short(f['now'])} → {_short(f['target'])}")
             for ref in d.get("refusals", []):
                 console.print(f"  [red]refused[/red] {ref['message']}")
+            if d.get("interrupted"):
+                i = d["interrupted"]
+                console.print(f"  [yellow]interrupted[/yellow] {i['action']} of {i['release']} (started {i['started']}) "
+                              "is completed first by the next push or rollback")
 
 
 def register(app: typer.Typer) -> None:
@@ -225,6 +229,8 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def history(
+        host: Annotated[str | None, typer.Argument(help="Host (or group/glob); same as --limit.",
+                                                   show_default=False)] = None,
         inventory: InventoryOption = None,
         limit: LimitOption = None,
         entries: Annotated[int, typer.Option("--entries", "-n", min=1, help="Audit entries per host.")] = 20,
@@ -233,7 +239,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Per host: current and previous release, installed stack, and the audit log's latest entries."""
         with reported_errors(json_output):
-            inv, hosts = load_selection(inventory, limit)
+            inv, hosts = load_selection(inventory, host or limit)
             from ddtree_ops.output import stdout_console
             from ddtree_ops.release import history as do_history
 

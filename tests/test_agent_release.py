@@ -376,3 +376,13 @@ def test_repush_repairs_a_reverted_file(host: Host, tmp_path: Path) -> None:
     assert st["stack"] == [rid]
     assert host.call("rollback", to="previous")["ok"]
     assert host.snapshot() == before
+
+
+def test_dry_run_reports_an_interrupted_install(host: Host, tmp_path: Path) -> None:
+    b = make_bundle(tmp_path / "dist")
+    with pytest.raises(AssertionError, match="gave no answer"):
+        host.push(b, env={**os.environ, KILL_ENV: "1"})
+    plan = host.call("plan", manifest=b.manifest)["result"]
+    assert plan["interrupted"]["action"] == "push" and plan["noop"] is False
+    assert host.push(b)["result"]["recovered"]["direction"] == "completed"
+    assert host.call("plan", manifest=b.manifest)["result"]["interrupted"] is None

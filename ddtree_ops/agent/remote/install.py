@@ -239,9 +239,12 @@ def plan(sd: Path, man: dict, *, sys_path: list | None = None, adopt: bool = Fal
                       "mode": first.get("mode"), "action": "unchanged" if now == first.get("before") else "revert"})
     changes = [f for f in files if f["action"] != "unchanged"]
     noop = not changes and st.get("current") == rid
+    jr = journal.pending(sd)
+    # An interrupted change is completed first by the real run; a dry run says so.
+    interrupted = {"action": jr.get("action"), "release": jr.get("release"), "started": jr.get("started")} if jr else None
     return {"release": rid, "payload_version": man["payload_version"], "site_packages": str(site),
             "base_version": version, "current": st.get("current"), "files": files,
-            "changes": len(changes), "noop": noop, "refusals": refusals}
+            "changes": len(changes), "noop": noop and not jr, "refusals": refusals, "interrupted": interrupted}
 
 
 def op_plan(request: dict) -> dict:
