@@ -380,6 +380,31 @@ class DDTreeController:
         return {"mode": self.mode, "budget": self.budget, "topk_cap": self.topk_cap, **stats}
 
 
+def build_tree_custom_mask(
+    tree_mask: torch.Tensor, prefix_lens: torch.Tensor, prefix_total: int, n: int
+) -> torch.Tensor:
+    """The triton backend's TARGET_VERIFY mask, flat: per request a row-major [n, prefix + n]
+    block (query = tree node, key = prefix then tree nodes), requests back to back. The prefix
+    is visible to every node; the tree part is the builder's ancestor-or-self mask. One scatter,
+    no per-request loop; `prefix_total` (sum of prefix lengths) comes from the host copy."""
+    bs = int(tree_mask.shape[0])
+    device = tree_mask.device
+    prefix = prefix_lens.to(device=device, dtype=torch.int64)
+    row_len = prefix + n  # [bs]
+    block = n * row_len
+    base = torch.cumsum(block, 0) - block  # exclusive prefix sum: start of each request's block
+    out = torch.ones((prefix_total * n + bs * n * n,), dtype=torch.bool, device=device)
+    r = torch.arange(n, device=device, dtype=torch.int64)
+    idx = (
+        base[:, None, None]
+        + r[None, :, None] * row_len[:, None, None]
+        + prefix[:, None, None]
+        + r[None, None, :]
+    )
+    out[idx.reshape(-1)] = tree_mask.to(torch.bool).reshape(-1)
+    return out
+
+
 @dataclass
 class DDTreeVerifyInput(DFlashVerifyInput):
     """TARGET_VERIFY input for a DDTree: `draft_token_num = 1 + budget` tokens per request,
@@ -406,15 +431,9 @@ class DDTreeVerifyInput(DFlashVerifyInput):
             batch.out_cache_loc,
             bs,
         )
-        # Triton layout per request: row-major [q = n, kv = prefix + n]; the whole prefix is
-        # visible, the tree part is the ancestor-or-self mask of the builder.
-        tree_mask = self.tree.tree_mask.to(device=batch.device, dtype=torch.bool)
-        chunks = []
-        for i, prefix_len in enumerate(batch.seq_lens_cpu.tolist()):
-            rows = torch.ones((n, int(prefix_len) + n), dtype=torch.bool, device=batch.device)
-            rows[:, int(prefix_len) :] = tree_mask[i]
-            chunks.append(rows.flatten())
-        self.custom_mask = torch.cat(chunks) if chunks else torch.empty((0,), dtype=torch.bool)
+        self.custom_mask = build_tree_custom_mask(
+            self.tree.tree_mask, batch.seq_lens, int(batch.seq_lens_cpu.sum().item()), n
+        )
         self.controller.set_verify_width(n)
 
     def verify(
