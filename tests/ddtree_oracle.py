@@ -64,7 +64,8 @@ def heap_oracle(logits_row: torch.Tensor, budget: int, topk_cap: int | None = No
         return tree
     cap = min(budget if topk_cap is None else topk_cap, budget, vocab)
     lp = oracle_logprobs(logits_row)
-    ranked = [sorted(range(vocab), key=lambda v, row=row: (-row[v], v))[:cap] for row in lp]
+    raw = logits_row.float().tolist()  # tokens are ranked by logit, then id (see the builder's docs)
+    ranked = [sorted(range(vocab), key=lambda v, row=row: (-row[v], v))[:cap] for row in raw]
 
     heap: list[tuple[float, int, int, int]] = []
 
@@ -94,12 +95,36 @@ def heap_oracle(logits_row: torch.Tensor, budget: int, topk_cap: int | None = No
     return tree
 
 
-def oracle_heap_timed_input(
-    draft_logits: torch.Tensor, budget: int, topk_cap: int | None
-) -> list[OracleTree]:
-    """The oracle over a batch, including the device-to-host copy (what the benchmark times)."""
-    cpu = draft_logits.float().cpu()
-    return [heap_oracle(cpu[b], budget, topk_cap) for b in range(cpu.shape[0])]
+def heap_oracle_lazy(topv: list[list[float]], topi: list[list[int]], budget: int) -> OracleTree:
+    """The reference DDTree heap on precomputed top-K lists (what the reference code and the SGLang port run).
+
+    ``topv[d][r]`` / ``topi[d][r]``: the rank-``r`` log-prob / token at position ``d``. Lazy expansion:
+    popping a node pushes only its next sibling and its first child, O(budget log budget). Same keys,
+    hence the same pop order, as ``heap_oracle``.
+    """
+    depth = len(topv)
+    cap = len(topv[0]) if depth else 0
+    tree = OracleTree(tokens=[], parents=[-1], depths=[0], scores=[0.0], ranks=[-1], paths=[()])
+    heap: list[tuple[float, int, int, int]] = []
+    if budget and depth and topv[0][0] > float("-inf"):
+        heap.append((-topv[0][0], 1, 0, 0))
+    while heap and len(tree.tokens) < budget:
+        neg_score, d, parent, rank = heapq.heappop(heap)
+        tree.tokens.append(topi[d - 1][rank])
+        tree.parents.append(parent)
+        tree.depths.append(d)
+        tree.scores.append(-neg_score)
+        tree.ranks.append(rank)
+        node = len(tree.tokens)
+        if rank + 1 < cap:
+            s = f32(tree.scores[parent] + topv[d - 1][rank + 1])
+            if s > float("-inf"):
+                heapq.heappush(heap, (-s, d, parent, rank + 1))
+        if d < depth:
+            s = f32(-neg_score + topv[d][0])
+            if s > float("-inf"):
+                heapq.heappush(heap, (-s, d + 1, node, 0))
+    return tree
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ddtree_oracle import f32, heap_oracle, load_ddtree_utils, oracle_logprobs
+from ddtree_oracle import f32, heap_oracle, heap_oracle_lazy, load_ddtree_utils, oracle_logprobs
 
 du = load_ddtree_utils()
 
@@ -73,6 +73,24 @@ def test_builder_equals_heap_oracle(budget: int, cap: int | None) -> None:
             assert_matches_oracle(random_logits(rng, batch, depth, vocab), budget, cap)
             cases += 1
     assert cases >= 36
+
+
+def test_lazy_heap_equals_full_heap() -> None:
+    """The benchmark's baseline (lazy sibling/child heap) pops in the oracle's order."""
+    rng = random.Random(5)
+    for _ in range(200):
+        budget, cap = rng.choice(BUDGETS), rng.choice(CAPS)
+        logits = random_logits(rng, 1, rng.choice(DEPTHS), rng.choice([2, 5, 12, 40]))
+        full = heap_oracle(logits[0], budget, cap)
+        k = min(budget if cap is None else cap, budget, logits.shape[-1]) if budget else 1
+        topv, topi = du.topk_logprobs(logits, k)
+        lazy = heap_oracle_lazy(topv[0].tolist(), topi[0].tolist(), budget)
+        assert (lazy.tokens, lazy.parents, lazy.scores, lazy.ranks) == (
+            full.tokens,
+            full.parents,
+            full.scores,
+            full.ranks,
+        )
 
 
 def check_structure(tree, logits: torch.Tensor, cap: int | None) -> None:
@@ -170,7 +188,8 @@ def brute_force_nodes(logits_row: torch.Tensor, cap: int) -> list[tuple[tuple[in
     """Every reachable token path with rank < cap at each position, with its float32 score."""
     depth, vocab = logits_row.shape
     lp = oracle_logprobs(logits_row)
-    ranked = [sorted(range(vocab), key=lambda v, row=row: (-row[v], v))[:cap] for row in lp]
+    raw = logits_row.float().tolist()
+    ranked = [sorted(range(vocab), key=lambda v, row=row: (-row[v], v))[:cap] for row in raw]
     nodes = []
     for d in range(1, depth + 1):
         for path in itertools.product(*ranked[:d]):
@@ -360,4 +379,4 @@ def test_module_imports_only_torch() -> None:
     imports = {
         line.split()[1].split(".")[0] for line in text.splitlines() if line.startswith(("import ", "from "))
     }
-    assert imports <= {"__future__", "os", "dataclasses", "torch"}, imports
+    assert imports <= {"__future__", "os", "sys", "dataclasses", "torch"}, imports

@@ -23,8 +23,8 @@ Order (deterministic tie-breaking) -- the total order on nodes, best first:
   1. higher score first;
   2. on equal score, smaller depth first (so a parent always precedes its child);
   3. on equal score and depth, the node whose parent comes earlier in this order first, and under the
-     same parent the lower token rank first. Token rank at a position orders tokens by log-prob
-     descending, then token id ascending.
+     same parent the lower token rank first. Token rank at a position orders tokens by float32 logit
+     descending (equivalently log-prob descending), then token id ascending.
 A best-first heap keyed ``(-score, depth, pop index of parent, token rank)`` pops in exactly this
 order, which is how the tests' oracle reproduces it. Nodes scoring ``-inf`` (a token with ``-inf``
 logit anywhere on the path) are unreachable and never selected, so a tree may hold fewer than
@@ -38,6 +38,7 @@ Node numbering: node 0 is the root (the previous bonus token, not in the budget)
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -165,16 +166,20 @@ def _effective_cap(budget: int, vocab: int, topk_cap: int | None) -> int:
 
 
 def topk_logprobs(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-``k`` log-probs per position, ordered (log-prob desc, token id asc).
+    """Top-``k`` log-probs per position, ordered (float32 logit desc, token id asc).
 
     Returns ``(values float32 [batch, depth, k], token ids int64 [batch, depth, k])`` with
-    ``values = logits - logsumexp(logits)`` in float32. Plain torch; works on any device.
+    ``values = logits - logsumexp(logits)`` in float32. Ranking by the logit rather than the log-prob
+    is the same order (the shift is monotone) except that two logits which round to one log-prob stay
+    distinct, which lets the Triton pass rank tokens before it knows the log-sum-exp.
+    Plain torch; works on any device.
     """
     logits = draft_logits.float()
-    logprobs = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
     vocab_index = torch.arange(logits.shape[-1], device=logits.device)
-    keys = torch.topk(_sort_keys(logprobs, vocab_index), k, dim=-1, sorted=True).values
-    return _decode_keys(keys)
+    keys = torch.topk(_sort_keys(logits, vocab_index), k, dim=-1, sorted=True).values
+    top_logits, top_ids = _decode_keys(keys)
+    return top_logits - lse, top_ids
 
 
 def _pair_table(budget: int, cap: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -346,14 +351,33 @@ def _finish_tree(
     )
 
 
+_KERNELS: list = []  # [module] once loaded, [None] once known to be unavailable
+
+
+def _kernels():
+    """The Triton kernels module beside this file, or None (no Triton, or disabled by env)."""
+    if not _KERNELS:
+        try:
+            if __package__:
+                from . import ddtree_kernels as module
+            else:  # loaded by file path (tests, benchmarks): load the sibling the same way
+                import importlib.util
+                from pathlib import Path
+
+                path = Path(__file__).with_name("ddtree_kernels.py")
+                spec = importlib.util.spec_from_file_location("ddtree_kernels_" + __name__, path)
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+        except ImportError:  # triton missing or unusable: the torch path is exact too
+            module = None
+        _KERNELS.append(module)
+    return _KERNELS[0]
+
+
 def _use_triton(draft_logits: torch.Tensor) -> bool:
     if not draft_logits.is_cuda or os.environ.get("DDTREE_DISABLE_TRITON", "") not in ("", "0"):
         return False
-    try:
-        from . import ddtree_kernels  # noqa: F401  (imports triton)
-    except ImportError:  # triton missing or unusable: the torch path is exact too
-        return False
-    return True
+    return _kernels() is not None
 
 
 def build_ddtree(draft_logits: torch.Tensor, budget: int, topk_cap: int | None = None) -> DDTree:
@@ -379,9 +403,7 @@ def build_ddtree(draft_logits: torch.Tensor, budget: int, topk_cap: int | None =
         return _root_only_tree(batch, budget, depth, draft_logits.device)
     cap = _effective_cap(budget, vocab, topk_cap)
     if _use_triton(draft_logits):
-        from . import ddtree_kernels
-
-        return ddtree_kernels.build_ddtree_triton(draft_logits, budget, cap)
+        return _kernels().build_ddtree_triton(sys.modules[__name__], draft_logits, budget, cap)
     topv, topi = topk_logprobs(draft_logits, cap)
     return select_tree_from_topk(topv, topi, budget)
 
