@@ -195,6 +195,7 @@ def main() -> int:
         if controller.widths != [n, None]:
             failures.append(f"trial {trial}: verify width calls {controller.widths}")
     failures += guard_checks()
+    failures += hook_checks()
     print(json.dumps({"ok": not failures, "steps": steps, "failures": failures[:10]}))
     return 0 if not failures else 1
 
@@ -207,12 +208,14 @@ class FlashInferAttnBackend:
     num_draft_tokens = 16
 
 
-def _worker(mode="full", allow=False, backend=TritonAttnBackend, hybrid_attr=None, hf=None, page_size=1):
+def _worker(mode="full", allow=False, backend=TritonAttnBackend, hybrid_attr=None, hf=None, page_size=1, vocab=VOCAB):
     runner = SimpleNamespace(
         attn_backend=backend(),
         mambaish_config=None,
         hybrid_gdn_config=None,
-        model_config=SimpleNamespace(hf_config=SimpleNamespace(to_dict=lambda: hf or {"model_type": "qwen3"})),
+        model_config=SimpleNamespace(
+            hf_config=SimpleNamespace(to_dict=lambda: hf or {"model_type": "qwen3"}), vocab_size=vocab
+        ),
     )
     if hybrid_attr:
         setattr(runner, hybrid_attr, object())
@@ -270,6 +273,109 @@ def guard_checks() -> list[str]:
     state = json.loads(json.dumps(ctl.internal_state()))
     if state.get("mode") != "full" or "accepted_depth_hist" not in state:
         out.append(f"internal_state: {state}")
+    return out
+
+
+
+def _lm_head(weight_full: torch.Tensor, rank: int, tp: int, padded_total: int) -> SimpleNamespace:
+    """A vocab-parallel LM head shard laid out as SGLang's VocabParallelEmbedding (no added vocab)."""
+    vocab = weight_full.shape[0]
+    per = padded_total // tp
+    start, end = min(rank * per, vocab), min((rank + 1) * per, vocab)
+    local = torch.zeros(per, weight_full.shape[1])
+    local[: end - start] = weight_full[start:end]
+    shard = SimpleNamespace(num_org_elements=end - start, num_org_elements_padded=per, num_added_elements=0,
+                            org_vocab_start_index=start)
+    return SimpleNamespace(weight=local, shard_indices=shard)
+
+
+def hook_checks() -> list[str]:
+    """draft_logits under emulated TP (shard gather = column == token id), and the on_draft /
+    on_verified hooks: shadow builds but never verifies; full installs the tree verify input only
+    for plain greedy batches whose tree fits the free KV pool."""
+    import sglang.srt.distributed as dist
+
+    out: list[str] = []
+    torch.manual_seed(1)
+    vocab, hid, tp, padded = 100, 8, 2, 128
+    weight = torch.randn(vocab, hid)
+    hs = torch.randn(6, hid)
+    want = hs @ weight.T
+    ctl = dw.DDTreeController.maybe_create(_worker(vocab=vocab))
+    locals_: dict[int, torch.Tensor] = {}
+    def capture(rank: int):
+        def all_gather(x, dim=-1):
+            locals_[rank] = x.clone()
+            return x
+
+        return lambda: SimpleNamespace(world_size=tp, all_gather=all_gather)
+
+    for rank in range(tp):  # pass 1: what each rank would contribute
+        dist.get_tp_group = capture(rank)
+        ctl.draft_logits(hs, _lm_head(weight, rank, tp, padded))
+    for rank in range(tp):  # pass 2: every rank sees the same gathered row
+        dist.get_tp_group = lambda: SimpleNamespace(
+            world_size=tp, all_gather=lambda x, dim=-1: torch.cat([locals_[r] for r in range(tp)], dim=dim))
+        got = ctl.draft_logits(hs, _lm_head(weight, rank, tp, padded))
+        if got.shape != want.shape or not torch.allclose(got, want, atol=1e-5):
+            out.append(f"tp draft logits rank {rank}: mismatch {tuple(got.shape)}")
+    dist.get_tp_group = lambda: SimpleNamespace(world_size=1)
+    head = _lm_head(torch.randn(VOCAB, hid), 0, 1, VOCAB)
+    if not torch.allclose(ctl.draft_logits(hs, head), hs @ head.weight[:VOCAB].T):
+        out.append("tp=1 draft logits mismatch")
+
+    def batch_for(bs, greedy=True, free=10_000):
+        alloc = FakeAllocator(free + 1)
+        seq = torch.tensor([5 + i for i in range(bs)], dtype=torch.int64)
+        info = SimpleNamespace(is_all_greedy=greedy, has_custom_logit_processor=False, logit_bias=None,
+                               penalizer_orchestrator=SimpleNamespace(is_required=False))
+        alloc.available_size = lambda: len(alloc.free_slots)
+        return SimpleNamespace(
+            forward_mode=SimpleNamespace(is_idle=lambda: False), batch_size=lambda: bs, device=torch.device("cpu"),
+            seq_lens=seq.clone(), seq_lens_cpu=seq.clone(), seq_lens_sum=int(seq.sum()),
+            req_pool_indices=torch.arange(bs, dtype=torch.int64), sampling_info=info,
+            req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(bs, 256, dtype=torch.int64)),
+            token_to_kv_pool_allocator=alloc, tree_cache=None, reqs=[], input_ids=None, out_cache_loc=None,
+            spec_info="untouched", return_hidden_states=True,
+        ), alloc
+
+    dw.alloc_token_slots = lambda cache, k: cache_alloc[0].alloc(k)
+    dw.assign_req_to_token_pool_func = fake_assign
+    dw.evict_from_tree_cache = lambda cache, k: None
+    draft_hidden = torch.randn(2, 16, hid)
+    bonus = torch.tensor([3, 4])
+    for mode, greedy, free, want_tree in (("shadow-linear", True, 10_000, False), ("full", True, 10_000, True),
+                                          ("full", False, 10_000, False), ("full", True, 100, False)):
+        ctl = dw.DDTreeController.maybe_create(_worker(mode=mode))
+        batch, alloc = batch_for(2, greedy, free)
+        cache_alloc = [alloc]
+        took = ctl.on_draft(batch, bonus_tokens=bonus, target_prefix_lens=batch.seq_lens,
+                            draft_hidden=draft_hidden, lm_head=head)
+        label = f"on_draft {mode} greedy={greedy} free={free}"
+        if took != want_tree:
+            out.append(f"{label}: took={took}")
+            continue
+        if took:
+            vi = batch.spec_info
+            n = 65
+            if not isinstance(vi, dw.DDTreeVerifyInput) or vi.draft_token_num != n:
+                out.append(f"{label}: spec_info {type(vi).__name__}")
+                continue
+            toks = vi.draft_token.view(2, n)
+            pos = vi.positions.view(2, n)
+            if not torch.equal(toks[:, 0], bonus) or not torch.equal(pos, batch.seq_lens[:, None] + vi.tree.depths):
+                out.append(f"{label}: root token / positions wrong")
+            if ctl._attn_backend.num_draft_tokens != n or batch.out_cache_loc.numel() != 2 * n:
+                out.append(f"{label}: verify width {ctl._attn_backend.num_draft_tokens}, slots {batch.out_cache_loc.numel()}")
+        else:
+            if batch.spec_info != "untouched":
+                out.append(f"{label}: linear path must keep upstream's verify input")
+            if mode == "shadow-linear" and ctl.stats.nodes_sum != 2 * 65:
+                out.append(f"{label}: shadow tree not measured ({ctl.stats.nodes_sum})")
+            ctl.on_verified(object(), [3, 0])
+            fallback = 1 if mode == "full" else 0
+            if ctl.stats.fallback_steps != fallback or ctl.stats.accepted_depth_hist != {3: 1, 0: 1}:
+                out.append(f"{label}: stats {ctl.stats.as_dict()}")
     return out
 
 
