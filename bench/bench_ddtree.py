@@ -79,19 +79,23 @@ def trees_equal(a, b) -> list[str]:
 
 def correctness(dk, quick: bool, interpret: bool = False) -> dict:
     out: dict = {"topk": [], "select": [], "oracle": [], "graph": None}
-    vocab_big = 3000 if interpret else 20000 if quick else VOCAB
+    vocab_big = 700 if interpret else 20000 if quick else VOCAB
     build = (
         (lambda x, b, c=None: dk.build_ddtree_triton(du, x, b, du._effective_cap(b, x.shape[-1], c)))
         if interpret
         else du.build_ddtree
     )
     shapes = [(8, DEPTH, vocab_big, "gauss", torch.bfloat16), (2, DEPTH, vocab_big, "ties", torch.bfloat16),
-              (3, 5, 1000, "inf", torch.float32), (2, 3, 70, "gauss", torch.float16)]  # fmt: skip
+              (3, DEPTH, 1000, "inf", torch.float32)]  # fmt: skip
     if interpret:
-        shapes = [(s[0], 4, min(s[2], 3000), *s[3:]) for s in shapes]
+        shapes = [(s[0], 4, min(s[2], 700), *s[3:]) for s in shapes]
+    # (top-K, budget) pairs: few distinct kernel specialisations, since each costs a compile
+    pairs = [(1, 16), (4, 16), (16, 16), (4, 64), (64, 64), (2, 63), (256, 256)]
+    if interpret:  # the interpreter is slow: keep the dry run to small kernels
+        pairs = [(1, 16), (4, 16), (2, 63)]
     for batch, depth, vocab, kind, dtype in shapes:
         x = make_logits(batch, depth, vocab, kind, dtype)
-        for k in (1, 4, 16, 64, 256):
+        for k, budget in pairs:
             k = min(k, vocab)
             ref_v, ref_i = du.topk_logprobs(x, k)
             got_v, got_i = dk.topk_logprobs_triton(du, x, k)
@@ -110,20 +114,20 @@ def correctness(dk, quick: bool, interpret: bool = False) -> dict:
                 and rec["max_abs_logprob_diff"] < 1e-4
             )
             out["topk"].append(rec)
-            for budget in (1, 7, 16, 64, 256):
-                if budget < k:
-                    continue
-                ref = du.select_tree_from_topk(ref_v, ref_i, budget)
-                got = dk.select_tree_triton(du, ref_v, ref_i, budget)
-                bad = trees_equal(ref, got)
-                out["select"].append({"shape": [batch, depth, vocab], "kind": kind, "k": k, "budget": budget,
-                                      "mismatched_fields": bad, "ok": not bad})  # fmt: skip
+            ref = du.select_tree_from_topk(ref_v, ref_i, budget)
+            got = dk.select_tree_triton(du, ref_v, ref_i, budget)
+            bad = trees_equal(ref, got)
+            out["select"].append({"shape": [batch, depth, vocab], "kind": kind, "k": k, "budget": budget,
+                                  "mismatched_fields": bad, "ok": not bad})  # fmt: skip
     # end to end against the heap on the CPU (ranks from the torch path's top-K on the CPU)
-    for budget, cap in ((64, None), (256, None), (16, 4), (63, 2)):
+    # end to end against the reference heap on the CPU, fed the Triton top-K (so that both select
+    # from identical log-probs; the top-K itself is checked against the torch path above)
+    for budget, cap in ((16, 4), (63, 2)) if interpret else ((64, None), (256, None), (16, 4), (63, 2)):
         x = make_logits(4, 4 if interpret else DEPTH, vocab_big, "gauss")
         tree = build(x, budget, cap)
         k = min(budget if cap is None else cap, budget)
-        topv, topi = du.topk_logprobs(x.cpu(), k)
+        topv, topi = dk.topk_logprobs_triton(du, x, k)
+        topv, topi = topv.cpu(), topi.cpu()
         same = 0
         for b in range(x.shape[0]):
             ref = heap_oracle_lazy(topv[b].tolist(), topi[b].tolist(), budget)
@@ -132,6 +136,7 @@ def correctness(dk, quick: bool, interpret: bool = False) -> dict:
                 int(tree.num_nodes[b]) == m
                 and tree.token_ids[b, : m - 1].tolist() == ref.tokens
                 and tree.parents[b, :m].tolist() == ref.parents
+                and tree.scores[b, :m].tolist() == ref.scores
             )
         out["oracle"].append({"budget": budget, "cap": cap, "requests": x.shape[0], "identical_trees": same,
                               "ok": same == x.shape[0]})  # fmt: skip

@@ -202,7 +202,9 @@ def _select_tree_kernel(
 @triton.jit
 def _kth_largest(keys, valid, k):
     """Largest t with #(valid & keys >= t) >= k, for int32 keys: bisection by counting (32 steps)."""
-    lo = (k * 0).to(tl.int64) - 2147483648
+    # Scalars derived from the keys, not from k: Triton specialises an int argument equal to 1 into
+    # a constexpr, which has no .to().
+    lo = tl.min(keys.to(tl.int64) * 0, axis=0) - 2147483648
     hi = lo + 4294967295
     for _ in range(32):
         mid = (lo + hi + 1) >> 1  # arithmetic shift: floor, also for negative sums
@@ -227,6 +229,7 @@ def _row_topk_kernel(
     n_chunks,
     n_blocks,
     K,
+    KB,  # min(K, n_blocks), computed on the host
     SUB_: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_B: tl.constexpr,
@@ -248,7 +251,7 @@ def _row_topk_kernel(
     lse = big_safe + tl.log(tl.sum(csum * tl.exp(cmax - big_safe), axis=0))
 
     # K best sub-blocks; ties on the max go to the lower block index.
-    kb = tl.minimum(K, n_blocks)
+    kb = KB
     offs_b = tl.arange(0, BLOCK_B)
     bvalid = offs_b < n_blocks
     bkey = _f32_key(tl.load(block_max_ptr + row64 * n_blocks + offs_b, mask=bvalid, other=float("-inf")))
@@ -347,6 +350,7 @@ def topk_logprobs_triton(du, draft_logits: torch.Tensor, k: int) -> tuple[torch.
         n_chunks,
         n_blocks,
         k,
+        min(k, n_blocks),
         SUB_=SUB,
         BLOCK_C=triton.next_power_of_2(n_chunks),
         BLOCK_B=triton.next_power_of_2(n_blocks),
