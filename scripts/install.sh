@@ -7,8 +7,8 @@ log() { printf '\033[1m[install]\033[0m %s\n' "$*" >&2; }
 
 if [ "$(id -u)" != 0 ]; then echo "install.sh: run as root (the lab fleet needs systemd-nspawn, bridges and mounts)" >&2; exit 2; fi
 
-# The lab hosts are systemd-nspawn containers built with debootstrap on a private bridge.
-APT_PACKAGES=(systemd-container debootstrap iproute2 openssh-client ca-certificates xz-utils)
+# The lab owns its list (systemd-nspawn, debootstrap, ...); its module needs only the stdlib.
+read -r -a APT_PACKAGES <<< "$(PYTHONPATH=. python3 -m ddtree_ops.lab.image apt-packages)"
 missing=()
 for p in "${APT_PACKAGES[@]}"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then
@@ -23,16 +23,23 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 VPIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
-# torch 2.14.1 + torchvision 0.29.1: SGLang 0.5.13.post1 imports torchvision.io unconditionally and
-# no torchvision build matches the CPU-only torch 2.13.0 (see DESIGN.md); these CUDA builds run on CPU.
-if ! .venv/bin/python -c "import torch, torchvision; assert torch.__version__.startswith('2.14.1')" 2>/dev/null; then
-  log "installing torch 2.14.1 + torchvision 0.29.1 (several GB, from the local wheel mirror when present)"
-  "${VPIP[@]}" torch==2.14.1 torchvision==0.29.1
-fi
-if ! .venv/bin/python -c "import importlib.metadata as m; assert m.version('sglang') == '0.5.13.post1'" 2>/dev/null; then
-  log "installing sglang==0.5.13.post1 (no deps) and what its server_args needs on CPU"
+# The same stack as every lab host's venv (ddtree_ops/lab/image.py): torch 2.14.1 + torchvision
+# 0.29.1 CUDA builds that run on CPU (sglang imports torchvision.io unconditionally and no
+# torchvision matches the CPU-only torch 2.13.0), and what sglang's server_args and the patched
+# serving path import; sglang itself goes in --no-deps (its full set pulls GPU-only packages).
+REQS=$(mktemp); trap 'rm -f "$REQS"' EXIT
+PYTHONPATH=. python3 -m ddtree_ops.lab.image venv-requirements > "$REQS"
+if ! .venv/bin/python - "$REQS" <<'PY' 2>/dev/null
+import importlib.metadata as m, sys
+for line in open(sys.argv[1]).read().split():
+    name, _, version = line.partition("==")
+    assert m.version(name) == version if version else m.version(name)
+assert m.version("sglang") == "0.5.13.post1"
+PY
+then
+  log "installing sglang==0.5.13.post1 (--no-deps), torch 2.14.1 and the lab's CPU stack (several GB; local wheel mirror when present)"
+  "${VPIP[@]}" -r "$REQS"
   "${VPIP[@]}" --no-deps sglang==0.5.13.post1
-  "${VPIP[@]}" -r scripts/sglang-cpu-requirements.txt
 fi
 log "installing ddtree-ops (editable) with dev extras"
 "${VPIP[@]}" -e ".[dev]"

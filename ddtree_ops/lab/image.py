@@ -85,6 +85,13 @@ VENV_REQUIREMENTS = (
     "einops",
     "compressed-tensors",
     "gguf",
+    # The serving path the payload patches (scheduler → dflash_worker) imports these; with them
+    # `smoke` imports the patched worker itself instead of warning that it could not.
+    "loguru",
+    "setproctitle",
+    "uvicorn",
+    "fastapi",
+    "opentelemetry-api",
 )
 
 # Parsed inside the image once at build time, so a broken venv fails the build, not a test later.
@@ -381,8 +388,12 @@ def _freeze(rootfs: Path, python: str, lock: Path, log: Path) -> None:
 if __name__ == "__main__":
     # `python3 -m ddtree_ops.lab.image apt-packages` prints what to apt-get before any venv exists
     # (this module needs only the standard library).
+    # `venv-requirements` prints what the lab venv holds besides sglang (installed --no-deps), one
+    # per line, so the control machine's dev venv (scripts/install.sh) tests the same stack.
     if sys.argv[1:] == ["apt-packages"]:
         print(" ".join(required_apt_packages()))
+    elif sys.argv[1:] == ["venv-requirements"]:
+        print("\n".join(VENV_REQUIREMENTS))
     else:
-        print("usage: python3 -m ddtree_ops.lab.image apt-packages", file=sys.stderr)
+        print("usage: python3 -m ddtree_ops.lab.image apt-packages|venv-requirements", file=sys.stderr)
         sys.exit(2)
