@@ -11,10 +11,19 @@
 #    plus DDTree full (must be refused by the worker's hybrid guard) and shadow-linear on the hybrids.
 #    One server starts alone to warm the JIT caches; the rest start together on the one GPU so a
 #    single call fits every variant. Each tiny server really uses ~2 GB (KV capped by
-#    --max-total-tokens); --mem-fraction-static 0.3 only has to exceed the memory the others hold,
-#    because SGLang sizes its pool as fraction * total - used.
+#    --max-total-tokens); SGLang 0.5.13.post1 sizes its pool as free_after_load - free_before_load *
+#    (1 - fraction) ~= fraction * (total - used by others) - weights, so 0.3 leaves ample room even
+#    with ~20 servers on GPU 0 (TP servers take the minimum over their ranks).
 # 4) the same greedy requests to each (sequentially: timings are not shared), then compare_ddtree.py.
 # Env: BUDGET_S (deadline, default 560), ONLY="tag tag" (subset), SGLANG_DDTREE_LOG_EVERY (default 8).
+# TP2=1 (nvidia-h200-x2, issue 6): first tp_tree_check.py --nproc 2 (NCCL, SGLang's real TP groups and
+#   ParallelLMHead shards: the gathered-vocab tree equals the one-device tree; runs in the background
+#   while the warm-up server starts, log $OUT/tp_tree_check.log), then also serves p_plain_tp2,
+#   p_dflash_tp2, p_full64_tp2, p_shadow_tp2, r_full64_tp2 = their one-GPU twins + --tp-size 2 on GPUs
+#   0,1, each with its own --nccl-port (server port + 5; our ports stay below the ephemeral range that
+#   the one-GPU servers' random NCCL ports come from). One-GPU servers stay on GPU 0 (--base-gpu-id 0).
+#   TP2_EXTRA (default --disable-custom-all-reduce: its v2 kernel would JIT-compile in every TP server at
+#   start; the DDTree gather is an all-gather over NCCL either way) is added to the TP servers' flags.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -42,6 +51,11 @@ bad = [b for b in bad if b.startswith("sglang/") and not b.endswith(": missing")
 print("untouched upstream files differing from RECORD:", len(bad), bad[:5])
 EOF
 ts "site extracted + bundle installed"
+TPC_PID=
+if [ "${TP2:-0}" = 1 ]; then  # on both GPUs, alongside the model making and the warm-up server
+  python3 $HERE/tp_tree_check.py --nproc 2 --device cuda --require-installed --timeout 180 > "$OUT/tp_tree_check.log" 2>&1 &
+  TPC_PID=$!
+fi
 
 # The peaked set first (the warm-up server uses it); the others are made while it starts.
 PEAKED=1 python3 $HERE/make_tiny_models.py /tmp/tiny_p 2>&1 | grep -v -i "warn\|Writing model"
@@ -52,7 +66,7 @@ ts "peaked models made"
 
 COMMON=(--host 127.0.0.1 --attention-backend triton --sampling-backend pytorch --grammar-backend none
         --disable-cuda-graph --disable-piecewise-cuda-graph --mem-fraction-static 0.3
-        --max-total-tokens 16384 --log-level info)
+        --max-total-tokens 16384 --log-level info --base-gpu-id 0)
 DF=(--speculative-algorithm DFLASH --speculative-num-draft-tokens 16)
 # tag | model dir | extra args   (the draft is <model dir>/draft when DFLASH is on)
 VARIANTS=(
@@ -72,11 +86,31 @@ VARIANTS=(
   "h_marker_full|/tmp/tiny_h/marker|DF --speculative-ddtree-mode full --speculative-ddtree-budget 64"
   "h_marker_shadow|/tmp/tiny_h/marker|DF --speculative-ddtree-mode shadow-linear"
 )
+if [ "${TP2:-0}" = 1 ]; then  # the TP twins (token TP2 -> --tp-size 2 --nccl-port ...), queried early
+  WITH_TP=()
+  for v in "${VARIANTS[@]}"; do
+    WITH_TP+=("$v")
+    case ${v%%|*} in
+      p_full256) WITH_TP+=("p_plain_tp2|/tmp/tiny_p|TP2" "p_dflash_tp2|/tmp/tiny_p|DF TP2"
+        "p_full64_tp2|/tmp/tiny_p|DF --speculative-ddtree-mode full --speculative-ddtree-budget 64 TP2"
+        "p_shadow_tp2|/tmp/tiny_p|DF --speculative-ddtree-mode shadow-linear --speculative-ddtree-budget 64 TP2") ;;
+      r_full256) WITH_TP+=("r_full64_tp2|/tmp/tiny_r|DF --speculative-ddtree-mode full --speculative-ddtree-budget 64 TP2") ;;
+    esac
+  done
+  VARIANTS=("${WITH_TP[@]}")
+fi
+read -r -a TP2_EXTRA_ARGS <<< "${TP2_EXTRA---disable-custom-all-reduce}"
 declare -A PID PORT
 launch() {  # TAG MODEL_DIR EXTRA...
   local tag=$1 model=$2; shift 2
   local args=()
-  for a in "$@"; do if [ "$a" = DF ]; then args+=("${DF[@]}" --speculative-draft-model-path "$model/draft"); else args+=("$a"); fi; done
+  for a in "$@"; do
+    case $a in
+      DF) args+=("${DF[@]}" --speculative-draft-model-path "$model/draft") ;;
+      TP2) args+=(--tp-size 2 --nccl-port $(( PORT[$tag] + 5 )) "${TP2_EXTRA_ARGS[@]}") ;;
+      *) args+=("$a") ;;
+    esac
+  done
   rm -f /tmp/spid_$tag
   setsid bash -c 'echo $$ > /tmp/spid_'$tag'; exec python3 -m sglang.launch_server "$@"' _ \
     --model-path "$model/target" --port "${PORT[$tag]}" "${COMMON[@]}" "${args[@]}" > "$OUT/server_$tag.log" 2>&1 &
@@ -118,13 +152,17 @@ ts "$tag (warm-up server) client rc=$?"
 kill -TERM -- "-${PID[$tag]}" 2>/dev/null
 wait $MAKE_PID; grep -v -i "warn\|Writing model" "$OUT/make_r.log" "$OUT/make_h.log" | tail -8
 ts "other models made"
+if [ -n "$TPC_PID" ]; then
+  wait $TPC_PID; ts "tp_tree_check rc=$?"; grep '^{' "$OUT/tp_tree_check.log" | tail -1 | cut -c1-3000
+  grep -E "Error|Traceback" "$OUT/tp_tree_check.log" | tail -4
+fi
 for v in "${rest[@]}"; do IFS='|' read -r tag model extra <<< "$v"; launch "$tag" "$model" $extra; done
 # Query only once every server is up (or dead), so start-up CPU load does not skew the timings.
 ALLPORTS=(); for v in "${rest[@]}"; do t=${v%%|*}; ALLPORTS+=("${PORT[$t]}:${PID[$t]}"); done
 python3 $HERE/wait_all.py $(( DEADLINE - $(date +%s) - 150 )) "${ALLPORTS[@]}"
-ts "all servers up or dead; GPU mem: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader)"
+ts "all servers up or dead; GPU mem: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader | paste -sd' ')"
 for v in "${rest[@]}"; do IFS='|' read -r tag model extra <<< "$v"; query "$tag"; done
-ts "queries done; GPU mem: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader)"
+ts "queries done; GPU mem: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader | paste -sd' ')"
 stop_all; trap - EXIT
 python3 $HERE/compare_ddtree.py "$OUT" | tee "$OUT/summary.txt"
 ts "done"
