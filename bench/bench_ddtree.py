@@ -77,7 +77,7 @@ def trees_equal(a, b) -> list[str]:
     return [f for f in FIELDS if not torch.equal(getattr(a, f), getattr(b, f))]
 
 
-def correctness(dk, quick: bool, interpret: bool = False) -> dict:
+def correctness(dk, quick: bool, interpret: bool = False, light: bool = False) -> dict:
     out: dict = {"topk": [], "select": [], "oracle": [], "graph": None}
     vocab_big = 700 if interpret else 20000 if quick else VOCAB
     build = (
@@ -93,6 +93,9 @@ def correctness(dk, quick: bool, interpret: bool = False) -> dict:
     pairs = [(1, 16), (4, 16), (16, 16), (4, 64), (64, 64), (2, 63), (256, 256)]
     if interpret:  # the interpreter is slow: keep the dry run to small kernels
         pairs = [(1, 16), (4, 16), (2, 63)]
+    if light:
+        pairs = [(1, 16), (16, 16), (64, 64), (2, 63), (256, 256)]
+        shapes.append((2, DEPTH, vocab_big, "gauss", torch.float16))
     for batch, depth, vocab, kind, dtype in shapes:
         x = make_logits(batch, depth, vocab, kind, dtype)
         for k, budget in pairs:
@@ -167,6 +170,69 @@ def capture(fn):
     with torch.cuda.graph(graph):
         result = fn()
     return graph, result
+
+
+def sweep_warps(dk) -> dict:
+    """Time the two latency-bound kernels at several num_warps (batch 64), check each variant against
+    the torch path, and install the fastest correct one in the kernels' tables for the main table."""
+    result: dict = {"select": {}, "topk": {}}
+    x = make_logits(64, DEPTH, VOCAB, "gauss")
+    for budget in (16, 64, 256):
+        ref_v, ref_i = du.topk_logprobs(x, budget)
+        ref = du.select_tree_from_topk(ref_v, ref_i, budget)
+        block_k = triton_next_pow2(budget)
+        tile = block_k * dk.SUB
+        best = None
+        for warps in (2, 4, 8) if tile <= 1024 else (4, 8, 16):
+            dk.TOPK_WARPS[tile] = warps
+            try:
+                got_v, got_i = dk.topk_logprobs_triton(du, x, budget)
+                ok = bool(torch.equal(got_i, ref_i))
+                us = bench_us(lambda budget=budget: dk.topk_logprobs_triton(du, x, budget))
+            except Exception as exc:  # a variant that does not build is skipped, not fatal
+                print("variant failed", warps, repr(exc)[:300])
+                ok, us = False, float("nan")
+            result["topk"][f"{budget}/{warps}"] = {"us": us, "ok": ok}
+            print(
+                json.dumps({"sweep": "topk", "budget": budget, "warps": warps, "us": round(us, 1), "ok": ok})
+            )
+            if ok and (best is None or us < best[0]):
+                best = (us, warps)
+        if best is None:
+            dk.TOPK_WARPS.pop(tile, None)
+        else:
+            dk.TOPK_WARPS[tile] = best[1]
+        pairs = dk._pairs_i32(du, budget, budget, x.device)[0].numel()
+        size = max(triton_next_pow2(pairs), triton_next_pow2(DEPTH * budget))
+        best = None
+        for warps in (1, 2, 4) if size <= 1024 else (2, 4, 8):
+            dk.SELECT_WARPS[size] = warps
+            try:
+                got = dk.select_tree_triton(du, ref_v, ref_i, budget)
+                ok = not trees_equal(ref, got)
+                us = bench_us(lambda v=ref_v, i=ref_i, b=budget: dk.select_tree_triton(du, v, i, b))
+            except Exception as exc:
+                print("variant failed", warps, repr(exc)[:300])
+                ok, us = False, float("nan")
+            result["select"][f"{budget}/{warps}"] = {"us": us, "ok": ok}
+            print(
+                json.dumps(
+                    {"sweep": "select", "budget": budget, "warps": warps, "us": round(us, 1), "ok": ok}
+                )
+            )
+            if ok and (best is None or us < best[0]):
+                best = (us, warps)
+        if best is None:
+            dk.SELECT_WARPS.pop(size, None)
+        else:
+            dk.SELECT_WARPS[size] = best[1]
+    result["chosen"] = {"TOPK_WARPS": dict(dk.TOPK_WARPS), "SELECT_WARPS": dict(dk.SELECT_WARPS)}
+    print(json.dumps(result["chosen"]), flush=True)
+    return result
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
 
 
 def heap_reference(logits: torch.Tensor, budget: int) -> None:
@@ -256,6 +322,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the num_warps sweep")
+    parser.add_argument(
+        "--light-checks", action="store_true", help="fewer correctness cases (fewer compiles)"
+    )
     parser.add_argument(
         "--spare-s", type=float, default=200.0, help="after this, skip the comparison columns"
     )
@@ -281,7 +351,7 @@ def main() -> None:
     }
     print(json.dumps(env), flush=True)
     t0 = time.time()
-    check = correctness(dk, args.quick, args.interpret)
+    check = correctness(dk, args.quick, args.interpret, args.light_checks)
     check["seconds"] = round(time.time() - t0, 1)
     (out / "ddtree_check.json").write_text(json.dumps(check, indent=1))
     failed = [r for key in ("topk", "select", "oracle") for r in check[key] if not r["ok"]]
@@ -290,8 +360,9 @@ def main() -> None:
                       "seconds": check["seconds"]}), flush=True)  # fmt: skip
     if args.interpret:
         return
+    sweep = None if args.quick or args.no_sweep else sweep_warps(dk)
     rows = timings(dk, args.quick, t0 + args.spare_s)
-    (out / "ddtree_bench.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    (out / "ddtree_bench.json").write_text(json.dumps({"env": env, "sweep": sweep, "rows": rows}, indent=1))
     md = table(rows)
     (out / "ddtree_bench.md").write_text(json.dumps(env) + "\n\n" + md)
     print(md)

@@ -40,7 +40,7 @@ for case in range(cases):
     else:
         x = torch.randn(batch, depth, vocab).masked_fill(torch.rand(batch, depth, vocab) < 0.9, float("-inf"))
         x[..., 0] = 0.3
-    x = x.to(rng.choice([torch.float32, torch.bfloat16])).to(device)
+    x = x.to(rng.choice([torch.float32, torch.bfloat16, torch.float16])).to(device)
     ctx = (batch, depth, vocab, budget, cap, kind)
     ref_v, ref_i = du.topk_logprobs(x, k)
     got_v, got_i = dk.topk_logprobs_triton(du, x, k)

@@ -27,6 +27,14 @@ import triton.language as tl
 
 SUB = 64  # tokens per sub-block (the unit of the top-K prefilter)
 CHUNK_SUBS = 64  # sub-blocks per program in the stats pass: 4096 tokens
+# float32 key bits that are constant within a group of equal high bits, by input dtype: a bf16 value
+# widened to float32 has 16 zero mantissa bits (after the order-preserving flip, all zeros or all
+# ones), an fp16 value 13 (12 used: the radix takes two bits per step).
+_LOW_BITS = {torch.bfloat16: 16, torch.float16: 12}
+# num_warps by problem size (the key: the largest power-of-two block the kernel sorts or scans).
+# Measured on the H200 by bench/bench_ddtree.py's sweep; sizes not listed use the fallback rule.
+SELECT_WARPS: dict[int, int] = {}
+TOPK_WARPS: dict[int, int] = {}
 
 
 @triton.jit
@@ -200,19 +208,37 @@ def _select_tree_kernel(
 
 
 @triton.jit
-def _kth_largest(keys, valid, k):
-    """Largest t with #(valid & keys >= t) >= k, for int32 keys: bisection by counting (32 steps)."""
-    # Scalars derived from the keys, not from k: Triton specialises an int argument equal to 1 into
-    # a constexpr, which has no .to().
-    lo = tl.min(keys.to(tl.int64) * 0, axis=0) - 2147483648
-    hi = lo + 4294967295
-    for _ in range(32):
-        mid = (lo + hi + 1) >> 1  # arithmetic shift: floor, also for negative sums
-        count = tl.sum((valid & (keys.to(tl.int64) >= mid)).to(tl.int32), axis=0)
-        ok = count >= k
-        lo = tl.where(ok, mid, lo)
-        hi = tl.where(ok, hi, mid - 1)
-    return lo
+def _kth_largest(keys, valid, k, LOW_BIT: tl.constexpr):
+    """Radix select: the k-th largest of int32 ``keys`` among ``valid``, two bits per step.
+
+    Works on the biased unsigned key ``u = key + 2**31`` and returns the largest ``p`` (bits below
+    ``LOW_BIT`` zero) with ``#(valid & u >= p) >= k``. Each step counts four thresholds at once
+    (one reduction per two bits). Keys that come from bf16 (fp16) inputs are constant in their low
+    16 (12) bits within a group of equal high bits, so those bits need no steps: compare
+    ``u >> LOW_BIT`` with ``p >> LOW_BIT`` to classify.
+    """
+    u = keys.to(tl.int64) + 2147483648
+    # a scalar derived from the keys: Triton specialises an int argument equal to 1 into a constexpr
+    prefix = tl.min(u * 0, axis=0)
+    digit = tl.arange(0, 4).to(tl.int64)
+    for step in range((32 - LOW_BIT) // 2):
+        shift = 30 - 2 * step
+        thresholds = prefix + (digit << shift)
+        count = tl.sum(((u[None, :] >= thresholds[:, None]) & valid[None, :]).to(tl.int32), axis=1)
+        best = tl.max(tl.where(count >= k, digit, 0), axis=0)
+        prefix = prefix + (best << shift)
+    return prefix
+
+
+@triton.jit
+def _select_k(keys, valid, k, LOW_BIT: tl.constexpr):
+    """Mask of exactly the k best of ``keys`` (key desc, then position asc) among ``valid``."""
+    p = _kth_largest(keys, valid, k, LOW_BIT)
+    high = (keys.to(tl.int64) + 2147483648) >> LOW_BIT
+    above = valid & (high > (p >> LOW_BIT))
+    tied = valid & (high == (p >> LOW_BIT))
+    need = k - tl.sum(above.to(tl.int32), axis=0)
+    return above | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= need))
 
 
 @triton.jit
@@ -234,12 +260,13 @@ def _row_topk_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    LOW_BIT: tl.constexpr,
 ):
     """Per row: log-sum-exp from the chunk stats, then the exact top-K (logit desc, id asc).
 
-    Selection by counting bisection on order-preserving integer keys instead of sorting the row: the
-    K best sub-blocks (max desc, block asc), then the K best tokens of their K * SUB logits, then a
-    bitonic sort of just those K.
+    Selection by radix select on order-preserving integer keys instead of sorting the row: the K best
+    sub-blocks (max desc, block asc), then the K best tokens of their K * SUB logits, then a bitonic
+    sort of just those K.
     """
     row = tl.program_id(0)
     row64 = row.to(tl.int64)
@@ -255,11 +282,7 @@ def _row_topk_kernel(
     offs_b = tl.arange(0, BLOCK_B)
     bvalid = offs_b < n_blocks
     bkey = _f32_key(tl.load(block_max_ptr + row64 * n_blocks + offs_b, mask=bvalid, other=float("-inf")))
-    t = _kth_largest(bkey, bvalid, kb)
-    above = bvalid & (bkey.to(tl.int64) > t)
-    tied = bvalid & (bkey.to(tl.int64) == t)
-    need = kb - tl.sum(above.to(tl.int32), axis=0)
-    chosen = above | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= need))
+    chosen = _select_k(bkey, bvalid, kb, LOW_BIT)
     slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1  # chosen blocks in increasing block index
     tl.store(block_scratch_ptr + row * BLOCK_K + slot, offs_b, mask=chosen)
     tl.debug_barrier()
@@ -272,11 +295,7 @@ def _row_topk_kernel(
     cvalid = kvalid & (col < vocab)
     x = tl.load(logits_ptr + row64 * vocab + col, mask=cvalid, other=float("-inf")).to(tl.float32)
     xkey = _f32_key(x)
-    t2 = _kth_largest(xkey, cvalid, K)
-    above2 = cvalid & (xkey.to(tl.int64) > t2)
-    tied2 = cvalid & (xkey.to(tl.int64) == t2)
-    need2 = K - tl.sum(above2.to(tl.int32), axis=0)
-    chosen2 = above2 | (tied2 & (tl.cumsum(tied2.to(tl.int32), axis=0) <= need2))
+    chosen2 = _select_k(xkey, cvalid, K, LOW_BIT)
     slot2 = tl.cumsum(chosen2.to(tl.int32), axis=0) - 1
     tl.store(key_scratch_ptr + row * BLOCK_K + slot2, _pack(x, col), mask=chosen2)
     tl.debug_barrier()
@@ -355,7 +374,8 @@ def topk_logprobs_triton(du, draft_logits: torch.Tensor, k: int) -> tuple[torch.
         BLOCK_C=triton.next_power_of_2(n_chunks),
         BLOCK_B=triton.next_power_of_2(n_blocks),
         BLOCK_K=block_k,
-        num_warps=4 if tile <= 2048 else 8 if tile <= 8192 else 16,
+        LOW_BIT=_LOW_BITS.get(draft_logits.dtype, 0),
+        num_warps=TOPK_WARPS.get(tile, 4 if tile <= 2048 else 8 if tile <= 8192 else 16),
     )
     return topv, topi
 
@@ -409,7 +429,8 @@ def select_tree_triton(du, topv: torch.Tensor, topi: torch.Tensor, budget: int):
     rindex = torch.empty((batch, n1), device=device, dtype=i64)
     rnext = torch.empty((batch, n1), device=device, dtype=i64)
     rsib = torch.empty((batch, n1), device=device, dtype=i64)
-    warps = 4 if max(block_p, block_m) <= 1024 else 8 if max(block_p, block_m) <= 4096 else 16
+    size = max(block_p, block_m)
+    warps = SELECT_WARPS.get(size, 4 if size <= 1024 else 8 if size <= 4096 else 16)
     _select_tree_kernel[(batch,)](
         topv.contiguous(),
         topi.contiguous(),
