@@ -11,12 +11,15 @@ Pipeline (no host-device synchronisation, so the whole call can be captured in a
      consecutive tokens.
   2. Top-K without a second full read: the row's top-K tokens (logit desc, token id asc) lie in the K
      sub-blocks with the largest maxima (ties to the lower block) -- each of K better sub-blocks would
-     hold a token ranked above any token outside them. So torch.topk picks K sub-blocks out of
-     ``vocab / SUB`` maxima, gathers their ``K * SUB`` logits, and takes the exact top-K of those.
-     Unique int64 keys (value bits, then inverted index) make both topk calls deterministic.
+     hold a token ranked above any token outside them. So ``_row_topk_kernel`` (one program per
+     row) picks K sub-blocks out of ``vocab / SUB`` maxima, gathers their ``K * SUB`` logits and
+     takes the exact top-K of those, both by radix select on order-preserving integer keys with
+     ties to the lower index, then sorts just those K.
   3. ``_select_tree_kernel``: one program per request runs the per-depth beam (bitonic sorts of the
      ``(i+1)(j+1) <= budget`` candidate pairs), the global cut, node numbering, parents, the ancestor
      mask and SGLang's ``retrive_*`` arrays -- one launch for the whole selection.
+``topk_logprobs_triton_glue`` keeps the first version of step 2 (torch ops) for the benchmark.
+H200 figures and what each version cost: bench/RESULTS.md, "DDTree tree builder on the H200".
 """
 
 from __future__ import annotations
@@ -32,9 +35,10 @@ CHUNK_SUBS = 64  # sub-blocks per program in the stats pass: 4096 tokens
 # ones), an fp16 value 13 (12 used: the radix takes two bits per step).
 _LOW_BITS = {torch.bfloat16: 16, torch.float16: 12}
 # num_warps by problem size (the key: the largest power-of-two block the kernel sorts or scans).
-# Measured on the H200 by bench/bench_ddtree.py's sweep; sizes not listed use the fallback rule.
-SELECT_WARPS: dict[int, int] = {}
-TOPK_WARPS: dict[int, int] = {}
+# Best of bench/bench_ddtree.py's sweep on the H200 (2026-11-29, batch 64, see bench/RESULTS.md);
+# sizes not listed use the fallback rule at the call site, which agrees with these.
+SELECT_WARPS: dict[int, int] = {256: 4, 1024: 4, 4096: 8}
+TOPK_WARPS: dict[int, int] = {1024: 4, 4096: 8, 16384: 16}
 
 
 @triton.jit
