@@ -380,3 +380,69 @@ def test_module_imports_only_torch() -> None:
         line.split()[1].split(".")[0] for line in text.splitlines() if line.startswith(("import ", "from "))
     }
     assert imports <= {"__future__", "os", "sys", "dataclasses", "torch"}, imports
+
+
+def sgl_verify_tree_greedy(
+    candidates, retrive_index, next_token, next_sibling, target_predict, num_spec_tokens
+):
+    """Python transcription of sgl_kernel's ``VerifyTreeGreedy`` (csrc/speculative/eagle_utils.cu),
+    the walk SGLang runs over ``retrive_*``: ``target_predict`` is flat over the verify batch."""
+    bs, n = candidates.shape
+    predicts = [-1] * (bs * n)
+    accept_index = [[-1] * num_spec_tokens for _ in range(bs)]
+    accept_num = [0] * bs
+    for bx in range(bs):
+        last = int(retrive_index[bx, 0])
+        accept_index[bx][0] = last
+        num, cur = 0, 0
+        for _ in range(1, num_spec_tokens):
+            cur = int(next_token[bx, cur])
+            while cur != -1:
+                draft_index = int(retrive_index[bx, cur])
+                if int(candidates[bx, cur]) == int(target_predict[last]):
+                    predicts[last] = int(target_predict[last])
+                    num += 1
+                    accept_index[bx][num] = draft_index
+                    last = draft_index
+                    break
+                cur = int(next_sibling[bx, cur])
+            if cur == -1:
+                break
+        accept_num[bx] = num
+        predicts[last] = int(target_predict[last])
+    return predicts, accept_index, accept_num
+
+
+def test_retrive_arrays_drive_sglangs_greedy_verify_walk() -> None:
+    """SGLang's own tree walk over our retrive_* arrays accepts what follow_verified_tree accepts."""
+    rng = random.Random(17)
+    g = torch.Generator().manual_seed(17)
+    for _ in range(120):
+        batch, depth, vocab = rng.choice(BATCHES), rng.choice(DEPTHS), rng.choice([3, 12, 40])
+        budget, cap = rng.choice(BUDGETS[1:]), rng.choice(CAPS)
+        logits = random_logits(rng, batch, depth, vocab)
+        tree = du.build_ddtree(logits, budget, cap)
+        n = budget + 1
+        roots = torch.randint(0, vocab, (batch,), generator=g)
+        candidates = tree.full_token_ids(roots)
+        # targets that often follow a branch: each node's target is one of its children's tokens or noise
+        target = torch.randint(0, vocab, (batch, n), generator=g)
+        for b in range(batch):
+            for i in range(1, int(tree.num_nodes[b])):
+                if rng.random() < 0.6:
+                    target[b, int(tree.parents[b, i])] = int(tree.token_ids[b, i - 1])
+        accepted, lengths, bonus = du.follow_verified_tree(tree, target)
+        predicts, accept_index, accept_num = sgl_verify_tree_greedy(
+            candidates,
+            tree.retrive_index,
+            tree.retrive_next_token,
+            tree.retrive_next_sibling,
+            target.reshape(-1),
+            depth + 1,
+        )
+        assert accept_num == lengths.tolist()
+        for b in range(batch):
+            length = int(lengths[b])
+            flat = tree.retrive_index[b].gather(0, accepted[b, : length + 1]).tolist()
+            assert accept_index[b][: length + 1] == flat
+            assert predicts[flat[-1]] == int(bonus[b])

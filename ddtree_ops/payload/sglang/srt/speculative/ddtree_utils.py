@@ -368,7 +368,7 @@ def _kernels():
                 spec = importlib.util.spec_from_file_location("ddtree_kernels_" + __name__, path)
                 module = importlib.util.module_from_spec(spec)
                 spec.loader.exec_module(module)
-        except ImportError:  # triton missing or unusable: the torch path is exact too
+        except Exception:  # triton missing or broken (not only ImportError): the torch path is exact too
             module = None
         _KERNELS.append(module)
     return _KERNELS[0]
