@@ -134,7 +134,8 @@ for tag in ("h_next_full", "h_marker_full", "h_marker_shadow"):
         summary["ok"] = False
 
 TP2 = [("p_plain_tp2", "p_plain"), ("p_dflash_tp2", "p_dflash"), ("p_full64_tp2", "p_full64"),
-       ("p_shadow_tp2", "p_shadow"), ("r_full64_tp2", "r_full64")]
+       ("p_shadow_tp2", "p_shadow"), ("r_plain_tp2", "r_plain"), ("r_dflash_tp2", "r_dflash"),
+       ("r_full64_tp2", "r_full64")]
 
 
 def tp_check_verdict():
@@ -159,7 +160,7 @@ if tp_run:
     if not (tp_check or {}).get("ok"):
         summary["ok"] = False
     for tag, twin in TP2:
-        plain_tp2 = seqs(load(f"{tag[0]}_plain_tp2"))  # r has no TP plain run: None there
+        plain_tp2 = seqs(load(f"{tag[0]}_plain_tp2"))
         j, jt = load(tag), load(twin)
         X = seqs(j)
         plain_1gpu = seqs(load(f"{tag[0]}_plain"))
@@ -182,8 +183,10 @@ if tp_run:
             "server_info_ddtree": _server_info_ddtree(j),
             "error": (j or {}).get("error"),
         }
-        # Required: token identity with one-GPU plain decoding (the proof).
-        if r["identical_to_1gpu_plain"] is not True:
+        # Required: token identity with plain decoding at the same TP size. Identity with one-GPU
+        # plain is reported too, but a bf16 near-tie can flip an argmax between TP sizes by
+        # reduction order alone (the random model has such ties), so it is not the criterion.
+        if r["identical_to_tp2_plain"] is not True:
             summary["ok"] = False
         if tag == "p_shadow_tp2":
             r["accept_equal_to_dflash_tp2"] = sp is not None and sp == spec(load("p_dflash_tp2"))

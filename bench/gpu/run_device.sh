@@ -94,7 +94,10 @@ if [ "${TP2:-0}" = 1 ]; then  # the TP twins (token TP2 -> --tp-size 2 --nccl-po
       p_full256) WITH_TP+=("p_plain_tp2|/tmp/tiny_p|TP2" "p_dflash_tp2|/tmp/tiny_p|DF TP2"
         "p_full64_tp2|/tmp/tiny_p|DF --speculative-ddtree-mode full --speculative-ddtree-budget 64 TP2"
         "p_shadow_tp2|/tmp/tiny_p|DF --speculative-ddtree-mode shadow-linear --speculative-ddtree-budget 64 TP2") ;;
-      r_full256) WITH_TP+=("r_full64_tp2|/tmp/tiny_r|DF --speculative-ddtree-mode full --speculative-ddtree-budget 64 TP2") ;;
+      # r_plain_tp2 is r_full64_tp2's arithmetic twin: the random model has sub-ulp bf16 near-ties
+      # where TP's reduction order alone can flip an argmax (seen on 2026-11-29, see RESULTS.md).
+      r_full256) WITH_TP+=("r_plain_tp2|/tmp/tiny_r|TP2" "r_dflash_tp2|/tmp/tiny_r|DF TP2"
+        "r_full64_tp2|/tmp/tiny_r|DF --speculative-ddtree-mode full --speculative-ddtree-budget 64 TP2") ;;
     esac
   done
   VARIANTS=("${WITH_TP[@]}")
