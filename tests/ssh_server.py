@@ -6,6 +6,7 @@ every command it was asked to run, so tests can assert that a refused connection
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import threading
@@ -92,10 +93,13 @@ def _bridge(chan: paramiko.Channel, destination: tuple) -> None:
         try:
             while data := read(65536):
                 write(data)
-        except OSError:
+        except (OSError, EOFError):
             pass
         finally:
-            chan.close()
+            # Both directions close both ends; the second close can meet a transport that the
+            # client already tore down (paramiko raises EOFError then), which is the normal end.
+            with contextlib.suppress(OSError, EOFError):
+                chan.close()
             upstream.close()
 
     threading.Thread(target=forward, args=(chan.recv, upstream.sendall), daemon=True).start()
