@@ -25,6 +25,7 @@ from typer.core import TyperGroup
 
 from ddtree_ops import __version__
 from ddtree_ops.errors import OpsError, UsageError
+from ddtree_ops.fleet import DEFAULT_CONCURRENCY
 
 if TYPE_CHECKING:
     from ddtree_ops.inventory import HostConfig, Inventory
@@ -157,7 +158,7 @@ def status(
     inventory: InventoryOption = None,
     limit: LimitOption = None,
     json_output: JsonOption = False,
-    concurrency: ConcurrencyOption = 16,
+    concurrency: ConcurrencyOption = DEFAULT_CONCURRENCY,
 ) -> None:
     """Per-host facts: OS, SGLang, service, release, lock, GPUs, disk.
 

@@ -26,6 +26,8 @@ from ddtree_ops.cli import (
     load_selection,
     reported_errors,
 )
+from ddtree_ops.fleet import DEFAULT_CONCURRENCY
+from ddtree_ops.smoke import DEFAULT_STEP_TIMEOUT_S
 
 if TYPE_CHECKING:
     from ddtree_ops.fleet import HostResult
@@ -133,7 +135,7 @@ def register(app: typer.Typer) -> None:
         adopt: AdoptOption = False,
         lock_wait: LockWaitOption = 0.0,
         json_output: JsonOption = False,
-        concurrency: ConcurrencyOption = 16,
+        concurrency: ConcurrencyOption = DEFAULT_CONCURRENCY,
     ) -> None:
         """Install a payload bundle on hosts: preflight, lock, upload, verify, back up, install, record.
 
@@ -158,9 +160,9 @@ def register(app: typer.Typer) -> None:
         inventory: InventoryOption = None,
         limit: LimitOption = None,
         step_timeout: Annotated[float, typer.Option("--step-timeout", min=1, metavar="SECONDS",
-                                                    help="Timeout of each smoke step on a host.")] = 240.0,
+                                                    help="Timeout of each smoke step on a host.")] = DEFAULT_STEP_TIMEOUT_S,
         json_output: JsonOption = False,
-        concurrency: ConcurrencyOption = 16,
+        concurrency: ConcurrencyOption = DEFAULT_CONCURRENCY,
     ) -> None:
         """Check the installed payload with each host's own SGLang Python.
 
@@ -198,7 +200,7 @@ def register(app: typer.Typer) -> None:
                                                             "(their bytes are kept in the state dir).")] = False,
         lock_wait: LockWaitOption = 0.0,
         json_output: JsonOption = False,
-        concurrency: ConcurrencyOption = 16,
+        concurrency: ConcurrencyOption = DEFAULT_CONCURRENCY,
     ) -> None:
         """Restore files from the backups of a release, byte for byte (sha256-verified).
 
@@ -235,7 +237,7 @@ def register(app: typer.Typer) -> None:
         limit: LimitOption = None,
         entries: Annotated[int, typer.Option("--entries", "-n", min=1, help="Audit entries per host.")] = 20,
         json_output: JsonOption = False,
-        concurrency: ConcurrencyOption = 16,
+        concurrency: ConcurrencyOption = DEFAULT_CONCURRENCY,
     ) -> None:
         """Per host: current and previous release, installed stack, and the audit log's latest entries."""
         with reported_errors(json_output):
@@ -267,7 +269,7 @@ def register(app: typer.Typer) -> None:
         limit: LimitOption = None,
         yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation (for scripts).")] = False,
         json_output: JsonOption = False,
-        concurrency: ConcurrencyOption = 16,
+        concurrency: ConcurrencyOption = DEFAULT_CONCURRENCY,
     ) -> None:
         """Break the host lock left by a dead run (shows the holder and asks first; --yes for scripts).
 
