@@ -30,7 +30,16 @@ from .atomic import (
     write_bytes_atomic,
     write_json_atomic,
 )
-from .layout import RELEASES, STAGING, find_base, release_dir, safe_name, safe_relpath, state_dir_of
+from .layout import (
+    BACKUP_RECORD,
+    RELEASES,
+    STAGING,
+    find_base,
+    release_dir,
+    safe_name,
+    safe_relpath,
+    state_dir_of,
+)
 
 # Room kept free beyond the bytes we can count (json files, directory blocks).
 SPACE_MARGIN = 64 * 1024
@@ -187,7 +196,7 @@ def op_stage_verify(request: dict) -> dict:
 
 
 def _stack_records(sd: Path, stack: list[str]) -> list[dict]:
-    return [read_json(release_dir(sd, r) / "backup.json", {}) or {} for r in stack]
+    return [read_json(release_dir(sd, r) / BACKUP_RECORD, {}) or {} for r in stack]
 
 
 def plan(sd: Path, man: dict, *, sys_path: list | None = None, adopt: bool = False) -> dict:
@@ -284,7 +293,7 @@ def _write_release_dir(sd: Path, rid: str, bundle: Path, man: dict, blobs: dict[
             # A file this bundle dropped: its "new" bytes are the pre-ddtree bytes from the
             # release that first touched it.
             copy_file_atomic(release_dir(sd, f["origin"]) / "backup" / rel, tmp / "payload" / rel)
-    write_json_atomic(tmp / "backup.json", record)
+    write_json_atomic(tmp / BACKUP_RECORD, record)
     fsync_dir(tmp)
     if final.exists():
         shutil.rmtree(final)
@@ -326,7 +335,7 @@ def install(sd: Path, bundle: Path, *, operator: str, sys_path: list | None = No
                          "free space on the state-dir filesystem; nothing was changed")
     tmp = sd / RELEASES / f".{rid}.tmp"
     try:
-        prior = read_json(release_dir(sd, rid) / "backup.json") if repairing else None
+        prior = read_json(release_dir(sd, rid) / BACKUP_RECORD) if repairing else None
         if isinstance(prior, dict) and isinstance(prior.get("files"), dict):
             # Repairing the current release (someone reverted some of its files): its backup still
             # holds the true "before", and a content-addressed id means the same patched bytes, so

@@ -20,7 +20,8 @@ from .atomic import AgentError
 
 STAGING = "staging"
 RELEASES = "releases"
-JOURNAL = "journal.json"  # the same name state_dir.journal_file() gives facts
+JOURNAL = "journal.json"
+BACKUP_RECORD = "backup.json"
 
 
 def state_dir_of(request: dict) -> Path:

@@ -17,11 +17,11 @@ from pathlib import Path
 
 from . import install, journal, lock, state
 from .atomic import AgentError, copy_file_atomic, read_json, sha256_file
-from .layout import RELEASES, find_base, release_dir, safe_name, state_dir_of
+from .layout import BACKUP_RECORD, RELEASES, find_base, release_dir, safe_name, state_dir_of
 
 
 def _record(sd: Path, rid: str) -> dict:
-    rec = read_json(release_dir(sd, rid) / "backup.json")
+    rec = read_json(release_dir(sd, rid) / BACKUP_RECORD)
     if not isinstance(rec, dict) or not isinstance(rec.get("files"), dict):
         raise AgentError("backup_missing", f"release {rid} has no backup manifest in {release_dir(sd, rid)}",
                          "the state dir was damaged; restore files by reinstalling sglang")

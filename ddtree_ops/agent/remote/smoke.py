@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 from .atomic import read_json
-from .layout import release_dir
+from .layout import BACKUP_RECORD, release_dir
+from .state import STATE
 
 DEFAULT_TIMEOUT_S = 240.0
 OUTPUT_TAIL = 4000
@@ -194,9 +195,9 @@ def _patched_modules(request: dict) -> list[str]:
     mods = list(request.get("modules") or [])
     sd = request.get("state_dir")
     if not mods and isinstance(sd, str) and sd.startswith("/"):
-        st = read_json(Path(sd) / "state.json", {}) or {}
+        st = read_json(Path(sd) / STATE, {}) or {}
         cur = st.get("current") if isinstance(st, dict) else None
-        rec = read_json(release_dir(Path(sd), cur) / "backup.json", {}) if cur else {}
+        rec = read_json(release_dir(Path(sd), cur) / BACKUP_RECORD, {}) if cur else {}
         for rel in sorted((rec or {}).get("files", {})):
             if rel.endswith(".py") and rel.startswith("sglang/"):
                 name = rel[:-3].replace("/", ".")

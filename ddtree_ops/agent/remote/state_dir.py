@@ -5,8 +5,8 @@
     <state_dir>/journal.json        present only while an install or rollback is in flight
     <state_dir>/releases/<id>/      bundle, manifest, backups
 
-The ops that write these (lock, install, rollback, state) own their semantics; this module only
-names the paths so every op agrees on them.
+The ops that write these (lock, install, rollback, state) own their semantics and the file
+names; this module builds the paths facts reads from those same names.
 """
 
 from __future__ import annotations
@@ -14,25 +14,20 @@ from __future__ import annotations
 import json
 import os
 
+from .lock import LOCK_DIR, OWNER
+from .state import STATE
+
 
 def state_file(state_dir: str) -> str:
-    return os.path.join(state_dir, "state.json")
+    return os.path.join(state_dir, STATE)
 
 
 def lock_dir(state_dir: str) -> str:
-    return os.path.join(state_dir, "lock")
+    return os.path.join(state_dir, LOCK_DIR)
 
 
 def lock_owner_file(state_dir: str) -> str:
-    return os.path.join(lock_dir(state_dir), "owner.json")
-
-
-def journal_file(state_dir: str) -> str:
-    return os.path.join(state_dir, "journal.json")
-
-
-def releases_dir(state_dir: str) -> str:
-    return os.path.join(state_dir, "releases")
+    return os.path.join(lock_dir(state_dir), OWNER)
 
 
 def read_json_file(path: str):
