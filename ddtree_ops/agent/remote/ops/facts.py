@@ -16,7 +16,6 @@ installed); a source that exists but fails adds a line to `warnings` instead of 
 from __future__ import annotations
 
 import csv
-import hashlib
 import importlib.metadata
 import importlib.util
 import os
@@ -27,6 +26,7 @@ import socket
 import subprocess
 import sys
 
+from .. import atomic
 from ..errors import AgentError
 from ..requests import get_abs_path, get_str, get_str_list, relative_inside
 from ..state_dir import lock_dir, lock_owner_file, read_json_file, state_file
@@ -130,16 +130,12 @@ def _version_from_source(package_dir: str) -> str | None:
 
 def sha256_file(path: str) -> str | None:
     """Hex sha256 of a regular file; None when it does not exist (or is not a file)."""
-    digest = hashlib.sha256()
     try:
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return atomic.sha256_file(path)
+    except (IsADirectoryError, NotADirectoryError):
         return None
     except OSError as exc:
         raise AgentError("unreadable_file", f"cannot read {path}: {exc}", "check permissions (or set `sudo: true`)") from None
-    return digest.hexdigest()
 
 
 SERVICE_PROPERTIES = ("LoadState", "ActiveState", "SubState", "UnitFileState", "FragmentPath", "MainPID")
