@@ -201,6 +201,15 @@ def test_shipped_sources_cover_the_remote_tree() -> None:
     assert shipped == expected
 
 
+def test_every_registered_op_resolves_to_a_function() -> None:
+    import importlib
+
+    from ddtree_ops.agent.remote import ops
+
+    for op, (module, function) in ops.REGISTRY.items():
+        assert callable(getattr(importlib.import_module(".." + module, ops.__name__), function)), op
+
+
 def test_agent_writes_nothing_outside_its_answer(tmp_path: Path) -> None:
     """The bootstrap leaves no files behind (sources live in memory)."""
     before = set(os.listdir("/tmp"))

@@ -1,7 +1,8 @@
-"""Registry of agent operations: op name -> module (imported only when called).
+"""Registry of agent operations: op name -> (module of the agent package, function), imported
+only when called.
 
-Each op module defines `run(args: dict) -> dict` and raises AgentError for expected failures.
-Later ops (lock, install, rollback, state, smoke) add a module here and a line below.
+Each op function takes the request's `args` dict, returns a dict and raises AgentError for
+expected failures. A new op adds its function to a module and a line below.
 """
 
 from __future__ import annotations
@@ -11,24 +12,24 @@ import importlib
 from ..errors import AgentError
 
 REGISTRY = {
-    "facts": "facts",
+    "facts": ("ops.facts", "run"),  # what the host is and runs; changes nothing
     # releases (issue 5): lock / stage / plan / install / rollback / history / smoke
-    "lock": "lock",
-    "unlock": "unlock",
-    "lock_status": "lock_status",
-    "stage_begin": "stage_begin",
-    "stage_verify": "stage_verify",
-    "plan": "plan",
-    "install": "install",
-    "rollback": "rollback",
-    "recover": "recover",
-    "history": "history",
-    "smoke": "smoke",
+    "lock": ("lock", "op_lock"),  # take the host lock; answers the lock_id later calls pass
+    "unlock": ("lock", "op_unlock"),  # release the lock by lock_id, or break it with force
+    "lock_status": ("lock", "op_lock_status"),  # who holds the lock, and whether it is stale
+    "stage_begin": ("install", "op_stage_begin"),  # check room for an upload, name its staging path
+    "stage_verify": ("install", "op_stage_verify"),  # check an uploaded bundle's sha256 and contents
+    "plan": ("install", "op_plan"),  # dry run of a push from an inline manifest; changes nothing
+    "install": ("install", "op_install"),  # backup, journaled atomic replace, record
+    "rollback": ("rollback", "op_rollback"),  # restore a previous release or pristine from backups
+    "recover": ("journal", "op_recover"),  # finish an interrupted install or rollback
+    "history": ("state", "op_history"),  # state.json and the audit log tail
+    "smoke": ("smoke", "op_smoke"),  # import, server-args and tree-builder checks with the host's Python
 }
 
 
 def dispatch(op: object, args: dict) -> dict:
     if not isinstance(op, str) or op not in REGISTRY:
         raise AgentError("unknown_op", f"unknown agent op {op!r}", f"known ops: {', '.join(sorted(REGISTRY))}")
-    module = importlib.import_module("." + REGISTRY[op], __name__)
-    return module.run(args)
+    module, function = REGISTRY[op]
+    return getattr(importlib.import_module(".." + module, __name__), function)(args)
