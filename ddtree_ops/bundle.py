@@ -738,8 +738,4 @@ def check_tree_against_record(
     return bad
 
 
-def manifest_json(manifest: BundleManifest) -> str:
-    return json.dumps(manifest.model_dump(), indent=2, sort_keys=True)
-
-
 BundleSourceKind = Literal["wheel", "python", "site_dir", "download"]
