@@ -26,7 +26,7 @@ from ddtree_ops.cli import (
     load_selection,
     reported_errors,
 )
-from ddtree_ops.fleet import DEFAULT_CONCURRENCY
+from ddtree_ops.fleet import DEFAULT_CONCURRENCY, exit_code
 from ddtree_ops.smoke import DEFAULT_STEP_TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -41,7 +41,6 @@ AdoptOption = Annotated[bool, typer.Option("--adopt", help="Take over files that
 
 def _finish(command: str, hosts: list[HostConfig], results: list[HostResult], json_output: bool,
             render: Any = None) -> None:
-    from ddtree_ops.fleet import exit_code
     from ddtree_ops.output import emit_json, print_failures, print_notices
     from ddtree_ops.release import summary
 
@@ -52,7 +51,6 @@ def _finish(command: str, hosts: list[HostConfig], results: list[HostResult], js
         render(hosts, results)
     print_notices(results)
     print_failures(results, debug=_Session.debug)
-    bad = [*summ["failed"], *summ["unreachable"]]
     line = f"{command}: {summ['ok']}/{summ['hosts']} ok"
     if summ["noop"]:
         line += f", {len(summ['noop'])} no-op (nothing to do)"
@@ -61,7 +59,7 @@ def _finish(command: str, hosts: list[HostConfig], results: list[HostResult], js
     if summ["unreachable"]:
         line += f"; unreachable: {', '.join(summ['unreachable'])}"
     sys.stderr.write(line + "\n")
-    raise typer.Exit(exit_code(results) if bad else 0)
+    raise typer.Exit(exit_code(results))
 
 
 @contextmanager
