@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from ddtree_ops import release  # noqa: E402
-from ddtree_ops.bundle import build_bundle_result  # noqa: E402
+from ddtree_ops.bundle import build_bundle  # noqa: E402
 from ddtree_ops.inventory import load_inventory  # noqa: E402
 
 
@@ -47,7 +47,7 @@ def main() -> None:
     inv = load_inventory(args.inventory)
     with tempfile.TemporaryDirectory() as tmp:
         site = importlib.metadata.distribution("sglang").locate_file("")
-        built = build_bundle_result(None, tmp, site_dir=site)
+        built = build_bundle(None, tmp, site_dir=site)
         bundle = release.LocalBundle.load(built.bundle_path)
         figures: dict[str, list[float]] = {}
         all_hosts = inv.select(None)

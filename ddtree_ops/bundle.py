@@ -562,29 +562,12 @@ def build_bundle(
     download: bool = False,
     cache_dir: str | os.PathLike[str] | None = None,
     build_time: str | _dt.datetime | None = None,
-) -> BundleManifest:
+) -> BuildResult:
     """Build `out_dir/ddtree-payload-<version>.tar.gz` from the payload at `source`
     (None: the payload shipped in this package) and pristine files from exactly one of
-    wheel / python / site_dir / download. Returns the manifest (also written beside the
-    bundle as `<bundle>.manifest.json` for humans and CI artifacts)."""
-    return build_bundle_result(
-        source, out_dir, wheel=wheel, python=python, site_dir=site_dir, download=download,
-        cache_dir=cache_dir, build_time=build_time,
-    ).manifest
-
-
-def build_bundle_result(
-    source: str | os.PathLike[str] | None,
-    out_dir: str | os.PathLike[str],
-    *,
-    wheel: str | os.PathLike[str] | None = None,
-    python: str | None = None,
-    site_dir: str | os.PathLike[str] | None = None,
-    download: bool = False,
-    cache_dir: str | os.PathLike[str] | None = None,
-    build_time: str | _dt.datetime | None = None,
-) -> BuildResult:
-    """Like build_bundle, but also returns the bundle path, its sha256 and the pristine source."""
+    wheel / python / site_dir / download. Returns the manifest, the bundle path, its sha256 and
+    where the pristine files came from (the manifest is also written beside the bundle as
+    `<bundle>.manifest.json` for humans and CI artifacts)."""
     _, desc = load_payload(source)
     pristine = make_pristine_source(
         wheel=wheel, python=python, site_dir=site_dir, download=download,

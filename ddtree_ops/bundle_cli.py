@@ -91,7 +91,7 @@ def register(app: typer.Typer) -> None:
                                      hint="--wheel PATH, --from-python PYTHON or --download")
                 # No source named: the registry's wheel (cached), the one that is checkable anywhere.
                 download = download or not sources
-                result = bundle_lib.build_bundle_result(payload, out, wheel=wheel, python=from_python,
+                result = bundle_lib.build_bundle(payload, out, wheel=wheel, python=from_python,
                                                         download=download)
                 doc = _describe(result.manifest, result.bundle_path, result.bundle_sha256, result.source)
                 verb = "built"

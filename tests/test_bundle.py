@@ -27,7 +27,7 @@ def wheel() -> Path:
 
 @pytest.fixture(scope="module")
 def built(wheel, tmp_path_factory) -> B.BuildResult:
-    return B.build_bundle_result(None, tmp_path_factory.mktemp("dist"), wheel=wheel, build_time=FIXED_TIME)
+    return B.build_bundle(None, tmp_path_factory.mktemp("dist"), wheel=wheel, build_time=FIXED_TIME)
 
 
 def _record(wheel: Path) -> dict[str, str]:
@@ -100,16 +100,16 @@ def test_patches_are_small_unified_diffs():
 
 
 def test_reproducible_bytes_and_manifest(wheel, built, tmp_path):
-    again = B.build_bundle_result(None, tmp_path / "a", wheel=wheel, build_time=FIXED_TIME)
+    again = B.build_bundle(None, tmp_path / "a", wheel=wheel, build_time=FIXED_TIME)
     assert again.bundle_path.read_bytes() == built.bundle_path.read_bytes()
-    later = B.build_bundle_result(None, tmp_path / "b", wheel=wheel)
+    later = B.build_bundle(None, tmp_path / "b", wheel=wheel)
     assert later.manifest.build_time != FIXED_TIME
     assert later.manifest.digest_view() == built.manifest.digest_view()
 
 
 def test_source_date_epoch_fixes_build_time(wheel, tmp_path, monkeypatch):
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "1767225600")
-    m = B.build_bundle(None, tmp_path, wheel=wheel)
+    m = B.build_bundle(None, tmp_path, wheel=wheel).manifest
     assert m.build_time == FIXED_TIME
 
 
@@ -120,7 +120,7 @@ def test_installed_tree_source_equals_wheel(built, wheel, tmp_path):
         members = [n for n in z.namelist() if n.startswith(info + "/") or n in
                    {f.path for f in built.manifest.patched_files}]
         z.extractall(site, members)
-    m = B.build_bundle(None, tmp_path / "dist", site_dir=site, build_time=FIXED_TIME)
+    m = B.build_bundle(None, tmp_path / "dist", site_dir=site, build_time=FIXED_TIME).manifest
     assert m.digest_view() == built.manifest.digest_view()
 
 

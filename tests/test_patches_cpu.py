@@ -51,7 +51,7 @@ DRAFT_CONFIG = {
 @pytest.fixture(scope="module")
 def patched(tmp_path_factory):
     root = tmp_path_factory.mktemp("patched")
-    built = B.build_bundle_result(None, root / "dist", site_dir=venv_site())
+    built = B.build_bundle(None, root / "dist", site_dir=venv_site())
     site = copy_sglang_tree(root / "site")
     manifest = B.install_bundle(built.bundle_path, site)
     models = root / "models"

@@ -34,9 +34,9 @@ def real_tree(tmp_path_factory):
     if subprocess.run(["cp", "-al", str(venv_site / "sglang"), str(site)], capture_output=True).returncode != 0:
         shutil.copytree(venv_site / "sglang", site / "sglang")
     shutil.copytree(venv_site / f"sglang-{dist.version}.dist-info", site / f"sglang-{dist.version}.dist-info")
-    from ddtree_ops.bundle import build_bundle_result
+    from ddtree_ops.bundle import build_bundle
 
-    built = build_bundle_result(None, root / "dist", site_dir=venv_site)
+    built = build_bundle(None, root / "dist", site_dir=venv_site)
     return site, built, root / "state"
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from ddtree_ops import release
-from ddtree_ops.bundle import build_bundle_result
+from ddtree_ops.bundle import build_bundle
 from ddtree_ops.errors import OpsError
 from ddtree_ops.fleet import run_on_hosts
 from ddtree_ops.inventory import load_inventory
@@ -47,7 +47,7 @@ def bundle(tmp_path_factory) -> release.LocalBundle:
 
     site = importlib.metadata.distribution("sglang").locate_file("")
     out = tmp_path_factory.mktemp("dist")
-    built = build_bundle_result(None, out, site_dir=site)
+    built = build_bundle(None, out, site_dir=site)
     return release.LocalBundle.load(built.bundle_path)
 
 
