@@ -343,9 +343,14 @@ class HostSession:
 
             reader = threading.Thread(target=drain_stderr, daemon=True)
             reader.start()
-            if stdin:
-                chan.sendall(stdin)
-            chan.shutdown_write()
+            try:
+                if stdin:
+                    chan.sendall(stdin)
+                chan.shutdown_write()
+            except OSError:
+                # The command exited (and sshd closed the channel) before reading all of its
+                # stdin, e.g. a missing interpreter answering 127: its exit status still counts.
+                pass
             stdout = bytearray()
             while chunk := chan.recv(65536):
                 stdout.extend(chunk)

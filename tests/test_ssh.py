@@ -59,6 +59,14 @@ def test_run_with_known_key_stdin_stdout_stderr_exit_code(host_factory, server: 
     assert server.commands[-1] == shlex.join(["echo", "a b", "c'd"])
 
 
+def test_command_that_exits_before_reading_its_stdin_still_reports_its_exit_status(host_factory) -> None:
+    # A missing interpreter answers 127 at once, while the agent source is still being sent:
+    # the channel closes under the sender, and that must read as exit 127, not as a crash.
+    with HostSession(host_factory()) as session:
+        result = session.run(["sh", "-c", "echo gone >&2; exit 127"], stdin=b"x" * 50_000_000)
+        assert (result.exit_code, result.stderr) == (127, b"gone\n")
+
+
 def test_nodelay_can_be_disabled_for_benchmarks(host_factory) -> None:
     with HostSession(host_factory(), nodelay=False) as session:
         assert not nodelay_enabled(session.conn)

@@ -36,6 +36,7 @@ _LAUNCH_SCRIPT = (
 
 BOOT_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 20.0
+_CMDLINE_RETRIES = 100
 
 
 @dataclass(frozen=True)
@@ -275,16 +276,28 @@ def _cmdline(pid: int) -> list[str]:
     return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
 
 
+def _proc_state(pid: int) -> str | None:
+    """The one-letter state of pid ("Z" for a zombie), or None when there is no such process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def _is_our_nspawn(pid: int, host: LabHost) -> bool:
     # The pid is reaped only by the process that started it; until nspawn has exec'ed, the
     # cmdline shows unshare/sh with the same machine argument, which counts as ours too.
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    if state == "Z":
-        return False
-    return f"--machine={host.name}" in _cmdline(pid) and f"--directory={host.root}" in _cmdline(pid)
+    # In the middle of each execve the cmdline reads empty for a moment (seen on a loaded 2-core
+    # CI machine as "exited while booting" with an empty console), so look again before
+    # calling a live process someone else's.
+    for _ in range(_CMDLINE_RETRIES):
+        state = _proc_state(pid)
+        if state is None or state == "Z":
+            return False
+        if cmdline := _cmdline(pid):
+            return f"--machine={host.name}" in cmdline and f"--directory={host.root}" in cmdline
+        time.sleep(0.005)
+    return False
 
 
 def stray_nspawn_pids(paths: LabPaths) -> list[int]:
@@ -332,11 +345,10 @@ def stop_pid(pid: int, timeout: float = STOP_TIMEOUT_S) -> None:
 def _wait_gone(pid: int, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            # The launcher session is not our child (it may come from an earlier `lab up`), so
-            # "gone" means no process or a zombie awaiting a reaper that is not us.
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
+        # The launcher session is not our child (it may come from an earlier `lab up`), so
+        # "gone" means no process or a zombie awaiting a reaper that is not us.
+        state = _proc_state(pid)
+        if state is None:
             return True
         if state == "Z":
             _reap(pid)

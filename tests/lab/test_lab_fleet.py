@@ -314,3 +314,32 @@ def test_apt_packages_printable_without_dependencies():
     )
     packages = result.stdout.split()
     assert {"systemd-container", "debootstrap", "iproute2", "openssh-client"} <= set(packages)
+
+
+def test_a_host_in_the_middle_of_exec_still_counts_as_running(tmp_path):
+    # The launcher execs unshare -> sh -> nspawn; while each execve runs, /proc/<pid>/cmdline
+    # reads empty. A chain of thousands of execs, carrying the host's markers, must read as
+    # "running" on every poll until it really exits.
+    from ddtree_ops.lab.host import LabHost, running_pid
+
+    host = LabHost("lab-1", LabPaths(cache=tmp_path / "cache", state=tmp_path / "state"))
+    host.dir.mkdir(parents=True)
+    chain = 'n=$1; shift; [ "$n" -gt 0 ] && exec sh -c "$CHAIN" chain $((n-1)) "$@"; sleep 1'
+    proc = subprocess.Popen(
+        ["sh", "-c", chain, "chain", "2000", f"--machine={host.name}", f"--directory={host.root}"],
+        env={**os.environ, "CHAIN": chain},
+    )
+    host.pid_file.write_text(f"{proc.pid}\n")
+    polls = misses = 0
+    try:
+        while proc.poll() is None:
+            seen = running_pid(host)
+            # A None is only right once the chain is done (exited, or sleeping out its last second).
+            if seen is None and proc.poll() is None:
+                misses += 1
+            polls += 1
+    finally:
+        proc.kill()
+        proc.wait()
+    assert polls > 100 and misses == 0
+    assert running_pid(host) is None  # exited (and reaped): no longer running

@@ -193,7 +193,7 @@ def test_hostile_values_rejected_or_carried_without_execution(lab_fleet, tmp_pat
                 rows = json.loads(result.stdout)
                 assert len(rows) == 1
                 if field == "python":
-                    assert rows[0]["error"]["code"] == "python_not_found"
+                    assert rows[0]["error"]["code"] == "python_not_found", (payload, rows[0])
     _assert_not_pwned(lab_fleet, marker)
     # Some values are legal and travelled as data (e.g. shell characters in the state_dir path).
     assert any(code == 0 for field, _, code in outcomes if field in ("state_dir", "identity_file", "model_path"))
