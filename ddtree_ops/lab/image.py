@@ -94,11 +94,12 @@ VENV_REQUIREMENTS = (
     "opentelemetry-api",
 )
 
-# Parsed inside the image once at build time, so a broken venv fails the build, not a test later.
+# Parsed inside the image once at build time, so a broken venv fails the build, not a test later;
+# the lab tests run the same script on a booted host and check its JSON line.
 # ServerArgs always loads the model's config (piecewise-CUDA-graph check), so the smoke gives it a
 # tiny local Llama config; a model path that does not exist fails with a Hub repo-id error.
 SERVER_ARGS_SMOKE = """\
-import json, pathlib, tempfile
+import json, pathlib, tempfile, sglang
 from sglang.srt.server_args import prepare_server_args
 model = pathlib.Path(tempfile.mkdtemp()) / "tiny-llama"
 model.mkdir()
@@ -108,8 +109,11 @@ model.mkdir()
     "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 512,
     "rms_norm_eps": 1e-6, "torch_dtype": "float32"}))
 args = prepare_server_args(["--model-path", str(model), "--device", "cpu",
-    "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(model)])
-print("server_args ok", args.speculative_algorithm)
+    "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(model),
+    "--speculative-num-draft-tokens", "16"])
+print(json.dumps({"version": sglang.__version__, "algorithm": str(args.speculative_algorithm),
+                  "draft": args.speculative_draft_model_path == str(model),
+                  "draft_tokens": args.speculative_num_draft_tokens}))
 """
 
 SSHD_CONFIG = """\
@@ -330,43 +334,16 @@ def _install_venv(rootfs: Path, wheelhouse: Path, log: Path, progress: Progress)
     binds = ((wheelhouse, "/wheelhouse"),)
     progress(f"base image: creating {VENV_DIR}")
     run_step("python3 -m venv", nspawn_oneshot(rootfs, "/usr/bin/python3", "-m", "venv", VENV_DIR), log)
+    def pip_install(step: str, *args: str, timeout: float) -> None:
+        # Offline from the wheelhouse the host side filled: the image build never reaches an index.
+        argv = nspawn_oneshot(rootfs, python, "-m", "pip", "install", "--no-index", "--find-links", "/wheelhouse",
+                              *args, binds=binds)
+        run_step(step, argv, log, timeout=timeout)
+
     progress("base image: installing torch, transformers and friends into the venv (offline, ≈ 3 min)")
-    run_step(
-        "pip install (venv requirements)",
-        nspawn_oneshot(
-            rootfs,
-            python,
-            "-m",
-            "pip",
-            "install",
-            "--no-index",
-            "--find-links",
-            "/wheelhouse",
-            *VENV_REQUIREMENTS,
-            binds=binds,
-        ),
-        log,
-        timeout=3600,
-    )
+    pip_install("pip install (venv requirements)", *VENV_REQUIREMENTS, timeout=3600)
     progress(f"base image: installing {SGLANG_REQUIREMENT} (--no-deps)")
-    run_step(
-        "pip install sglang --no-deps",
-        nspawn_oneshot(
-            rootfs,
-            python,
-            "-m",
-            "pip",
-            "install",
-            "--no-index",
-            "--no-deps",
-            "--find-links",
-            "/wheelhouse",
-            SGLANG_REQUIREMENT,
-            binds=binds,
-        ),
-        log,
-        timeout=1800,
-    )
+    pip_install("pip install sglang --no-deps", "--no-deps", SGLANG_REQUIREMENT, timeout=1800)
     progress("base image: checking that sglang's ServerArgs parse DFLASH flags in the venv")
     run_step(
         "sglang server_args smoke", nspawn_oneshot(rootfs, python, "-c", SERVER_ARGS_SMOKE), log, timeout=600

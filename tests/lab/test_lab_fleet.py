@@ -16,26 +16,7 @@ import yaml
 
 from ddtree_ops.lab import fleet
 from ddtree_ops.lab.config import BRIDGE, LabPaths
-
-# Parses the DFlash flags with the host's own SGLang, the way `smoke` will. ServerArgs loads the
-# model's config while parsing, so the probe writes a tiny one.
-SERVER_ARGS_PROBE = """
-import json, pathlib, tempfile, sglang
-from sglang.srt.server_args import prepare_server_args
-model = pathlib.Path(tempfile.mkdtemp()) / "tiny-llama"
-model.mkdir()
-(model / "config.json").write_text(json.dumps({
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-    "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 512,
-    "rms_norm_eps": 1e-6, "torch_dtype": "float32"}))
-args = prepare_server_args(["--model-path", str(model), "--device", "cpu",
-    "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(model),
-    "--speculative-num-draft-tokens", "16"])
-print(json.dumps({"version": sglang.__version__, "algorithm": str(args.speculative_algorithm),
-                  "draft": args.speculative_draft_model_path == str(model),
-                  "draft_tokens": args.speculative_num_draft_tokens}))
-"""
+from ddtree_ops.lab.image import SERVER_ARGS_SMOKE
 
 
 def _nspawn_processes() -> list[int]:
@@ -181,7 +162,7 @@ def test_lab_up_again_is_idempotent(lab_fleet):
 @pytest.mark.lab
 def test_host_venv_imports_sglang_and_parses_dflash_args(lab_fleet):
     result = lab_fleet.ssh(
-        "lab-2", shlex.join(["/opt/sglang/venv/bin/python", "-c", SERVER_ARGS_PROBE]), timeout=300
+        "lab-2", shlex.join(["/opt/sglang/venv/bin/python", "-c", SERVER_ARGS_SMOKE]), timeout=300
     )
     assert result.returncode == 0, result.stderr[-3000:]
     parsed = json.loads(result.stdout.strip().splitlines()[-1])

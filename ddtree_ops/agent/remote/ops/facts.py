@@ -141,23 +141,29 @@ def sha256_file(path: str) -> str | None:
 SERVICE_PROPERTIES = ("LoadState", "ActiveState", "SubState", "UnitFileState", "FragmentPath", "MainPID")
 
 
+def _tool_output(argv: list[str], label: str, warnings: list) -> str | None:
+    """stdout of a host tool, or None with a warning: a missing fact must not fail the facts op."""
+    try:
+        proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        warnings.append(f"{label}: {exc}")
+        return None
+    if proc.returncode != 0:
+        warnings.append(f"{label}: exit {proc.returncode}: {(proc.stderr or proc.stdout).strip()[:300]}")
+        return None
+    return proc.stdout
+
+
 def service_facts(service: str | None, warnings: list) -> dict | None:
     systemctl = shutil.which("systemctl")
     if not service or systemctl is None:
         return None
-    try:
-        proc = subprocess.run(
-            [systemctl, "show", "--no-pager", "--property=" + ",".join(SERVICE_PROPERTIES), "--", service],
-            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        warnings.append(f"systemctl show {service}: {exc}")
-        return None
-    if proc.returncode != 0:
-        warnings.append(f"systemctl show {service}: exit {proc.returncode}: {proc.stderr.strip()[:300]}")
+    stdout = _tool_output([systemctl, "show", "--no-pager", "--property=" + ",".join(SERVICE_PROPERTIES), "--", service],
+                          f"systemctl show {service}", warnings)
+    if stdout is None:
         return None
     # Parse Key=Value lines: with --value, systemd prints values in its own order, not ours.
-    props = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
+    props = dict(line.split("=", 1) for line in stdout.splitlines() if "=" in line)
     return {
         "name": service,
         "load_state": props.get("LoadState") or None,
@@ -187,19 +193,12 @@ def gpu_facts(warnings: list) -> list | None:
     nvidia_smi = shutil.which("nvidia-smi")
     if nvidia_smi is None:
         return None
-    try:
-        proc = subprocess.run(
-            [nvidia_smi, "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
-            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        warnings.append(f"nvidia-smi: {exc}")
-        return None
-    if proc.returncode != 0:
-        warnings.append(f"nvidia-smi: exit {proc.returncode}: {(proc.stderr or proc.stdout).strip()[:300]}")
+    stdout = _tool_output([nvidia_smi, "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
+                          "nvidia-smi", warnings)
+    if stdout is None:
         return None
     gpus = []
-    for row in csv.reader(proc.stdout.splitlines(), skipinitialspace=True):
+    for row in csv.reader(stdout.splitlines(), skipinitialspace=True):
         if len(row) < 3:
             continue
         index, name, memory = (cell.strip() for cell in row[:3])
