@@ -82,9 +82,6 @@ valid = [
     ("full, triton, budget 64, topk-cap 8", dflash + ["--speculative-ddtree-mode", "full", "--attention-backend",
      "triton", "--page-size", "1", "--speculative-ddtree-budget", "64", "--speculative-ddtree-topk-cap", "8"],
      {"speculative_ddtree_mode": "full", "speculative_ddtree_budget": 64, "speculative_ddtree_topk_cap": 8}),
-    ("full + allow-hybrid-unsafe", dflash + ["--speculative-ddtree-mode", "full", "--attention-backend", "triton",
-     "--page-size", "1", "--speculative-ddtree-allow-hybrid-unsafe"],
-     {"speculative_ddtree_allow_hybrid_unsafe": True}),
 ]
 invalid = [
     ("ddtree without DFLASH", ["--speculative-ddtree-mode", "shadow-linear"], "--speculative-algorithm DFLASH"),
@@ -96,8 +93,9 @@ invalid = [
     ("topk-cap above budget", dflash + ["--speculative-ddtree-mode", "shadow-linear", "--speculative-ddtree-budget",
      "8", "--speculative-ddtree-topk-cap", "9"], "--speculative-ddtree-topk-cap"),
     ("budget with mode off", dflash + ["--speculative-ddtree-budget", "8"], "--speculative-ddtree-mode"),
-    ("allow-hybrid with shadow-linear", dflash + ["--speculative-ddtree-mode", "shadow-linear",
-     "--speculative-ddtree-allow-hybrid-unsafe"], "--speculative-ddtree-allow-hybrid-unsafe"),
+    ("allow-hybrid-unsafe (not supported yet)", dflash + ["--speculative-ddtree-mode", "full",
+     "--attention-backend", "triton", "--page-size", "1", "--speculative-ddtree-allow-hybrid-unsafe"],
+     "not supported yet"),
     ("full on flashinfer", dflash + ["--speculative-ddtree-mode", "full", "--attention-backend", "flashinfer"],
      "--attention-backend"),
 ]

@@ -66,9 +66,9 @@ def add_ddtree_cli_args(parser: argparse.ArgumentParser) -> None:
         FLAG_ALLOW_HYBRID,
         action="store_true",
         default=False,
-        help="DFLASH + DDTree full mode. Start full mode on a hybrid (Mamba/GDN/linear-attention) "
-        "target although its recurrent state cannot follow sibling branches: UNSAFE, outputs may "
-        "differ from plain decoding.",
+        help="Not supported yet: refused when given. Full mode on hybrid (Mamba/GDN/linear-attention) "
+        "targets needs tree-aware recurrent-state commits, which this payload does not have; "
+        "hybrid targets run shadow-linear.",
     )
 
 
@@ -152,10 +152,13 @@ def handle_ddtree_server_args(server_args: Any) -> None:
             )
         server_args.speculative_ddtree_topk_cap = cap
 
-    if server_args.speculative_ddtree_allow_hybrid_unsafe and mode != "full":
+    if server_args.speculative_ddtree_allow_hybrid_unsafe:
+        # Hybrid targets get SGLang's HybridLinearAttnBackend and an upstream linear Mamba-state
+        # commit: full mode there would be refused by the worker anyway, or be wrong.
         raise DDTreeConfigError(
-            f"{FLAG_ALLOW_HYBRID} only applies to {FLAG_MODE} full (got {mode}); "
-            "shadow-linear is always allowed on hybrid targets."
+            f"{FLAG_ALLOW_HYBRID} is not supported yet: full mode cannot run on hybrid "
+            f"(Mamba/GDN/linear-attention) targets. Drop the flag; use {FLAG_MODE} shadow-linear "
+            "on hybrid targets."
         )
 
     if mode == "full":

@@ -45,10 +45,13 @@ import torch
 
 __all__ = [
     "DDTree",
+    "DDTreeRefused",
     "PAD_TOKEN_ID",
     "build_ddtree",
     "follow_verified_tree",
+    "full_mode_refusal",
     "is_hybrid_model",
+    "uses_windowed_attention",
     "select_tree_from_topk",
     "topk_logprobs",
 ]
@@ -598,3 +601,74 @@ def is_hybrid_model(config: dict) -> tuple[bool, str]:
         False,
         f"model_type '{model_type}': only attention layers found (no Mamba / linear-attention markers)",
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention variants the tree mask does not express
+# --------------------------------------------------------------------------------------------------
+
+# layer_types values whose keys are limited by distance: a verify kernel applies the window by a
+# query's index in the verify block, not by its tree depth, so a tree node would lose prefix keys.
+_WINDOWED_LAYER_TYPES = {"sliding_attention", "sliding_window", "swa", "local_attention", "chunked_attention"}
+
+
+def uses_windowed_attention(config: dict) -> tuple[bool, str]:
+    """Whether a Hugging Face ``config.json`` has sliding-window / chunked / local attention layers.
+
+    The sibling of ``is_hybrid_model`` for the other thing a DDTree verify pass cannot do: such
+    layers see only keys within a distance of the query, and SGLang's kernels measure that distance
+    by the query's index in the verify block, while a tree node's true distance is its depth.
+    ``use_sliding_window: false`` (Qwen2/Qwen3 ship a ``sliding_window`` value they do not use)
+    counts as no window. Returns ``(windowed, reason)``.
+    """
+    if not isinstance(config, dict):
+        return False, f"config is not a mapping ({type(config).__name__}); cannot tell"
+    for where, cfg in _sub_configs(config):
+        layer_types = cfg.get("layer_types")
+        if isinstance(layer_types, list | tuple):
+            windowed = sorted({str(t) for t in layer_types} & _WINDOWED_LAYER_TYPES)
+            if windowed:
+                count = sum(1 for t in layer_types if str(t) in windowed)
+                return True, (
+                    f"{where}layer_types has {count} of {len(layer_types)} windowed attention layers "
+                    f"({', '.join(windowed)})"
+                )
+        for key in ("attention_chunk_size", "sliding_window_pattern", "window_size"):
+            if cfg.get(key) not in (None, 0, False, -1, [], [-1, -1]):
+                return True, f"{where}config key '{key}' = {cfg.get(key)!r} limits attention to a window"
+        window = cfg.get("sliding_window")
+        if window not in (None, 0, False, -1) and cfg.get("use_sliding_window", True) is not False:
+            return True, f"{where}sliding_window = {window!r} with sliding-window attention enabled"
+    return False, "no sliding-window, chunked or local attention found"
+
+
+# Spelled here, not imported from ddtree_args, so that this module keeps importing only torch.
+_FLAG_MODE = "--speculative-ddtree-mode"
+
+
+class DDTreeRefused(RuntimeError):
+    """DDTree full mode cannot run on this target / backend; the message says why and what to do."""
+
+
+def full_mode_refusal(config: dict) -> str | None:
+    """Why full DDTree must not run on the target described by ``config`` (its config.json), or None.
+
+    One place for the offline refusals, so the worker, the smoke test and the lab engine refuse the
+    same models with the same words. (Hybrid targets are refused without an escape hatch: the
+    allow flag is refused at argument parsing until tree-aware recurrent-state commits exist.)
+    """
+    hybrid, reason = is_hybrid_model(config)
+    if hybrid:
+        return (
+            f"DDTree full mode refused: the target model is hybrid ({reason}). Its recurrent "
+            "Mamba/GDN/linear-attention state cannot follow sibling tree branches in the DFLASH "
+            f"verify path. Use {_FLAG_MODE} shadow-linear."
+        )
+    windowed, reason = uses_windowed_attention(config)
+    if windowed:
+        return (
+            f"DDTree full mode refused: the target model uses windowed attention ({reason}). The "
+            "verify kernels apply the window by a node's index in the verify block, not by its tree "
+            f"depth, so tree nodes would lose keys inside their window. Use {_FLAG_MODE} shadow-linear."
+        )
+    return None

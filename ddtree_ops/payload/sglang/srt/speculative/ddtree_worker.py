@@ -32,11 +32,8 @@ from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.managers.schedule_batch import ScheduleBatch
 from sglang.srt.mem_cache.common import alloc_token_slots, evict_from_tree_cache
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
-from sglang.srt.speculative.ddtree_args import (
-    DDTREE_FULL_ATTENTION_BACKENDS,
-    FLAG_ALLOW_HYBRID,
-    FLAG_MODE,
-)
+from sglang.srt.speculative.ddtree_args import DDTREE_FULL_ATTENTION_BACKENDS, FLAG_MODE
+from sglang.srt.speculative.ddtree_utils import DDTreeRefused, full_mode_refusal
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.spec_utils import assign_req_to_token_pool_func
 
@@ -49,13 +46,9 @@ LOG_EVERY = max(1, int(os.environ.get("SGLANG_DDTREE_LOG_EVERY", "64") or 64))
 _TRITON_BACKEND_CLASS = "TritonAttnBackend"
 
 
-class DDTreeRefused(RuntimeError):
-    """The worker refuses to start DDTree in the configured mode on this target/backend."""
-
-
 def target_is_hybrid(model_runner: Any) -> tuple[bool, str]:
-    """Hybrid detection from SGLang's runtime model config (authoritative), with the offline
-    config.json heuristic of ddtree_utils as the readable reason."""
+    """Hybrid detection from SGLang's runtime model config (authoritative); config.json's own
+    evidence is in `full_mode_refusal`'s message."""
     runtime = []
     for attr in ("mambaish_config", "hybrid_gdn_config"):
         try:
@@ -63,23 +56,34 @@ def target_is_hybrid(model_runner: Any) -> tuple[bool, str]:
                 runtime.append(attr)
         except Exception as e:  # a property that cannot evaluate is no proof of a plain model
             runtime.append(f"{attr} (unreadable: {type(e).__name__})")
-    reason = ""
-    try:
-        from sglang.srt.speculative.ddtree_utils import is_hybrid_model
-
-        hf_config = model_runner.model_config.hf_config
-        as_dict = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
-        offline, reason = is_hybrid_model(as_dict)
-    except Exception as e:  # only the reason text depends on this
-        offline, reason = False, f"config check failed: {type(e).__name__}: {e}"
     if runtime:
-        # Only quote the config.json evidence when it agrees; otherwise it would read as a contradiction.
-        return True, f"SGLang runtime model config has {', '.join(runtime)}" + (
-            f"; {reason}" if offline and reason else ""
+        return True, f"SGLang runtime model config has {', '.join(runtime)}"
+    return False, "no hybrid markers"
+
+
+def _hf_config_dict(model_runner: Any) -> dict:
+    hf_config = model_runner.model_config.hf_config
+    return hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
+
+
+def full_mode_refusal_at_start(model_runner: Any) -> str | None:
+    """The offline refusals of `ddtree_utils.full_mode_refusal` plus what only the running server
+    knows: SGLang's runtime hybrid markers and the sliding window it actually applies."""
+    hybrid, reason = target_is_hybrid(model_runner)
+    if hybrid:
+        return (
+            f"DDTree full mode refused: the target model is hybrid ({reason}). Its recurrent "
+            "Mamba/GDN/linear-attention state cannot follow sibling tree branches in the DFLASH "
+            f"verify path. Use {FLAG_MODE} shadow-linear."
         )
-    if offline:
-        return True, reason
-    return False, reason or "no hybrid markers"
+    window = getattr(model_runner, "sliding_window_size", None)
+    if window not in (None, 0, -1):
+        return (
+            f"DDTree full mode refused: SGLang runs this target with a sliding window of {window} "
+            "tokens, which its verify kernels apply by a node's index in the verify block, not by "
+            f"its tree depth. Use {FLAG_MODE} shadow-linear."
+        )
+    return full_mode_refusal(_hf_config_dict(model_runner))
 
 
 def _median(values: Any) -> float:
@@ -153,21 +157,9 @@ class DDTreeController:
         self._backend_verify_width = getattr(self._attn_backend, "num_draft_tokens", None)
 
         if mode == "full":
-            hybrid, reason = target_is_hybrid(worker.model_runner)
-            if hybrid and not sa.speculative_ddtree_allow_hybrid_unsafe:
-                raise DDTreeRefused(
-                    f"DDTree full mode refused: the target model is hybrid ({reason}). Its "
-                    "recurrent Mamba/GDN/linear-attention state cannot follow sibling tree branches "
-                    f"in the DFLASH verify path. Use {FLAG_MODE} shadow-linear, or pass "
-                    f"{FLAG_ALLOW_HYBRID} to accept possibly wrong outputs."
-                )
-            if hybrid:
-                logger.warning(
-                    "DDTree full mode on a hybrid target (%s) because %s is set: outputs may "
-                    "differ from plain decoding.",
-                    reason,
-                    FLAG_ALLOW_HYBRID,
-                )
+            refusal = full_mode_refusal_at_start(worker.model_runner)
+            if refusal:
+                raise DDTreeRefused(refusal)
             backend_name = type(self._attn_backend).__name__
             if backend_name != _TRITON_BACKEND_CLASS or self._backend_verify_width is None:
                 raise DDTreeRefused(
