@@ -47,6 +47,8 @@ _ADDRESS_RE = re.compile(r"[A-Za-z0-9_:.%-]{1,253}")
 _USER_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}")
 # systemd unit names: letters, digits, ":-_.\" and "@" for template instances.
 _UNIT_RE = re.compile(r"[A-Za-z0-9:_.@\\-]{1,240}")
+# `python -m MODULE`: a dotted Python module name, nothing a unit's ExecStart could misread.
+_MODULE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
 _JUMP_RE = re.compile(r"(?:(?P<user>[A-Za-z_][A-Za-z0-9_.-]{0,31})@)?(?P<address>[A-Za-z0-9_.%-]{1,253}|\[[0-9A-Fa-f:.%]+\])(?::(?P<port>[0-9]{1,5}))?")
 
 
@@ -102,6 +104,12 @@ def _check_service(value: str) -> str:
     return value if value.endswith(".service") else f"{value}.service"
 
 
+def _check_module(value: str) -> str:
+    if not _MODULE_RE.fullmatch(value) or len(value) > 200:
+        raise _invalid(f"`{value}` is not a Python module name", "use a dotted module name such as `sglang.launch_server`")
+    return value
+
+
 def _check_jump_host(value: str) -> str:
     if not _JUMP_RE.fullmatch(value):
         raise _invalid(f"`{value}` is not a jump host", "name another host of this inventory, or write `[user@]address[:port]`")
@@ -121,6 +129,7 @@ RemotePath = Annotated[str, AfterValidator(_check_remote_path)]
 LocalPath = Annotated[str, AfterValidator(_check_local_path)]
 ServiceName = Annotated[str, AfterValidator(_check_service)]
 JumpHost = Annotated[str, AfterValidator(_check_jump_host)]
+ModuleName = Annotated[str, AfterValidator(_check_module)]
 Text = Annotated[str, AfterValidator(_check_text)]
 
 
@@ -147,6 +156,7 @@ class HostConfig(BaseModel):
     # The SGLang installation and its service.
     python: RemotePath = "/usr/bin/python3"
     service: ServiceName = "sglang.service"
+    server_module: ModuleName = "sglang.launch_server"  # the unit runs `{python} -m {server_module} ARGS`
     serve_host: Address = "127.0.0.1"
     serve_port: int = Field(30000, ge=1, le=65535)
     model_path: Text | None = None
