@@ -86,6 +86,14 @@ def test_service_name_gets_service_suffix(tmp_path: Path) -> None:
     assert inv.hosts["a"].service == "sglang.service"
 
 
+def test_server_module_is_a_dotted_module_name(tmp_path: Path) -> None:
+    inv = load_inventory(write(tmp_path, "hosts: {a: {address: h}, b: {address: h, server_module: ddtree_lab_engine}}\n"))
+    assert (inv.hosts["a"].server_module, inv.hosts["b"].server_module) == ("sglang.launch_server", "ddtree_lab_engine")
+    for bad in ("'sglang.launch_server; rm -rf /'", "'-m x'", "sglang..launch", "'a b'", "1abc"):
+        issue = only_issue(tmp_path, f"hosts: {{a: {{address: h, server_module: {bad}}}}}\n")
+        assert issue.path == "hosts.a.server_module" and "not a Python module name" in issue.message
+
+
 def test_host_in_two_groups_is_fine_and_conflicts_need_the_host_to_decide(tmp_path: Path) -> None:
     text = """\
     groups:
