@@ -1,0 +1,316 @@
+#!/usr/bin/env python3
+"""Production-mix workload for the DDTree losslessness proof (issue 12), one server at a time.
+
+    production_mix.py run --port P --tag T --out OUT/T.json --workload OUT/workload_SET.json [--make] ...
+    production_mix.py compare OUT_DIR PLAIN_TAG TAG [TAG ...]   → report; exit 1 on any fault
+
+`run --make` (the plain server of a flag set) builds the workload from a seed and from the plain
+server's own greedy outputs, and writes it; every other server of the set replays the same file.
+Round 1, all in flight together (threads, start offsets in ms): the near-limit case that corrupted
+tokens (a prompt ending at 980 of 1024 generating to 1019, then 20/600 and 40/400 sent 50 ms after),
+more prompts ending near the context length, prompt lengths 1..1000 over shared prefixes (three
+prefix families), max_new_tokens 1..600, stop tokens that plain hits mid-path (picked from a probe
+of plain's outputs), and streaming requests aborted after a few chunks. Round 2: prompts that
+extend round-1 prompts by plain's round-1 outputs (the radix cache holds them), sent together.
+Then the server must be idle with zero KV tokens in use (`/v1/loads`, else `/get_load`).
+
+The plain server also returns its top-2 logprobs; `compare` classes each request's first
+divergence from plain by plain's top-1 − top-2 gap there: ≤ TIE_GAP (one bf16 step at logit
+magnitude 16–32) is a numeric tie, anything larger is a fault. Aborted requests are not compared.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import threading
+import time
+
+import requests
+
+TIE_GAP = 0.125 + 1e-6
+SEED = 12
+VOCAB_LO, VOCAB_HI = 10, 4000  # token ids the tiny models' tokenizer knows
+
+
+def wait_healthy(base: str, wait_s: float, pid: int | None) -> float | None:
+    t0 = time.time()
+    while time.time() - t0 < wait_s:
+        try:
+            if requests.get(base + "/health", timeout=5).status_code == 200:
+                return time.time() - t0
+        except requests.RequestException:
+            pass
+        if pid is not None:
+            try:
+                os.kill(pid, 0)
+            except OSError:
+                return None
+        time.sleep(1)
+    return None
+
+
+def generate(base: str, req: dict, *, logprobs: bool) -> dict:
+    sp = {"temperature": 0.0, "max_new_tokens": req["max_new"], "ignore_eos": True}
+    if req.get("stop"):
+        sp["stop_token_ids"] = req["stop"]
+    body: dict = {"input_ids": req["prompt"], "sampling_params": sp}
+    if logprobs:
+        body.update(return_logprob=True, top_logprobs_num=2, logprob_start_len=len(req["prompt"]) - 1)
+    t = time.time()
+    r = requests.post(base + "/generate", json=body, timeout=600)
+    r.raise_for_status()
+    j = r.json()
+    meta = j.get("meta_info", {})
+    out = {"output_ids": j.get("output_ids"), "s": time.time() - t,
+           "finish": (meta.get("finish_reason") or {}).get("type"),
+           "accept": meta.get("spec_accept_length"), "verify_ct": meta.get("spec_verify_ct")}
+    if logprobs:
+        out["top2"] = [[[lp, tid] for lp, tid, *_ in pos[:2]] for pos in meta.get("output_top_logprobs") or []]
+    return out
+
+
+def stream_and_abort(base: str, req: dict) -> dict:
+    sp = {"temperature": 0.0, "max_new_tokens": req["max_new"], "ignore_eos": True}
+    with requests.post(base + "/generate", json={"input_ids": req["prompt"], "sampling_params": sp, "stream": True},
+                       stream=True, timeout=600) as r:
+        chunks = 0
+        for line in r.iter_lines():
+            if line.startswith(b"data:"):
+                chunks += 1
+                if chunks >= req["abort_after"]:
+                    break  # closing the connection aborts the request server-side
+    return {"aborted_after_chunks": chunks}
+
+
+def run_concurrently(base: str, reqs: list[dict], *, logprobs: bool) -> dict[str, dict]:
+    results: dict[str, dict] = {}
+    t0 = time.time()
+
+    def one(req: dict) -> None:
+        time.sleep(max(0.0, req.get("at_ms", 0) / 1000 - (time.time() - t0)))
+        try:
+            results[req["id"]] = (stream_and_abort(base, req) if req.get("abort_after")
+                                  else generate(base, req, logprobs=logprobs))
+        except Exception as e:  # noqa: BLE001 - recorded per request, judged by compare
+            results[req["id"]] = {"error": repr(e)[:500]}
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in reqs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def make_round1(ctx: int, rng: random.Random, stops: dict[str, int]) -> list[dict]:
+    tok = lambda n: [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(n)]  # noqa: E731
+    top = ctx - 5  # last position a request may reach (the seen case generated to 1019 of 1024)
+    reqs = [  # the case seen corrupting tokens on the H200 (issue 12), verbatim
+        {"id": "near980", "prompt": tok(980), "max_new": top - 980, "at_ms": 0},
+        {"id": "after20", "prompt": tok(20), "max_new": 600, "at_ms": 50},
+        {"id": "after40", "prompt": tok(40), "max_new": 400, "at_ms": 50},
+    ]
+    for n in (960, 1000, 1010, top - 1):
+        reqs.append({"id": f"near{n}", "prompt": tok(n), "max_new": top - n, "at_ms": rng.randrange(0, 300)})
+    reqs.append({"id": "len1", "prompt": tok(1), "max_new": 300, "at_ms": 10})
+    families = {name: tok(size) for name, size in (("A", 256), ("B", 512), ("C", 64))}
+    for i in range(24):
+        fam = rng.choice(list(families))
+        total = min(1000, max(1, int(2 ** rng.uniform(0, 10))))
+        prompt = (families[fam] + tok(max(0, total - len(families[fam]))))[:total] if rng.random() < 0.7 else tok(total)
+        max_new = min(rng.choice([1, 2, 5, 17, 64, 150, 300, 600]), top - len(prompt))
+        reqs.append({"id": f"mix{i}", "prompt": prompt, "max_new": max(1, max_new), "at_ms": rng.randrange(0, 500)})
+    for sid, token in stops.items():
+        reqs.append({"id": sid, "prompt": _stop_prompt(sid), "max_new": 200, "stop": [token],
+                     "at_ms": rng.randrange(0, 500)})
+    for i in range(4):
+        reqs.append({"id": f"abort{i}", "prompt": tok(rng.randrange(5, 300)), "max_new": 500, "abort_after": 2 + 3 * i,
+                     "at_ms": rng.randrange(0, 400)})
+    return reqs
+
+
+def _stop_prompt(sid: str) -> list[int]:
+    r = random.Random(f"stop-{sid}")
+    return [r.randrange(VOCAB_LO, VOCAB_HI) for _ in range(r.randrange(8, 200))]
+
+
+def make_workload(base: str, ctx: int) -> dict:
+    rng = random.Random(SEED)
+    # Stop tokens that plain meets mid-path: its own greedy token at a chosen position.
+    probe_ids = [f"stop{i}" for i in range(6)]
+    probes = run_concurrently(base, [{"id": s, "prompt": _stop_prompt(s), "max_new": 40} for s in probe_ids],
+                              logprobs=False)
+    stops = {s: probes[s]["output_ids"][3 + 5 * i] for i, s in enumerate(probe_ids) if "output_ids" in probes[s]}
+    return {"ctx": ctx, "round1": make_round1(ctx, rng, stops)}
+
+
+def make_round2(round1: list[dict], plain_out: dict[str, dict], ctx: int) -> list[dict]:
+    out = []
+    for req in round1:
+        got = plain_out.get(req["id"], {})
+        ids = got.get("output_ids")
+        if not ids or req.get("abort_after"):
+            continue
+        prompt = req["prompt"] + ids
+        room = ctx - 5 - len(prompt)
+        if room < 1:
+            continue
+        out.append({"id": f"r2_{req['id']}", "prompt": prompt, "max_new": min(64, room), "at_ms": 0})
+        if len(out) >= 14:
+            break
+    return out
+
+
+def idle_kv_tokens(base: str) -> int | None:
+    time.sleep(3)  # let the scheduler finish freeing after the last response
+    for path in ("/v1/loads", "/get_load"):
+        try:
+            r = requests.get(base + path, timeout=10)
+            if r.status_code != 200:
+                continue
+            j = r.json()
+            rows = j if isinstance(j, list) else j.get("loads") or j.get("data") or [j]
+            return sum(int(x.get("num_used_tokens", 0)) for x in rows if isinstance(x, dict))
+        except (requests.RequestException, ValueError):
+            continue
+    return None
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    base = f"http://127.0.0.1:{a.port}"
+    res: dict = {"tag": a.tag}
+    ready = wait_healthy(base, a.wait, a.pid)
+    res["ready_s"] = ready
+    if ready is None:
+        json.dump(res, open(a.out, "w"))
+        print(f"[mix] {a.tag}: never healthy", flush=True)
+        return 2
+    if a.make:
+        workload = make_workload(base, a.context_length)
+        json.dump(workload, open(a.workload, "w"))
+    else:
+        workload = json.load(open(a.workload))
+    t = time.time()
+    res["round1"] = run_concurrently(base, workload["round1"], logprobs=a.make)
+    res["round1_s"] = time.time() - t
+    if a.make:
+        workload["round2"] = make_round2(workload["round1"], res["round1"], workload["ctx"])
+        json.dump(workload, open(a.workload, "w"))
+    t = time.time()
+    res["round2"] = run_concurrently(base, workload["round2"], logprobs=a.make)
+    res["round2_s"] = time.time() - t
+    res["idle_kv_tokens"] = idle_kv_tokens(base)
+    try:
+        info = requests.get(base + "/server_info", timeout=10).json()
+        res["internal_state"] = (info.get("internal_states") or [{}])[0]
+    except (requests.RequestException, ValueError) as e:
+        res["internal_state"] = {"error": repr(e)}
+    try:
+        res["alive"] = requests.get(base + "/health", timeout=10).status_code == 200
+    except requests.RequestException:
+        res["alive"] = False
+    json.dump(res, open(a.out, "w"))
+    errors = [k for rnd in ("round1", "round2") for k, v in res[rnd].items() if "error" in v]
+    print(f"[mix] {a.tag}: round1 {res['round1_s']:.1f}s round2 {res['round2_s']:.1f}s errors={errors} "
+          f"idle_kv={res['idle_kv_tokens']} alive={res['alive']}", flush=True)
+    return 0
+
+
+def classify(plain: dict, cand: dict) -> tuple[str, dict]:
+    """'same' | 'tie' | 'fault' for one request, with the first differing position and plain's gap."""
+    if "error" in cand or "error" in plain:
+        return "fault", {"error": cand.get("error") or plain.get("error")}
+    a, b = plain["output_ids"], cand["output_ids"]
+    if a == b:
+        return "same", {}
+    pos = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    detail = {"pos": pos, "plain_len": len(a), "cand_len": len(b)}
+    if pos >= min(len(a), len(b)):
+        return "fault", {**detail, "why": "one output is a strict prefix of the other (finish differs)"}
+    top2 = plain.get("top2") or []
+    if pos < len(top2) and len(top2[pos]) == 2:
+        gap = float(top2[pos][0][0]) - float(top2[pos][1][0])
+        detail.update(gap=round(gap, 4), plain_tok=a[pos], cand_tok=b[pos], plain_top2=top2[pos])
+        if gap <= TIE_GAP and b[pos] in (top2[pos][0][1], top2[pos][1][1]):
+            return "tie", detail
+        return "fault", detail
+    return "fault", {**detail, "why": "no top-2 logprobs at that position"}
+
+
+def cmd_compare(a: argparse.Namespace) -> int:
+    def load(tag: str) -> dict | None:
+        p = os.path.join(a.out_dir, f"{tag}.json")
+        return json.load(open(p)) if os.path.exists(p) else None
+
+    plain = load(a.plain)
+    summary: dict = {"plain": a.plain, "variants": {}}
+    bad = False
+    if not plain or "round1" not in plain:
+        print(f"{a.plain}: no plain results")
+        return 1
+    for tag in a.tags:
+        cand = load(tag)
+        row: dict = {"same": 0, "tie": 0, "fault": 0, "faults": [], "ties": []}
+        if not cand or "round1" not in cand:
+            row["missing"] = True
+            bad = True
+            summary["variants"][tag] = row
+            print(f"{tag}: NO RESULTS")
+            continue
+        for rnd in ("round1", "round2"):
+            for rid, p in plain[rnd].items():
+                if "aborted_after_chunks" in p:
+                    continue
+                kind, detail = classify(p, cand[rnd].get(rid, {"error": "missing"}))
+                row[kind] += 1
+                if kind != "same":
+                    row[kind + "s"].append({"id": rid, **detail})
+        aborts = [v for v in cand["round1"].values() if "aborted_after_chunks" in v]
+        st = cand.get("internal_state", {})
+        dd = st.get("ddtree") or {}
+        row.update(idle_kv_tokens=cand.get("idle_kv_tokens"), alive=cand.get("alive"), aborted=len(aborts),
+                   round1_s=round(cand["round1_s"], 2), round2_s=round(cand["round2_s"], 2),
+                   avg_spec_accept_length=st.get("avg_spec_accept_length"),
+                   ddtree={k: dd.get(k) for k in ("tree_steps", "fallback_steps", "shrunk_steps", "fallback_reasons",
+                                                   "avg_tree_nodes", "budget")} if dd else None)
+        ok = row["fault"] == 0 and row.get("idle_kv_tokens") == 0 and row.get("alive")
+        bad |= not ok
+        row["verdict"] = "pass" if ok else "FAIL"
+        summary["variants"][tag] = row
+        print(f"{tag:>16}: {row['verdict']} same={row['same']} tie={row['tie']} fault={row['fault']} "
+              f"idle_kv={row['idle_kv_tokens']} alive={row['alive']} r1={row['round1_s']}s r2={row['round2_s']}s "
+              f"accept={row['avg_spec_accept_length']} ddtree={row['ddtree']}")
+        for f in row["faults"][:6]:
+            print(f"{'':>18}fault {f}")
+        for f in row["ties"][:3]:
+            print(f"{'':>18}tie {f}")
+    with open(os.path.join(a.out_dir, f"mix_summary_{a.plain}.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return 1 if bad else 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--port", type=int, required=True)
+    r.add_argument("--tag", required=True)
+    r.add_argument("--out", required=True)
+    r.add_argument("--workload", required=True)
+    r.add_argument("--make", action="store_true", help="plain server: build the workload and return top-2 logprobs")
+    r.add_argument("--context-length", type=int, default=1024)
+    r.add_argument("--wait", type=float, default=300)
+    r.add_argument("--pid", type=int)
+    c = sub.add_parser("compare")
+    c.add_argument("out_dir")
+    c.add_argument("plain")
+    c.add_argument("tags", nargs="+")
+    a = ap.parse_args()
+    return cmd_run(a) if a.cmd == "run" else cmd_compare(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
