@@ -179,26 +179,36 @@ def idle_kv_tokens(base: str) -> int | None:
     return None
 
 
+def _write(path: str, obj: object) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f)
+
+
+def _read(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
 def cmd_run(a: argparse.Namespace) -> int:
     base = f"http://127.0.0.1:{a.port}"
     res: dict = {"tag": a.tag}
     ready = wait_healthy(base, a.wait, a.pid)
     res["ready_s"] = ready
     if ready is None:
-        json.dump(res, open(a.out, "w"))
+        _write(a.out, res)
         print(f"[mix] {a.tag}: never healthy", flush=True)
         return 2
     if a.make:
         workload = make_workload(base, a.context_length)
-        json.dump(workload, open(a.workload, "w"))
+        _write(a.workload, workload)
     else:
-        workload = json.load(open(a.workload))
+        workload = _read(a.workload)
     t = time.time()
     res["round1"] = run_concurrently(base, workload["round1"], logprobs=a.make)
     res["round1_s"] = time.time() - t
     if a.make:
         workload["round2"] = make_round2(workload["round1"], res["round1"], workload["ctx"])
-        json.dump(workload, open(a.workload, "w"))
+        _write(a.workload, workload)
     t = time.time()
     res["round2"] = run_concurrently(base, workload["round2"], logprobs=a.make)
     res["round2_s"] = time.time() - t
@@ -212,7 +222,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         res["alive"] = requests.get(base + "/health", timeout=10).status_code == 200
     except requests.RequestException:
         res["alive"] = False
-    json.dump(res, open(a.out, "w"))
+    _write(a.out, res)
     errors = [k for rnd in ("round1", "round2") for k, v in res[rnd].items() if "error" in v]
     print(f"[mix] {a.tag}: round1 {res['round1_s']:.1f}s round2 {res['round2_s']:.1f}s errors={errors} "
           f"idle_kv={res['idle_kv_tokens']} alive={res['alive']}", flush=True)
@@ -243,7 +253,7 @@ def classify(plain: dict, cand: dict) -> tuple[str, dict]:
 def cmd_compare(a: argparse.Namespace) -> int:
     def load(tag: str) -> dict | None:
         p = os.path.join(a.out_dir, f"{tag}.json")
-        return json.load(open(p)) if os.path.exists(p) else None
+        return _read(p) if os.path.exists(p) else None
 
     plain = load(a.plain)
     summary: dict = {"plain": a.plain, "variants": {}}
