@@ -209,11 +209,12 @@ for v in "${rest[@]}"; do IFS='|' read -r tag model extra <<< "$v"; query "$tag"
 ts "queries done; GPU mem: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader | paste -sd' ')"
 stop_all; trap - EXIT
 if [ "${MIX:-0}" = 1 ]; then
-  { python3 $HERE/production_mix.py compare "$OUT" r_plain r_dflash r_full16 r_full64 r_full256; echo "rc=$?"
-    python3 $HERE/production_mix.py compare "$OUT" p_plain p_dflash p_full16 p_full64 p_full256; echo "rc=$?"
-    python3 $HERE/production_mix.py compare "$OUT" r_plain_rt r_full64_rt r_full256_rt; echo "rc=$?"
+  { MIXC=(python3 $HERE/production_mix.py compare "$OUT")
+    "${MIXC[@]}" r_plain --upstream r_dflash r_dflash r_full16 r_full64 r_full256; echo "rc=$?"
+    "${MIXC[@]}" p_plain --upstream p_dflash p_dflash p_full16 p_full64 p_full256; echo "rc=$?"
+    "${MIXC[@]}" r_plain_rt r_full64_rt r_full256_rt; echo "rc=$?"
     if [ -n "$OLD_BUNDLE" ]; then echo "--- the payload before the fix ($OLD_BUNDLE), same workload (expected to fail):"
-      python3 $HERE/production_mix.py compare "$OUT" r_plain r_full64_old r_full256_old; echo "rc=$?"; fi
+      "${MIXC[@]}" r_plain --upstream r_dflash r_full64_old r_full256_old; echo "rc=$?"; fi
   } 2>&1 | tee "$OUT/summary.txt"
   for t in "${!PID[@]}"; do grep -hE "DDTree full: verify steps sized|Traceback|Error" "$OUT/server_$t.log" | head -3 | sed "s/^/[$t] /" | cut -c1-300; done
 else
