@@ -19,6 +19,7 @@
 # MIX=1 (issue 12): the production-mix proof instead (production_mix.py): --context-length 1024,
 #   --schedule-policy fcfs; for the random (r_) and peaked (p_) sets plain | DFLASH | full 16, 64, 256;
 #   a retraction set (*_rt: --max-total-tokens 4096, SGLANG_TEST_RETRACT=1) plain | full 64, 256; and,
+#   r_full256_cap (SGLANG_DDTREE_MAX_VERIFY_TOKENS=1024: busy steps verify smaller trees); and,
 #   when dist/old/ holds an older bundle, r_full64_old / r_full256_old served from it (the payload
 #   before the fix: expected to fail, which shows the workload catches the fault).
 # TP2=1 (nvidia-h200-x2, issue 6): first tp_tree_check.py --nproc 2 (NCCL, SGLang's real TP groups and
@@ -103,6 +104,7 @@ if [ "${MIX:-0}" = 1 ]; then
   VARIANTS=(
     "r_plain|/tmp/tiny_r|" "r_dflash|/tmp/tiny_r|DF" "r_full16|/tmp/tiny_r|$FULL 16"
     "r_full64|/tmp/tiny_r|$FULL 64" "r_full256|/tmp/tiny_r|$FULL 256"
+    "r_full256_cap|/tmp/tiny_r|$FULL 256 CAP"
     "r_full64_old|/tmp/tiny_r|$FULL 64 OLD" "r_full256_old|/tmp/tiny_r|$FULL 256 OLD"
     "r_plain_rt|/tmp/tiny_r|RT" "r_full64_rt|/tmp/tiny_r|$FULL 64 RT" "r_full256_rt|/tmp/tiny_r|$FULL 256 RT"
     "p_plain|/tmp/tiny_p|" "p_dflash|/tmp/tiny_p|DF" "p_full16|/tmp/tiny_p|$FULL 16"
@@ -137,6 +139,7 @@ launch() {  # TAG MODEL_DIR EXTRA...
       DF) args+=("${DF[@]}" --speculative-draft-model-path "$model/draft") ;;
       RT) args+=(--max-total-tokens 4096); envs+=(SGLANG_TEST_RETRACT=1 SGLANG_TEST_RETRACT_INTERVAL=25) ;;
       OLD) envs+=(PYTHONPATH=/tmp/site_old) ;;
+      CAP) envs+=(SGLANG_DDTREE_MAX_VERIFY_TOKENS=1024) ;;  # steps must shrink their trees
       TP2) args+=(--tp-size 2 --nccl-port $(( PORT[$tag] + 5 )) "${TP2_EXTRA_ARGS[@]}") ;;
       *) args+=("$a") ;;
     esac
@@ -210,7 +213,7 @@ ts "queries done; GPU mem: $(nvidia-smi --query-gpu=memory.used --format=csv,noh
 stop_all; trap - EXIT
 if [ "${MIX:-0}" = 1 ]; then
   { MIXC=(python3 $HERE/production_mix.py compare "$OUT")
-    "${MIXC[@]}" r_plain --upstream r_dflash r_dflash r_full16 r_full64 r_full256; echo "rc=$?"
+    "${MIXC[@]}" r_plain --upstream r_dflash r_dflash r_full16 r_full64 r_full256 r_full256_cap; echo "rc=$?"
     "${MIXC[@]}" p_plain --upstream p_dflash p_dflash p_full16 p_full64 p_full256; echo "rc=$?"
     "${MIXC[@]}" r_plain_rt r_full64_rt r_full256_rt; echo "rc=$?"
     if [ -n "$OLD_BUNDLE" ]; then echo "--- the payload before the fix ($OLD_BUNDLE), same workload (expected to fail):"
