@@ -15,8 +15,9 @@ extend round-1 prompts by plain's round-1 outputs (the radix cache holds them), 
 Then the server must be idle with zero KV tokens in use (`/v1/loads`, else `/get_load`).
 
 The plain server also returns its top-2 logprobs; `compare` classes each request's first
-divergence from plain by plain's top-1 − top-2 gap there: ≤ TIE_GAP (one bf16 step at logit
-magnitude 16–32) is a numeric tie (the candidate's token must be plain's other top-2 token); a
+divergence from plain by plain's logprob margin there (top-1 minus the candidate token's, from plain's
+top-5; the top-2 gap is reported too): ≤ TIE_GAP (one bf16 step at logit magnitude 16–32) is a
+numeric tie (ties can be three-way: a token outside plain's top-5 is never a tie); a
 divergence that upstream DFLASH of the same flags shares exactly (same position, same token) is
 classed 'upstream' (bf16 verify-vs-decode rounding, not the payload's); anything else is a fault.
 DFLASH itself (`--upstream`) is reported as the reference, not judged. Aborted requests are not
@@ -35,6 +36,7 @@ import time
 import requests
 
 TIE_GAP = 0.125 + 1e-6
+TOP_K = 5  # ties can be three-way or more: the candidate's token must be among plain's top-k
 SEED = 12
 VOCAB_LO, VOCAB_HI = 10, 4000  # token ids the tiny models' tokenizer knows
 
@@ -62,7 +64,7 @@ def generate(base: str, req: dict, *, logprobs: bool) -> dict:
         sp["stop_token_ids"] = req["stop"]
     body: dict = {"input_ids": req["prompt"], "sampling_params": sp}
     if logprobs:
-        body.update(return_logprob=True, top_logprobs_num=2, logprob_start_len=len(req["prompt"]) - 1)
+        body.update(return_logprob=True, top_logprobs_num=TOP_K, logprob_start_len=len(req["prompt"]) - 1)
     t = time.time()
     r = requests.post(base + "/generate", json=body, timeout=600)
     r.raise_for_status()
@@ -72,7 +74,7 @@ def generate(base: str, req: dict, *, logprobs: bool) -> dict:
            "finish": (meta.get("finish_reason") or {}).get("type"),
            "accept": meta.get("spec_accept_length"), "verify_ct": meta.get("spec_verify_ct")}
     if logprobs:
-        out["top2"] = [[[lp, tid] for lp, tid, *_ in pos[:2]] for pos in meta.get("output_top_logprobs") or []]
+        out["topk"] = [[[lp, tid] for lp, tid, *_ in pos[:TOP_K]] for pos in meta.get("output_top_logprobs") or []]
     return out
 
 
@@ -244,7 +246,7 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 def classify(plain: dict, cand: dict, upstream: dict | None = None) -> tuple[str, dict]:
     """'same' | 'tie' | 'upstream' | 'fault' for one request, with the first differing position and
-    plain's top-2 gap there. 'upstream': upstream DFLASH (same flags, DDTree off) leaves plain at the
+    plain's margins there. 'upstream': upstream DFLASH (same flags, DDTree off) leaves plain at the
     same position with the same token, so the divergence is not the payload's."""
     if "error" in cand or "error" in plain:
         if cand.get("error") == plain.get("error"):
@@ -257,18 +259,23 @@ def classify(plain: dict, cand: dict, upstream: dict | None = None) -> tuple[str
     detail = {"pos": pos, "plain_len": len(a), "cand_len": len(b)}
     if pos >= min(len(a), len(b)):
         return "fault", {**detail, "why": "one output is a strict prefix of the other (finish differs)"}
-    top2 = plain.get("top2") or []
-    if pos < len(top2) and len(top2[pos]) == 2:
-        gap = float(top2[pos][0][0]) - float(top2[pos][1][0])
-        detail.update(gap=round(gap, 4), plain_tok=a[pos], cand_tok=b[pos], plain_top2=top2[pos])
-        if gap <= TIE_GAP and b[pos] in (top2[pos][0][1], top2[pos][1][1]):
+    topk = plain.get("topk") or []
+    if pos < len(topk) and len(topk[pos]) >= 2:
+        top = {int(tid): float(lp) for lp, tid in topk[pos]}
+        best = float(topk[pos][0][0])
+        # plain's top-2 margin there; and the candidate token's own margin when it is in the top-k.
+        gap = best - float(topk[pos][1][0])
+        cand_gap = best - top[b[pos]] if b[pos] in top else None
+        detail.update(gap=round(gap, 4), cand_gap=None if cand_gap is None else round(cand_gap, 4),
+                      plain_tok=a[pos], cand_tok=b[pos], plain_topk=topk[pos])
+        if cand_gap is not None and cand_gap <= TIE_GAP:
             return "tie", detail
         if upstream and "output_ids" in upstream:
             u = upstream["output_ids"]
             if first_divergence(a, u) == pos and pos < len(u) and u[pos] == b[pos]:
                 return "upstream", detail
         return "fault", detail
-    return "fault", {**detail, "why": "no top-2 logprobs at that position"}
+    return "fault", {**detail, "why": "no top-k logprobs at that position"}
 
 
 def cmd_compare(a: argparse.Namespace) -> int:
