@@ -259,7 +259,7 @@ def classify(plain: dict, cand: dict, upstream: dict | None = None) -> tuple[str
     detail = {"pos": pos, "plain_len": len(a), "cand_len": len(b)}
     if pos >= min(len(a), len(b)):
         return "fault", {**detail, "why": "one output is a strict prefix of the other (finish differs)"}
-    topk = plain.get("topk") or []
+    topk = plain.get("topk") or plain.get("top2") or []  # "top2": results recorded before top-5
     if pos < len(topk) and len(topk[pos]) >= 2:
         top = {int(tid): float(lp) for lp, tid in topk[pos]}
         best = float(topk[pos][0][0])
@@ -332,7 +332,7 @@ def cmd_compare(a: argparse.Namespace) -> int:
         for kind in ("upstreams", "ties"):
             for f in row[kind][:3]:
                 print(f"{'':>18}{kind[:-1]} {f}")
-    with open(os.path.join(a.out_dir, f"mix_summary_{a.plain}.json"), "w") as f:
+    with open(os.path.join(a.out_dir, f"mix_summary_{a.plain}_{a.tags[-1]}.json"), "w") as f:
         json.dump(summary, f, indent=1)
     return 1 if bad else 0
 
