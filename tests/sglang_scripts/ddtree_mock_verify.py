@@ -302,7 +302,7 @@ def _lm_head(weight_full: torch.Tensor, rank: int, tp: int, padded_total: int) -
 def hook_checks() -> list[str]:
     """draft_logits under emulated TP (shard gather = column == token id), and the on_draft /
     on_verified hooks: shadow builds but never verifies; full installs the tree verify input only
-    for plain greedy batches whose tree fits the free KV pool."""
+    for plain greedy batches, shrunk to what the free KV pool holds."""
     import sglang.srt.distributed as dist
 
     out: list[str] = []
@@ -354,8 +354,10 @@ def hook_checks() -> list[str]:
     dw.evict_from_tree_cache = lambda cache, k: None
     draft_hidden = torch.randn(2, 16, hid)
     bonus = torch.tensor([3, 4])
-    for mode, greedy, free, want_tree in (("shadow-linear", True, 10_000, False), ("full", True, 10_000, True),
-                                          ("full", False, 10_000, False), ("full", True, 100, False)):
+    # (mode, greedy, free KV slots, tree width installed or 0 for the linear path)
+    for mode, greedy, free, want_n in (("shadow-linear", True, 10_000, 0), ("full", True, 10_000, 65),
+                                       ("full", False, 10_000, 0), ("full", True, 100, 32), ("full", True, 3, 0)):
+        want_tree = want_n > 0
         ctl = dw.DDTreeController.maybe_create(_worker(mode=mode))
         batch, alloc = batch_for(2, greedy, free)
         cache_alloc = [alloc]
@@ -367,7 +369,7 @@ def hook_checks() -> list[str]:
             continue
         if took:
             vi = batch.spec_info
-            n = 65
+            n = want_n
             if not isinstance(vi, dw.DDTreeVerifyInput) or vi.draft_token_num != n:
                 out.append(f"{label}: spec_info {type(vi).__name__}")
                 continue
@@ -386,6 +388,9 @@ def hook_checks() -> list[str]:
             fallback = 1 if mode == "full" else 0
             if ctl.stats.fallback_steps != fallback or ctl.stats.accepted_depth_hist != {3: 1, 0: 1}:
                 out.append(f"{label}: stats {ctl.stats.as_dict()}")
+            want_reason = {"full": "kv_pool" if free < 100 else "sampling"}.get(mode)
+            if want_reason and dict(ctl.stats.fallback_reasons) != {want_reason: 1}:
+                out.append(f"{label}: fallback reasons {dict(ctl.stats.fallback_reasons)}")
     out += step_limit_checks(batch_for, head, draft_hidden, bonus)
     return out
 

@@ -35,6 +35,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.speculative.ddtree_args import DDTREE_FULL_ATTENTION_BACKENDS, FLAG_MODE
 from sglang.srt.speculative.ddtree_step_budget import (
     StepLimits,
+    budget_ladder,
     max_verify_tokens_for,
     step_budget,
     verify_token_bytes,
@@ -373,9 +374,11 @@ class DDTreeController:
         if budget == 0:
             self.stats.fallback_reasons["step_limits"] += 1
             return 0
-        if not self._tree_fits_in_kv(batch, budget):
-            self.stats.fallback_reasons["kv_pool"] += 1
-            return 0
+        while not self._tree_fits_in_kv(batch, budget):
+            budget = next((b for b in budget_ladder(self.budget) if b < budget), 0)
+            if budget == 0:
+                self.stats.fallback_reasons["kv_pool"] += 1
+                return 0
         if budget < self.budget:
             self.stats.shrunk_steps += 1
         return budget
