@@ -283,7 +283,7 @@ def test_sigkill_mid_install_converges(lab_fleet, inv, bundle, pristine_fleet, t
 def test_full_state_dir_filesystem(lab_fleet, inv, bundle, pristine_fleet):
     sd = STATE_DIR
     # 256 KiB with 16 KiB left: the lock fits, the upload plus backups do not.
-    r = lab_fleet.ssh("lab-2", f"mkdir -p {sd} && mount -t tmpfs -o size=256k tmpfs {sd} && "
+    r = lab_fleet.ssh("lab-2", f"mkdir -p {sd} && mount -t tmpfs -o size=256k,mode=0700 tmpfs {sd} && "
                                f"dd if=/dev/zero of={sd}/filler bs=4k count=60 2>/dev/null")
     assert r.returncode == 0, r.stderr
     try:
