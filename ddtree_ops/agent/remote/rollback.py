@@ -178,7 +178,7 @@ def to_pristine(sd: Path, *, operator: str, sys_path: list | None, adopt: bool, 
                                         (state.STATE, state_err)) if err]
     if not steps and not stack and not supersede:
         return _noop(sd, operator, "pristine", "nothing to roll back: the host is already pristine", recovered)
-    kept = {name: repair.set_aside(sd / name) for name in supersede}
+    kept = {name: repair.set_aside(sd / name) for name in supersede if (sd / name).exists()}
     jr_new = {"op": "rollback", "action": "rollback", "release": "pristine", "operator": operator,
               "started": state.now_iso(), "steps": steps, "stack_before": stack, "stack_after": []}
     try:
