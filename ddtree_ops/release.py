@@ -69,8 +69,11 @@ class LocalBundle:
 
         p = Path(path)
         manifest = verify_bundle(p)  # raises BundleError (tampered, unreadable) before any host is touched
-        data = p.read_bytes()
-        return cls(p, hashlib.sha256(data).hexdigest(), len(data), manifest.model_dump(mode="json"))
+        h = hashlib.sha256()
+        with p.open("rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        return cls(p, h.hexdigest(), p.stat().st_size, manifest.model_dump(mode="json"))
 
 
 def default_bundle(dist: Path = Path("dist")) -> Path:
