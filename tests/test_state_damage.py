@@ -297,7 +297,10 @@ def _stage_file(host: Host, path: Path) -> dict:
 
 def test_agent_refuses_an_oversize_member_by_name(host: Host, tmp_path: Path) -> None:
     big = 65 * 1024 * 1024
-    path = _bundle_with(tmp_path, [("files/sglang/srt/server_args.py", big, None), ("manifest.json", 2, b"{}")])
+    manifest = json.dumps({"payload_version": "1", "base_package": "sglang", "base_version": "0.5.13.post1",
+                           "new_files": [{"path": "sglang/srt/server_args.py", "sha256": "0" * 64}]}).encode()
+    path = _bundle_with(tmp_path, [("files/sglang/srt/server_args.py", big, None),
+                                   ("manifest.json", len(manifest), manifest)])
     assert path.stat().st_size < 1024 * 1024
     # Before: "bundle member files/... missing or not a regular file".
     refused(_stage_file(host, path), "bad_bundle", "files/sglang/srt/server_args.py", "too large")
