@@ -35,13 +35,13 @@ def refused(ans: dict, code: str, *words: str) -> dict:
     return err
 
 
-def try_push(host: Host, bundle) -> dict:
+def try_push(host: Host, bundle, env: dict | None = None) -> dict:
     """host.push, but a refusal at staging is an answer too."""
     ans = host.call("stage_begin", name=bundle.path.name, size=bundle.path.stat().st_size)
     if not ans["ok"]:
         return ans
     Path(ans["result"]["path"]).write_bytes(bundle.path.read_bytes())
-    return host.call("install", bundle=bundle.path.name, bundle_sha256=bundle.sha256)
+    return run_agent("install", {**host.base, "bundle": bundle.path.name, "bundle_sha256": bundle.sha256}, env=env)
 
 
 def pushed(host: Host, tmp_path: Path):

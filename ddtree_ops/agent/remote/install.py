@@ -183,9 +183,13 @@ def _write_release_dir(sd: Path, rid: str, bundle: Path, man: dict, site: Path, 
                 raise AgentError("backup_failed", f"backup of {rel} does not verify", "the file changed while copying")
         record["files"][rel] = {"before": before, "after": targets[rel], "mode": f.get("mode") or mode}
         if "origin" in f and f["target"] is not None:
-            # A file this bundle dropped: its "new" bytes are the pre-ddtree bytes from the
-            # release that first touched it.
-            copy_file_atomic(release_dir(sd, f["origin"]) / "backup" / rel, tmp / "payload" / rel)
+            # A file this bundle dropped: its "new" bytes are the pre-ddtree bytes, from the pristine
+            # store or the backup of the release that first touched it, whichever still verifies.
+            src = next((p for p in (pristine.copy_path(sd, rel), release_dir(sd, f["origin"]) / "backup" / rel)
+                        if sha256_file(p) == f["target"]), None)
+            if src is None:
+                raise pristine.lost(rel, f["target"], man["package"], man["version"])
+            copy_file_atomic(src, tmp / "payload" / rel)
     write_json_atomic(tmp / BACKUP_RECORD, record)
     fsync_dir(tmp)
     if final.exists():

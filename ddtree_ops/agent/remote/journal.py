@@ -78,7 +78,8 @@ def apply_steps(site: Path, steps: list[dict], side: str, kill_after: int | None
             got = sha256_file(path)
             if got != want:
                 raise AgentError("verify_failed", f"{step['rel']}: sha256 {got} after writing, expected {want}",
-                                 f"the source {src} in the state dir is damaged")
+                                 f"the source {src} in the state dir is damaged. "
+                                 f"repair: {statefs.REPAIR_PRISTINE}", path=src)
         changed.append(step["rel"])
         if kill_after is not None and len(changed) >= kill_after:
             os.kill(os.getpid(), signal.SIGKILL)

@@ -23,7 +23,7 @@ from .atomic import AgentError
 STAGING = "staging"
 RELEASES = "releases"
 PRISTINE = "pristine"
-DRIFT = "drift"  # foreign bytes an --adopt rollback overwrote, kept so it can be undone
+REPLACED = "replaced"  # replaced/<time>/<rel>: what rollback --to pristine overwrote, so it can be undone
 JOURNAL = "journal.json"
 BACKUP_RECORD = "backup.json"
 

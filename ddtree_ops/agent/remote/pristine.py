@@ -49,23 +49,42 @@ def _json_or_none(path: Path) -> object:
         return None
 
 
-def known_copies(sd: Path) -> dict[str, dict[str | None, list[Path]]]:
-    """rel -> sha256 -> files under releases/ said to hold those bytes (payload and backup copies)."""
-    out: dict[str, dict[str | None, list[Path]]] = {}
-    for rdir in kept_releases(sd):
-        raw = _json_or_none(rdir / "manifest.json")
-        try:
-            man = normalize_manifest(raw) if raw is not None else None
-        except AgentError:
-            man = None
-        for f in (man or {}).get("files", []):
-            out.setdefault(f["path"], {}).setdefault(f["patched_sha256"], []).append(rdir / "payload" / f["path"])
-        rec = _json_or_none(rdir / BACKUP_RECORD)
-        files = rec.get("files") if isinstance(rec, dict) else None
-        for rel, f in (files.items() if isinstance(files, dict) else ()):
-            if isinstance(f, dict) and isinstance(f.get("before"), str):
-                out.setdefault(rel, {}).setdefault(f["before"], []).append(rdir / "backup" / rel)
-    return out
+class Known:
+    """What releases/ holds for each file: `copies` rel -> sha256 -> files with exactly those bytes
+    (payload and backup copies, hashed here rather than taken on a record's word), and `ours` rel ->
+    the sha256s our releases install (payload copies, and what manifests and backup records state,
+    so our own bytes are recognised even when every copy of them is damaged)."""
+
+    def __init__(self, sd: Path) -> None:
+        self.copies: dict[str, dict[str | None, list[Path]]] = {}
+        self.ours: dict[str, set[str | None]] = {}
+        for rdir in kept_releases(sd):
+            for sub in ("payload", "backup"):
+                for p in sorted((rdir / sub).rglob("*")):
+                    if p.is_file() and not p.is_symlink():
+                        rel, h = p.relative_to(rdir / sub).as_posix(), sha256_file(p)
+                        self.copies.setdefault(rel, {}).setdefault(h, []).append(p)
+                        if sub == "payload":
+                            self.ours.setdefault(rel, set()).add(h)
+            man = _manifest(rdir)
+            for f in man["files"] if man else []:
+                self.ours.setdefault(f["path"], set()).add(f["patched_sha256"])
+            rec = _json_or_none(rdir / BACKUP_RECORD)
+            files = rec.get("files") if isinstance(rec, dict) else None
+            for rel, f in (files.items() if isinstance(files, dict) else ()):
+                if isinstance(f, dict) and isinstance(f.get("after"), str):
+                    self.ours.setdefault(rel, set()).add(f["after"])
+
+    def with_hash(self, rel: str, h: str | None) -> list[Path]:
+        return self.copies.get(rel, {}).get(h, [])
+
+
+def _manifest(rdir: Path) -> dict | None:
+    raw = _json_or_none(rdir / "manifest.json")
+    try:
+        return normalize_manifest(raw) if raw is not None else None
+    except AgentError:
+        return None
 
 
 def _index_problem(raw: object) -> str | None:
@@ -83,27 +102,22 @@ def _index_problem(raw: object) -> str | None:
     return None
 
 
-def _rebuilt(sd: Path) -> dict[str, dict]:
+def _rebuilt(sd: Path, known: Known) -> dict[str, dict]:
     """The index from the releases' manifests: the pristine sha256 each of them states (an adopted
     original is recognised by a kept copy hashing to a backup's before-hash)."""
     files: dict[str, dict] = {}
     for rdir in kept_releases(sd):
-        raw = _json_or_none(rdir / "manifest.json")
-        try:
-            man = normalize_manifest(raw) if raw is not None else None
-        except AgentError:
-            continue
+        man = _manifest(rdir)
         for f in man["files"] if man else []:
             files.setdefault(f["path"], {"sha256": f["pristine_sha256"], "adopted": False})
-    copies = known_copies(sd)
     for rel, e in files.items():
         have = sha256_file(copy_path(sd, rel)) if e["sha256"] is not None else None
-        if have is not None and have != e["sha256"] and have in copies.get(rel, {}):
+        if have is not None and have != e["sha256"] and known.with_hash(rel, have) and have not in known.ours.get(rel, ()):
             files[rel] = {"sha256": have, "adopted": True}
     return files
 
 
-def load_index(sd: Path) -> dict[str, dict]:
+def load_index(sd: Path, known: Known | None = None) -> dict[str, dict]:
     """rel -> {"sha256", "adopted"} for every file a kept release touches: index.json's entries,
     completed from releases/ (all of it when index.json is missing or damaged, or for releases an
     older agent installed before the store existed)."""
@@ -113,7 +127,7 @@ def load_index(sd: Path) -> dict[str, dict]:
     except (FileNotFoundError, AgentError):
         raw = None
     stored = raw["files"] if isinstance(raw, dict) and not _index_problem(raw) else {}
-    return {**_rebuilt(sd), **stored}
+    return {**_rebuilt(sd, known or Known(sd)), **stored}
 
 
 def host_record(site: Path, package: str, version: str) -> dict[str, str]:
@@ -136,18 +150,12 @@ def host_record(site: Path, package: str, version: str) -> dict[str, str]:
     return out
 
 
-def _patched_hashes(sd: Path, copies: dict, rel: str) -> set[str | None]:
-    """The sha256s a kept release installs into rel (its payload copies): ours, never an original."""
-    return {h for h, paths in copies.get(rel, {}).items()
-            if any(p.relative_to(sd / RELEASES).parts[1] == "payload" for p in paths)}
-
-
-def _heal(sd: Path, site: Path, rel: str, want: str, copies: dict) -> bool:
+def heal(sd: Path, site: Path, rel: str, want: str, known: Known) -> bool:
     """Make pristine/files/rel hash to want from bytes on this host that do; False when none do."""
     target = copy_path(sd, rel)
     if sha256_file(target) == want:
         return True
-    for src in [site / rel, *copies.get(rel, {}).get(want, [])]:
+    for src in [site / rel, *known.with_hash(rel, want)]:
         if sha256_file(src) == want:
             copy_file_atomic(src, target)
             if sha256_file(target) == want:
@@ -155,18 +163,19 @@ def _heal(sd: Path, site: Path, rel: str, want: str, copies: dict) -> bool:
     return False
 
 
-def _lost(rel: str, want: str | None, package: str, version: str) -> AgentError:
+def lost(rel: str, want: str | None, package: str, version: str | None = None) -> AgentError:
+    wheel = f"{package}=={version}" if version else f"the {package} version the host runs"
     return AgentError("pristine_lost", f"no copy of the original {rel} (sha256 {want}) is left on this host: "
                       f"{rel} is not pristine and pristine/files/{rel} is missing or damaged",
-                      f"reinstall the wheel on the host (pip install --force-reinstall --no-deps {package}=={version}) "
-                      "so the original is back, then repeat the command; nothing was changed", path=rel)
+                      f"reinstall the wheel on the host (pip install --force-reinstall --no-deps {wheel}) so the "
+                      "original is back, then repeat the command; nothing was changed", path=rel)
 
 
 def ensure(sd: Path, site: Path, man: dict, *, adopt: bool) -> dict[str, dict]:
     """Give every file of the manifest a verified original in the store before anything changes."""
-    index = load_index(sd)
+    known = Known(sd)
+    index = load_index(sd, known)
     record = host_record(site, man["package"], man["version"])
-    copies = known_copies(sd)
     for f in man["files"]:
         rel, want = f["path"], f["pristine_sha256"]
         entry = index.get(rel)
@@ -176,10 +185,10 @@ def ensure(sd: Path, site: Path, man: dict, *, adopt: bool) -> dict[str, dict]:
                                  f"host's {man['package']} RECORD ({record[rel]})",
                                  "rebuild the bundle against the wheel installed here; nothing was changed")
             now = sha256_file(site / rel)
-            ours = _patched_hashes(sd, copies, rel)
+            ours = known.ours.get(rel, set())
             # Not pristine: for a new module, present but not ours; for an upstream file, no bytes
             # with the pristine hash anywhere on the host (site file, store, release backups).
-            foreign = (now is not None and now not in ours) if want is None else not _heal(sd, site, rel, want, copies)
+            foreign = (now is not None and now not in ours) if want is None else not heal(sd, site, rel, want, known)
             if not foreign:
                 entry = {"sha256": want, "adopted": False}
             elif adopt and now not in ours:
@@ -188,9 +197,9 @@ def ensure(sd: Path, site: Path, man: dict, *, adopt: bool) -> dict[str, dict]:
                     copy_file_atomic(site / rel, copy_path(sd, rel))
                 entry = {"sha256": now, "adopted": True}
             else:
-                raise _lost(rel, want, man["package"], man["version"])
+                raise lost(rel, want, man["package"], man["version"])
             index[rel] = entry
-        elif entry["sha256"] is not None and not _heal(sd, site, rel, entry["sha256"], copies):
-            raise _lost(rel, entry["sha256"], man["package"], man["version"])
+        elif entry["sha256"] is not None and not heal(sd, site, rel, entry["sha256"], known):
+            raise lost(rel, entry["sha256"], man["package"], man["version"])
     write_json_atomic(sd / PRISTINE / INDEX, {"files": index})
     return index

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from . import backup, install, journal, lock, pristine, repair, state, statefs
 from .atomic import AgentError, copy_file_atomic, sha256_file
-from .layout import DRIFT, JOURNAL, RELEASES, find_base, release_dir, safe_name
+from .layout import JOURNAL, RELEASES, REPLACED, find_base, release_dir, safe_name
 
 
 def _steps_for_pop(sd: Path, site: Path, rid: str, *, adopt: bool, check_drift: bool) -> tuple[list[dict], list[str]]:
@@ -34,8 +34,9 @@ def _steps_for_pop(sd: Path, site: Path, rid: str, *, adopt: bool, check_drift: 
     for rel, f in sorted(rec["files"].items()):
         kept = rdir / "backup" / rel
         if f["before"] is not None and sha256_file(kept) != f["before"]:
-            raise AgentError("backup_damaged", f"backup of {rel} in {rid} does not hash to {f['before']}",
-                             "nothing was changed; the backup cannot be trusted")
+            raise AgentError("backup_damaged", f"{kept}: the backup of {rel} in {rid} does not hash to {f['before']}",
+                             f"nothing was changed; the backup cannot be trusted. repair: {statefs.REPAIR_PRISTINE}",
+                             path=str(kept))
         step = {"rel": rel, "before": f["after"], "before_src": str(rdir / "payload" / rel) if f["after"] else None,
                 "after": f["before"], "after_src": str(kept) if f["before"] is not None else None,
                 "mode": f.get("mode")}
@@ -130,31 +131,30 @@ def _damage(fn, *args: object) -> tuple[object, AgentError | None]:
         return None, exc
 
 
-def _pristine_steps(sd: Path, site: Path, index: dict, adopt: bool) -> tuple[list[dict], list[str]]:
-    """Journal steps taking every indexed file to its original; undo sources are verified copies."""
-    copies = pristine.known_copies(sd)
-    drift_dir = sd / DRIFT / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    steps, drifted = [], []
+def _pristine_steps(sd: Path, site: Path, index: dict, known: pristine.Known, *, adopt: bool,
+                    package: str) -> tuple[list[dict], list[str]]:
+    """Journal steps taking every indexed file to its original. Undo needs the bytes each file has
+    now: they are copied fresh under replaced/<time>/ (a few small files), so no record has to be
+    trusted for them; a file whose bytes are neither original nor ours is foreign (refused unless adopt)."""
+    replaced = sd / REPLACED / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    steps, foreign = [], []
     for rel, entry in sorted(index.items()):
         want = entry["sha256"]
-        src = pristine.copy_path(sd, rel)
-        if want is not None and sha256_file(src) != want:
-            raise AgentError("pristine_lost", f"{src}: the pristine copy of {rel} is missing or does not hash to {want}",
-                             "push the current release again: it re-takes the copy from any verified bytes on "
-                             "the host; nothing was changed", path=str(src))
         now = sha256_file(site / rel)
         if now == want:
             continue
-        # Undo needs the current bytes: one of our own copies with that hash, or (drift) a fresh one.
-        before_src = next((str(p) for p in copies.get(rel, {}).get(now, []) if sha256_file(p) == now), None)
-        if now is not None and before_src is None:
-            drifted.append(rel)
-            if adopt:
-                copy_file_atomic(site / rel, drift_dir / rel)
-                before_src = str(drift_dir / rel)
-        steps.append({"rel": rel, "before": now, "before_src": before_src, "after": want,
-                      "after_src": str(src) if want is not None else None, "mode": None})
-    return steps, drifted
+        if want is not None and not pristine.heal(sd, site, rel, want, known):
+            raise pristine.lost(rel, want, package)
+        if now not in known.ours.get(rel, set()):
+            foreign.append(rel)
+            if not adopt:
+                continue
+        if now is not None:
+            copy_file_atomic(site / rel, replaced / rel)
+        steps.append({"rel": rel, "before": now, "before_src": str(replaced / rel) if now is not None else None,
+                      "after": want, "after_src": str(pristine.copy_path(sd, rel)) if want is not None else None,
+                      "mode": None})
+    return steps, foreign
 
 
 def to_pristine(sd: Path, *, operator: str, sys_path: list | None, adopt: bool, package: str) -> dict:
@@ -165,8 +165,9 @@ def to_pristine(sd: Path, *, operator: str, sys_path: list | None, adopt: bool, 
         recovered = journal.recover(sd)  # finish it first, so the stack we record from is the real one
         st = state.load(sd)
     _, site = find_base(package, sys_path)
-    index = pristine.load_index(sd)
-    steps, drifted = _pristine_steps(sd, site, index, adopt)
+    known = pristine.Known(sd)
+    index = pristine.load_index(sd, known)
+    steps, drifted = _pristine_steps(sd, site, index, known, adopt=adopt, package=package)
     if drifted and not adopt:
         raise AgentError("foreign", f"changed by someone else, neither original nor a release of ours: {', '.join(drifted)}",
                          "inspect them; rollback --to pristine --adopt overwrites them (their bytes are kept in the state dir)")
