@@ -127,7 +127,11 @@ def load_index(sd: Path, known: Known | None = None) -> dict[str, dict]:
     except (FileNotFoundError, AgentError):
         raw = None
     stored = raw["files"] if isinstance(raw, dict) and not _index_problem(raw) else {}
-    return {**_rebuilt(sd, known or Known(sd)), **stored}
+    rebuilt = _rebuilt(sd, known or Known(sd))
+    # An original must be the one the manifests state (an adopted file's is whatever was there).
+    trusted = {rel: e for rel, e in stored.items()
+               if e["adopted"] or rel not in rebuilt or rebuilt[rel]["sha256"] == e["sha256"]}
+    return {**rebuilt, **trusted}
 
 
 def host_record(site: Path, package: str, version: str) -> dict[str, str]:

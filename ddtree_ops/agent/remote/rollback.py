@@ -133,9 +133,10 @@ def _damage(fn, *args: object) -> tuple[object, AgentError | None]:
 
 def _pristine_steps(sd: Path, site: Path, index: dict, known: pristine.Known, *, adopt: bool,
                     package: str) -> tuple[list[dict], list[str]]:
-    """Journal steps taking every indexed file to its original. Undo needs the bytes each file has
-    now: they are copied fresh under replaced/<time>/ (a few small files), so no record has to be
-    trusted for them; a file whose bytes are neither original nor ours is foreign (refused unless adopt)."""
+    """Journal steps taking every indexed file to its original, and the files whose bytes are neither
+    original nor ours (foreign: refused unless adopt). Undo needs the bytes each file has now: the
+    caller copies them fresh to each step's before_src under replaced/<time>/ (a few small files),
+    so no record has to be trusted for them."""
     replaced = sd / REPLACED / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     steps, foreign = [], []
     for rel, entry in sorted(index.items()):
@@ -149,8 +150,6 @@ def _pristine_steps(sd: Path, site: Path, index: dict, known: pristine.Known, *,
             foreign.append(rel)
             if not adopt:
                 continue
-        if now is not None:
-            copy_file_atomic(site / rel, replaced / rel)
         steps.append({"rel": rel, "before": now, "before_src": str(replaced / rel) if now is not None else None,
                       "after": want, "after_src": str(pristine.copy_path(sd, rel)) if want is not None else None,
                       "mode": None})
@@ -171,6 +170,9 @@ def to_pristine(sd: Path, *, operator: str, sys_path: list | None, adopt: bool, 
     if drifted and not adopt:
         raise AgentError("foreign", f"changed by someone else, neither original nor a release of ours: {', '.join(drifted)}",
                          "inspect them; rollback --to pristine --adopt overwrites them (their bytes are kept in the state dir)")
+    for step in steps:
+        if step["before_src"] is not None:
+            copy_file_atomic(site / step["rel"], step["before_src"])
     stack = list(st["stack"]) if isinstance(st, dict) else []
     # What this run supersedes (a damaged state.json, a journal it could not finish) is set aside,
     # never deleted, so the change's own journal and state are the only ones the next run reads;
