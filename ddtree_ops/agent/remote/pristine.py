@@ -58,20 +58,27 @@ class Known:
     def __init__(self, sd: Path) -> None:
         self.copies: dict[str, dict[str | None, list[Path]]] = {}
         self.ours: dict[str, set[str | None]] = {}
+        # Every file any trace in the state dir says a release touched: one damaged record must not
+        # hide a file from rollback --to pristine.
+        self.touched: set[str] = {p.relative_to(sd / PRISTINE / "files").as_posix()
+                                  for p in (sd / PRISTINE / "files").rglob("*") if p.is_file()}
         for rdir in kept_releases(sd):
             for sub in ("payload", "backup"):
                 for p in sorted((rdir / sub).rglob("*")):
                     if p.is_file() and not p.is_symlink():
                         rel, h = p.relative_to(rdir / sub).as_posix(), sha256_file(p)
                         self.copies.setdefault(rel, {}).setdefault(h, []).append(p)
+                        self.touched.add(rel)
                         if sub == "payload":
                             self.ours.setdefault(rel, set()).add(h)
             man = _manifest(rdir)
             for f in man["files"] if man else []:
                 self.ours.setdefault(f["path"], set()).add(f["patched_sha256"])
+                self.touched.add(f["path"])
             rec = _json_or_none(rdir / BACKUP_RECORD)
             files = rec.get("files") if isinstance(rec, dict) else None
             for rel, f in (files.items() if isinstance(files, dict) else ()):
+                self.touched.add(rel)
                 if isinstance(f, dict) and isinstance(f.get("after"), str):
                     self.ours.setdefault(rel, set()).add(f["after"])
 
@@ -102,14 +109,20 @@ def _index_problem(raw: object) -> str | None:
     return None
 
 
-def _rebuilt(sd: Path, known: Known) -> dict[str, dict]:
-    """The index from the releases' manifests: the pristine sha256 each of them states (an adopted
-    original is recognised by a kept copy hashing to a backup's before-hash)."""
+def _rebuilt(sd: Path, known: Known, record: dict[str, str] | None) -> dict[str, dict]:
+    """The index from what else the state dir and the host know: the original sha256 each kept
+    manifest states; for a file only other traces name, the host's wheel RECORD (a file the wheel
+    does not list did not exist: a new module). With no RECORD such a file's original is unknown,
+    and rollback --to pristine refuses it rather than guess. An adopted original is recognised by
+    a kept copy hashing to a backup's before-hash."""
     files: dict[str, dict] = {}
     for rdir in kept_releases(sd):
         man = _manifest(rdir)
         for f in man["files"] if man else []:
             files.setdefault(f["path"], {"sha256": f["pristine_sha256"], "adopted": False})
+    for rel in sorted(known.touched - set(files)):
+        files[rel] = {"sha256": record.get(rel), "adopted": False} if record else \
+            {"sha256": None, "adopted": False, "unknown": True}
     for rel, e in files.items():
         have = sha256_file(copy_path(sd, rel)) if e["sha256"] is not None else None
         if have is not None and have != e["sha256"] and known.with_hash(rel, have) and have not in known.ours.get(rel, ()):
@@ -117,17 +130,17 @@ def _rebuilt(sd: Path, known: Known) -> dict[str, dict]:
     return files
 
 
-def load_index(sd: Path, known: Known | None = None) -> dict[str, dict]:
+def load_index(sd: Path, known: Known, record: dict[str, str] | None) -> dict[str, dict]:
     """rel -> {"sha256", "adopted"} for every file a kept release touches: index.json's entries,
-    completed from releases/ (all of it when index.json is missing or damaged, or for releases an
-    older agent installed before the store existed)."""
+    completed from releases/ and the wheel's RECORD (all of it when index.json is missing or damaged,
+    or for releases an older agent installed before the store existed). `record`: host_record()."""
     path = sd / PRISTINE / INDEX
     try:
         raw = statefs.read_json(path, "the pristine index", statefs.REPAIR_PRISTINE)
     except (FileNotFoundError, AgentError):
         raw = None
     stored = raw["files"] if isinstance(raw, dict) and not _index_problem(raw) else {}
-    rebuilt = _rebuilt(sd, known or Known(sd))
+    rebuilt = _rebuilt(sd, known, record)
     # An original must be the one the manifests state (an adopted file's is whatever was there).
     trusted = {rel: e for rel, e in stored.items()
                if e["adopted"] or rel not in rebuilt or rebuilt[rel]["sha256"] == e["sha256"]}
@@ -178,12 +191,16 @@ def lost(rel: str, want: str | None, package: str, version: str | None = None) -
 def ensure(sd: Path, site: Path, man: dict, *, adopt: bool) -> dict[str, dict]:
     """Give every file of the manifest a verified original in the store before anything changes."""
     known = Known(sd)
-    index = load_index(sd, known)
     record = host_record(site, man["package"], man["version"])
+    index = load_index(sd, known, record)
     for f in man["files"]:
         rel, want = f["path"], f["pristine_sha256"]
         entry = index.get(rel)
-        if entry is None:
+        if entry is not None and not entry["adopted"] and not entry.get("unknown") and entry["sha256"] != want:
+            raise AgentError("pristine_mismatch", f"{rel}: the bundle's pristine sha256 {want} differs from the original "
+                             f"recorded on this host ({entry['sha256']})",
+                             "rebuild the bundle against the wheel installed here; nothing was changed")
+        if entry is None or entry.get("unknown"):
             if want is not None and record.get(rel, want) != want:
                 raise AgentError("pristine_mismatch", f"{rel}: the bundle's pristine sha256 {want} differs from this "
                                  f"host's {man['package']} RECORD ({record[rel]})",
@@ -205,5 +222,5 @@ def ensure(sd: Path, site: Path, man: dict, *, adopt: bool) -> dict[str, dict]:
             index[rel] = entry
         elif entry["sha256"] is not None and not heal(sd, site, rel, entry["sha256"], known):
             raise lost(rel, entry["sha256"], man["package"], man["version"])
-    write_json_atomic(sd / PRISTINE / INDEX, {"files": index})
+    write_json_atomic(sd / PRISTINE / INDEX, {"files": {rel: e for rel, e in index.items() if not e.get("unknown")}})
     return index

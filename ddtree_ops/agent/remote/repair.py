@@ -41,9 +41,9 @@ def diagnose(sd: Path) -> list[dict]:
     return list(found.values())
 
 
-def expected_hashes(sd: Path, stack: list[str]) -> dict[str, str | None]:
+def expected_hashes(sd: Path, stack: list[str], index: dict[str, dict]) -> dict[str, str | None]:
     """rel -> the sha256 it has when the stack is fully installed (originals below every release)."""
-    want = {rel: e["sha256"] for rel, e in pristine.load_index(sd).items()}
+    want = {rel: e["sha256"] for rel, e in index.items()}
     for rid in stack:
         for rel, f in backup.read(sd, rid)["files"].items():
             want[rel] = f["after"]
@@ -60,8 +60,9 @@ def set_aside(path: Path) -> Path:
 
 def clear_journal(sd: Path, found: str, sys_path: list | None, package: str = "sglang") -> dict:
     st = state.load(sd)
-    _, site = find_base(package, sys_path)
-    want = expected_hashes(sd, st["stack"])
+    version, site = find_base(package, sys_path)
+    index = pristine.load_index(sd, pristine.Known(sd), pristine.host_record(site, package, version))
+    want = expected_hashes(sd, st["stack"], index)
     mixed = sorted(rel for rel, h in want.items() if sha256_file(site / rel) != h)
     if mixed:
         raise AgentError("files_mixed", f"{found}; and {len(mixed)} file(s) are not where state.json says, so the "

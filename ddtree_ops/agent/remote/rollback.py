@@ -142,6 +142,10 @@ def _pristine_steps(sd: Path, site: Path, index: dict, known: pristine.Known, *,
     for rel, entry in sorted(index.items()):
         want = entry["sha256"]
         now = sha256_file(site / rel)
+        if entry.get("unknown"):
+            raise AgentError("pristine_lost", f"the original of {rel} is unknown: no kept manifest lists it and the "
+                             f"installed {package} has no RECORD", f"reinstall the wheel on the host (pip install "
+                             f"--force-reinstall --no-deps {package}), then repeat; nothing was changed", path=rel)
         if now == want:
             continue
         if want is not None and not pristine.heal(sd, site, rel, want, known):
@@ -163,9 +167,9 @@ def to_pristine(sd: Path, *, operator: str, sys_path: list | None, adopt: bool, 
     if jr is not None and state_err is None:
         recovered = journal.recover(sd)  # finish it first, so the stack we record from is the real one
         st = state.load(sd)
-    _, site = find_base(package, sys_path)
+    version, site = find_base(package, sys_path)
     known = pristine.Known(sd)
-    index = pristine.load_index(sd, known)
+    index = pristine.load_index(sd, known, pristine.host_record(site, package, version))
     steps, drifted = _pristine_steps(sd, site, index, known, adopt=adopt, package=package)
     if drifted and not adopt:
         raise AgentError("foreign", f"changed by someone else, neither original nor a release of ours: {', '.join(drifted)}",
