@@ -312,3 +312,24 @@ def test_agent_refuses_paths_outside_the_package(host: Host, tmp_path: Path) -> 
     # Before: installed, and evil.pth ran at every interpreter start.
     refused(ans, "bad_bundle", "evil.pth", "outside sglang/")
     assert not (host.site / "evil.pth").exists()
+
+
+def test_adopted_file_that_is_the_wheels_again_stays_pristine(host: Host, tmp_path: Path) -> None:
+    """--adopt keeps the foreign bytes as the original; once a hand put the wheel's bytes back,
+    rollback --to pristine must not bring the foreign ones back (the lab's hotfix case)."""
+    rel = "sglang/srt/server_args.py"
+    (host.site / rel).write_bytes(PRISTINE[rel] + b"# hotfix\n")
+    b = make_bundle(tmp_path / "dist")
+    assert host.push(b, adopt=True)["ok"]
+    assert host.call("rollback", to="previous")["ok"]
+    assert (host.site / rel).read_bytes() == PRISTINE[rel] + b"# hotfix\n"
+    (host.site / rel).write_bytes(PRISTINE[rel])
+    ans = host.call("rollback", to="pristine", adopt=True)
+    assert ans["ok"], ans
+    assert (host.site / rel).read_bytes() == PRISTINE[rel]
+    # While the release is installed, --to pristine returns to the adopted original and says so.
+    (host.site / rel).write_bytes(PRISTINE[rel] + b"# hotfix\n")
+    assert host.push(b, adopt=True)["ok"]
+    ans = host.call("rollback", to="pristine")
+    assert ans["ok"] and ans["result"]["not_pristine"] == [rel], ans
+    assert (host.site / rel).read_bytes() == PRISTINE[rel] + b"# hotfix\n"

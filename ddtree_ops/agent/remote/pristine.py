@@ -51,13 +51,15 @@ def _json_or_none(path: Path) -> object:
 
 class Known:
     """What releases/ holds for each file: `copies` rel -> sha256 -> files with exactly those bytes
-    (payload and backup copies, hashed here rather than taken on a record's word), and `ours` rel ->
+    (payload and backup copies, hashed here rather than taken on a record's word), `ours` rel ->
     the sha256s our releases install (payload copies, and what manifests and backup records state,
-    so our own bytes are recognised even when every copy of them is damaged)."""
+    so our own bytes are recognised even when every copy of them is damaged), and `wheel` rel ->
+    the pristine sha256 the manifests state."""
 
     def __init__(self, sd: Path) -> None:
         self.copies: dict[str, dict[str | None, list[Path]]] = {}
         self.ours: dict[str, set[str | None]] = {}
+        self.wheel: dict[str, set[str | None]] = {}  # the wheel's own bytes, as the manifests state them
         # Every file any trace in the state dir says a release touched: one damaged record must not
         # hide a file from rollback --to pristine.
         self.touched: set[str] = {p.relative_to(sd / PRISTINE / "files").as_posix()
@@ -74,6 +76,7 @@ class Known:
             man = _manifest(rdir)
             for f in man["files"] if man else []:
                 self.ours.setdefault(f["path"], set()).add(f["patched_sha256"])
+                self.wheel.setdefault(f["path"], set()).add(f["pristine_sha256"])
                 self.touched.add(f["path"])
             rec = _json_or_none(rdir / BACKUP_RECORD)
             files = rec.get("files") if isinstance(rec, dict) else None

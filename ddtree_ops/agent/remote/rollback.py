@@ -142,6 +142,8 @@ def _pristine_steps(sd: Path, site: Path, index: dict, known: pristine.Known, *,
     for rel, entry in sorted(index.items()):
         want = entry["sha256"]
         now = sha256_file(site / rel)
+        if entry["adopted"] and now in known.wheel.get(rel, ()):
+            continue  # an adopted file that is the wheel's own again is more than restored
         if entry.get("unknown"):
             raise AgentError("pristine_lost", f"the original of {rel} is unknown: no kept manifest lists it and the "
                              f"installed {package} has no RECORD", f"reinstall the wheel on the host (pip install "
@@ -199,7 +201,8 @@ def to_pristine(sd: Path, *, operator: str, sys_path: list | None, adopt: bool, 
                                 result="failed", reason=getattr(exc, "code", type(exc).__name__))
         raise
     # Byte-for-byte proof against the originals the manifests state (adopted ones: the bytes found).
-    mismatched = [rel for rel, e in index.items() if sha256_file(site / rel) != e["sha256"]]
+    mismatched = [rel for rel, e in index.items() if sha256_file(site / rel) != e["sha256"]
+                  and not (e["adopted"] and sha256_file(site / rel) in known.wheel.get(rel, ()))]
     if mismatched:
         raise AgentError("verify_failed", f"after rollback these files are not pristine: {mismatched}", "inspect the host")
     not_pristine = sorted(rel for rel, e in index.items() if e["adopted"])
