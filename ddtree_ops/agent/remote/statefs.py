@@ -53,7 +53,7 @@ def state_dir(request: dict, *, create: bool = True, scan_tree: bool = True) -> 
             return sd
         os.makedirs(sd, mode=0o700, exist_ok=True)
         st = os.lstat(sd)
-    _check_dir(sd, st, top=True)
+    _check_dir(sd, st)
     problems = scan(sd) if scan_tree else []
     if problems:
         path, problem, repair = problems[0]
@@ -61,17 +61,15 @@ def state_dir(request: dict, *, create: bool = True, scan_tree: bool = True) -> 
     return sd
 
 
-def _check_dir(path: Path, st: os.stat_result, *, top: bool = False) -> None:
-    what = "the state dir" if top else "a directory in the state dir"
+def _check_dir(path: Path, st: os.stat_result) -> None:
     if stat.S_ISLNK(st.st_mode):
-        raise AgentError("state_dir", f"{path}: {what} is a symbolic link; the agent never follows one",
-                         "point state_dir in the inventory at the real directory" if top
-                         else f"repair: {REPAIR_UNLOCK}")
+        raise AgentError("state_dir", f"{path}: the state dir is a symbolic link; the agent never follows one",
+                         "point state_dir in the inventory at the real directory")
     if not stat.S_ISDIR(st.st_mode):
-        raise AgentError("state_dir", f"{path}: {what} is not a directory", "set state_dir to a directory")
+        raise AgentError("state_dir", f"{path}: the state dir is not a directory", "set state_dir to a directory")
     if st.st_uid != os.geteuid() or st.st_mode & 0o022:
-        raise AgentError("state_dir", f"{path}: {what} is owned by uid {st.st_uid} with mode {st.st_mode & 0o7777:o}; "
-                         f"it must belong to uid {os.geteuid()} and be writable by nobody else",
+        raise AgentError("state_dir", f"{path}: the state dir is owned by uid {st.st_uid} with mode "
+                         f"{st.st_mode & 0o7777:o}; it must belong to uid {os.geteuid()} and be writable by nobody else",
                          f"chown {os.geteuid()} {path} && chmod go-w {path}")
 
 
