@@ -14,13 +14,13 @@ import os
 import time
 from pathlib import Path
 
-from . import backup, journal, lock, pristine, state, statefs
+from . import backup, journal, pristine, state, statefs
 from .atomic import AgentError, fsync_dir, sha256_file
 from .layout import JOURNAL, find_base
 
 
 def diagnose(sd: Path) -> list[dict]:
-    """[{path, problem, repair}] for everything in sd a mutating command would refuse on."""
+    """[{path, problem, repair}] for everything in sd a mutating command would refuse on (but the lock)."""
     if not sd.is_dir():
         return []
     found = {path: {"path": path, "problem": problem, "repair": repair} for path, problem, repair in statefs.scan(sd)}
@@ -29,10 +29,7 @@ def diagnose(sd: Path) -> list[dict]:
         path = str(exc.extra.get("path", ""))
         found.setdefault(path, {"path": path, "problem": exc.message, "repair": exc.hint})
 
-    owner = lock.holder(sd)
-    if owner and owner.get("damaged"):
-        found.setdefault(str(sd / lock.LOCK_DIR), {"path": str(sd / lock.LOCK_DIR), "problem": owner["damaged"],
-                                                   "repair": statefs.REPAIR_UNLOCK})
+    # A damaged lock owner is the holder's `damaged` field (lock_status reports both side by side).
     for check in (journal.pending, state.load):
         try:
             check(sd)
