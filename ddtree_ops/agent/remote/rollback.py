@@ -23,6 +23,7 @@ from pathlib import Path
 
 from . import backup, install, journal, lock, pristine, repair, state, statefs
 from .atomic import AgentError, copy_file_atomic, sha256_file
+from .bundle import read_bundle, release_id
 from .layout import JOURNAL, RELEASES, REPLACED, find_base, release_dir, safe_name
 
 
@@ -77,7 +78,10 @@ def rollback(sd: Path, to: str, *, operator: str, sys_path: list | None = None, 
                 known = sorted(p.name for p in (sd / RELEASES).glob("*") if not p.name.startswith("."))
                 raise AgentError("unknown_release", f"no release {rid} on this host",
                                  f"known here: {', '.join(known) or 'none'}")
-            # Not below us: reinstall its kept bundle, which is checked like any push.
+            # Not below us: reinstall its kept bundle, which is checked like any push, and must be
+            # the release asked for (content-addressed ids: another bundle under that name is damage).
+            if release_id(read_bundle(kept)) != rid:
+                raise statefs.damaged(kept, f"holds another release than {rid}", statefs.REPAIR_PRISTINE)
             result = install.install(sd, kept, operator=operator, sys_path=sys_path, adopt=adopt)
             return {**result, "to": rid, "popped": [], "recovered": recovered or result.get("recovered")}
     _, site = find_base(package, sys_path)
