@@ -9,8 +9,9 @@ build time) and to the host's own dist-info RECORD where that lists the file. Wi
 foreign file is kept as the original instead, marked adopted. A later release never overwrites
 an entry: a copy that verifies is left alone, and a copy that is missing or damaged is re-taken
 only from bytes on this host with the recorded hash (the site file or a release backup), so the
-store can heal but never change. A missing or damaged index is rebuilt from the manifests and
-backups under releases/ (every copy re-verified), never read as empty.
+store can heal but never change. A missing or damaged index is rebuilt (never read as empty) from
+every trace of a touched file under releases/ and pristine/ and the originals the manifests or,
+failing those, the host's wheel RECORD state; an entry must agree with the manifests to be trusted.
 `rollback --to pristine` restores from here and checks each file against the recorded sha256.
 """
 
