@@ -49,6 +49,13 @@ FILES_PREFIX = "files/"
 MANIFEST_FORMAT = 1
 # Fixed tar member mtime: 2000-01-01, because some extractors warn on mtime 0.
 _TAR_MTIME = 946684800
+# Caps on what a bundle may hold, checked from each member's header before its data is read, so a
+# small archive that inflates to gigabytes is refused at once (the agent has the same caps).
+MAX_MEMBER = 64 * 1024 * 1024  # the biggest sglang file is < 1 MiB
+MAX_MANIFEST = 4 * 1024 * 1024
+MAX_TOTAL = 256 * 1024 * 1024
+MAX_MEMBERS = 4096
+_CHUNK = 1 << 20
 
 
 class BundleError(OpsError):
@@ -170,6 +177,16 @@ def _safe_relpath(path: str, what: str) -> str:
     if p.is_absolute() or ".." in p.parts or not p.parts or path != str(p) or "\\" in path:
         raise BundleError(f"{what}: unsafe or non-normal path {path!r}")
     return str(p)
+
+
+def _payload_path(path: str, package: str, what: str) -> str:
+    """A path a payload may install: inside the base package's own tree, never the site-packages
+    root (where a .pth file runs at every interpreter start) nor another package."""
+    rel = _safe_relpath(path, what)
+    if not rel.startswith(f"{package}/"):
+        raise BundleError(f"{what}: {rel!r} is outside {package}/ (a payload only patches or adds files of {package})",
+                          hint=f"put the file under {package}/ in the payload")
+    return rel
 
 
 def _dist_info_name(package: str, version: str) -> str:
@@ -441,7 +458,7 @@ def load_payload(source: str | os.PathLike[str] | None = None) -> tuple[Path, Pa
         raise BundleError(f"{desc_path}: invalid payload descriptor: {e}") from None
     listed = set()
     for rel in desc.new_files:
-        _safe_relpath(rel, "payload.json new_files")
+        _payload_path(rel, desc.base_package, "payload.json new_files")
         if not (root / rel).is_file():
             raise BundleError(f"payload.json lists new file {rel}, but {root / rel} does not exist")
         listed.add(rel)
@@ -462,6 +479,8 @@ def load_payload(source: str | os.PathLike[str] | None = None) -> tuple[Path, Pa
             )
     for spec in desc.patches:
         _safe_relpath(spec.file, "payload.json patches")
+        for target in spec.targets:
+            _payload_path(target, desc.base_package, f"payload.json targets of {spec.file}")
         if not (root / spec.file).is_file():
             raise BundleError(f"payload.json lists patch {spec.file}, but {root / spec.file} does not exist")
     return root, desc
@@ -599,36 +618,65 @@ def build_bundle(
 
 
 # ----------------------------------------------------------------------------------- verify / install
-def read_bundle(path: str | os.PathLike[str]) -> tuple[BundleManifest, dict[str, bytes]]:
-    """Open and fully verify a bundle; returns its manifest and {site-packages path: bytes}."""
-    p = Path(path)
+def _read_member(tar: tarfile.TarFile, m: tarfile.TarInfo, keep: bool) -> tuple[str, bytes | None]:
+    """(sha256, the bytes when keep), streamed in chunks."""
+    h = hashlib.sha256()
+    parts: list[bytes] = []
+    f = tar.extractfile(m)
+    while f is not None and (chunk := f.read(_CHUNK)):
+        h.update(chunk)
+        if keep:
+            parts.append(chunk)
+    return h.hexdigest(), b"".join(parts) if keep else None
+
+
+def _scan_bundle(p: Path, keep: bool) -> tuple[bytes, dict[str, str], dict[str, bytes]]:
+    """(manifest bytes, {rel: sha256}, {rel: bytes} when keep), refusing links, unsafe names and
+    members over the caps as their headers stream by."""
     if not p.is_file():
         raise BundleError(f"bundle not found: {p}")
     manifest_bytes: bytes | None = None
+    digests: dict[str, str] = {}
     files: dict[str, bytes] = {}
+    total = 0
     try:
         with tarfile.open(p, mode="r:gz") as tar:
-            for m in tar.getmembers():
+            for count, m in enumerate(tar, 1):
                 if m.isdir():
                     continue
                 if not m.isfile():
                     raise BundleError(f"{p.name}: member {m.name!r} is not a regular file (links are refused)")
                 name = _safe_relpath(m.name, f"{p.name} member")
-                f = tar.extractfile(m)
-                data = f.read() if f is not None else b""
+                cap = MAX_MANIFEST if name == MANIFEST_NAME else MAX_MEMBER
+                total += m.size
+                if m.size > cap:
+                    raise BundleError(f"{p.name}: member {name} is too large ({m.size} bytes; the cap is {cap})",
+                                      hint="a payload file is never that big: the bundle is damaged or not ours; rebuild it",
+                                      code="bundle_too_large")
+                if total > MAX_TOTAL or count > MAX_MEMBERS:
+                    raise BundleError(f"{p.name}: too large (over {MAX_TOTAL} bytes or {MAX_MEMBERS} members)",
+                                      code="bundle_too_large")
                 if name == MANIFEST_NAME:
-                    manifest_bytes = data
+                    manifest_bytes = _read_member(tar, m, True)[1]
                 elif name.startswith(FILES_PREFIX):
                     rel = name[len(FILES_PREFIX):]
-                    if rel in files:
+                    if rel in digests:
                         raise BundleError(f"{p.name}: duplicate member {name}")
-                    files[rel] = data
+                    digests[rel], data = _read_member(tar, m, keep)
+                    if data is not None:
+                        files[rel] = data
                 else:
                     raise BundleError(f"{p.name}: unexpected member {name!r}")
     except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
         raise BundleError(f"{p.name}: not a readable .tar.gz bundle: {e}") from None
     if manifest_bytes is None:
         raise BundleError(f"{p.name}: no {MANIFEST_NAME}")
+    return manifest_bytes, digests, files
+
+
+def _checked_bundle(path: str | os.PathLike[str], keep: bool) -> tuple[BundleManifest, dict[str, bytes]]:
+    p = Path(path)
+    manifest_bytes, digests, files = _scan_bundle(p, keep)
     try:
         manifest = BundleManifest.model_validate_json(manifest_bytes)
     except ValueError as e:
@@ -641,25 +689,30 @@ def read_bundle(path: str | os.PathLike[str]) -> tuple[BundleManifest, dict[str,
             raise BundleError(f"{p.name}: {f.path} is listed twice in the manifest")
         expected[f.path] = f.sha256
     for rel, digest in sorted(expected.items()):
-        _safe_relpath(rel, f"{p.name} manifest path")
-        if rel not in files:
+        _payload_path(rel, manifest.base_package, f"{p.name} manifest path")
+        if rel not in digests:
             raise BundleError(f"{p.name}: manifest lists {rel}, but files/{rel} is missing")
-        got = sha256_hex(files[rel])
-        if got != digest:
+        if digests[rel] != digest:
             raise BundleError(
-                f"{p.name}: files/{rel} has sha256 {got}, the manifest says {digest} (tampered or corrupt)",
+                f"{p.name}: files/{rel} has sha256 {digests[rel]}, the manifest says {digest} (tampered or corrupt)",
                 code="bundle_tampered",
             )
-    extra = sorted(set(files) - set(expected))
+    extra = sorted(set(digests) - set(expected))
     if extra:
         raise BundleError(f"{p.name}: files not in the manifest: {', '.join(extra)}", code="bundle_tampered")
     return manifest, files
 
 
+def read_bundle(path: str | os.PathLike[str]) -> tuple[BundleManifest, dict[str, bytes]]:
+    """Open and fully verify a bundle; returns its manifest and {site-packages path: bytes}."""
+    return _checked_bundle(path, keep=True)
+
+
 def verify_bundle(path: str | os.PathLike[str]) -> BundleManifest:
-    """Re-check a bundle: readable, only regular files with safe paths, every file's sha256 equal
-    to the manifest, nothing extra. Raises BundleError naming the first problem."""
-    return read_bundle(path)[0]
+    """Re-check a bundle: readable, only regular files with safe paths inside the base package, every
+    member under the size caps, every file's sha256 equal to the manifest, nothing extra. Streams:
+    nothing but the manifest is held in memory. Raises BundleError naming the first problem."""
+    return _checked_bundle(path, keep=False)[0]
 
 
 def install_bundle(

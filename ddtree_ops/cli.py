@@ -201,7 +201,7 @@ def hosts(
     """
     with reported_errors(json_output):
         _, selected = load_selection(inventory, limit)
-        rows: list[dict[str, Any]] = [{"name": h.name, "groups": list(h.groups), **h.model_dump(mode="json")} for h in selected]
+        rows: list[dict[str, Any]] = [{"name": h.name, "groups": list(h.groups), **h.public_dict()} for h in selected]
         if json_output:
             from ddtree_ops.output import emit_json
 

@@ -37,6 +37,27 @@ from pydantic_core import PydanticCustomError
 from ddtree_ops.errors import UsageError
 
 DEFAULT_STATE_DIR = "/var/lib/ddtree-ops"
+# A file whose aliases expand past this many YAML values is refused before it is walked: a few
+# hundred bytes of nested aliases ("billion laughs") would otherwise take minutes and gigabytes.
+# A 1000-host inventory with 20 settings each is about 40 000 values.
+MAX_VALUES = 100_000
+# Fields whose values may carry credentials (an `--api-key` in extra_args, tokens, environment):
+# never echoed in an error, in `hosts` or in --json.
+SECRET_FIELDS = frozenset({"extra_args", "environment", "env", "token", "api_key", "password"})
+REDACTED = "<redacted>"
+
+
+def is_secret_field(name: object) -> bool:
+    return isinstance(name, str) and (name in SECRET_FIELDS or name.endswith(("_token", "_secret", "_password")))
+
+
+def redacted(value: object) -> object:
+    """What may be shown of a secret-bearing value: its shape, never its text."""
+    if isinstance(value, list):
+        return [REDACTED] * len(value)
+    if isinstance(value, dict):
+        return dict.fromkeys(value, REDACTED)
+    return REDACTED if value not in (None, "") else value
 
 # Inventory keys (host and group names) end up in logs, lock owners, file names and --limit
 # patterns, so they are restricted to a boring alphabet instead of being quoted everywhere.
@@ -169,6 +190,10 @@ class HostConfig(BaseModel):
     ddtree_budget: int | None = Field(None, ge=1, le=4096)
     ddtree_topk_cap: int | None = Field(None, ge=1, le=256)
     allow_hybrid_unsafe: bool = False
+
+    def public_dict(self) -> dict[str, Any]:
+        """The settings as JSON-able values, secret-bearing fields redacted (for `hosts`, logs)."""
+        return {k: redacted(v) if is_secret_field(k) else v for k, v in self.model_dump(mode="json").items()}
 
     @property
     def identity_path(self) -> Path | None:
@@ -395,12 +420,47 @@ class _Marks:
         return None
 
 
+def _check_graph(path: Path, root: yaml.Node) -> None:
+    """Refuse, before anything walks the tree, what would make walking it explode or crash:
+    aliases that expand past MAX_VALUES, an alias inside its own anchor, and keys that are not
+    plain scalars (a list or mapping as a key cannot name a field)."""
+    sizes: dict[int, int] = {}  # id(node) -> values it expands to; aliases share nodes, so each is sized once
+    open_nodes: set[int] = set()
+
+    def fail(node: yaml.Node, message: str, hint: str) -> InventoryError:
+        return InventoryError(path, [InventoryIssue("", message, line=node.start_mark.line + 1, hint=hint)])
+
+    def size(node: yaml.Node) -> int:
+        if id(node) in sizes:
+            return sizes[id(node)]
+        if id(node) in open_nodes:
+            raise fail(node, "recursive YAML alias: this value contains itself", "replace the alias by the values it should hold")
+        open_nodes.add(id(node))
+        total = 1
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                if not isinstance(key, yaml.ScalarNode):
+                    raise fail(key, "a key must be a plain name, not a list or mapping", "write the key as a plain word")
+                total += 1 + size(value)
+        elif isinstance(node, yaml.SequenceNode):
+            total += sum(size(item) for item in node.value)
+        open_nodes.discard(id(node))
+        if total > MAX_VALUES:
+            raise fail(node, f"this value expands to more than {MAX_VALUES} YAML values (nested aliases)",
+                       "an inventory needs no aliases that multiply; write the values out")
+        sizes[id(node)] = total
+        return total
+
+    size(root)
+
+
 def _parse_yaml(path: Path, text: str) -> tuple[Any, _Marks]:
     loader = yaml.SafeLoader(text)
     try:
         node = loader.get_single_node()
         if node is None:
             raise InventoryError(path, [InventoryIssue("", "the file is empty", hint="start from inventory/example.yaml")])
+        _check_graph(path, node)
         marks = _Marks()
         marks.index(node)
         data = loader.construct_document(node)
@@ -414,6 +474,9 @@ def _parse_yaml(path: Path, text: str) -> tuple[Any, _Marks]:
         ) from None
     except yaml.YAMLError as exc:
         raise InventoryError(path, [InventoryIssue("", f"YAML error: {exc}")]) from None
+    except RecursionError:
+        raise InventoryError(path, [InventoryIssue("", "values are nested too deeply to read",
+                                                   hint="an inventory is a few levels deep; check the brackets")]) from None
     finally:
         loader.dispose()
     return data, marks
@@ -441,6 +504,10 @@ def _issues_from_validation(
                 hint = "every host needs an `address` (set it on the host entry)"
         elif kind == "invalid_value":
             message = ctx.get("reason", err["msg"])
+        elif any(is_secret_field(part) for part in loc):
+            # The value may be a credential (`extra_args: "--api-key sk-..."`): name its type only.
+            message = f"{err['msg']} (got a {type(err.get('input')).__name__}; the value is not shown)"
+            expected = err["msg"].removeprefix("Input should be ")
         else:
             message = f"{err['msg']} (got {err.get('input')!r})"
             expected = err["msg"].removeprefix("Input should be ").removeprefix("input should be ")
@@ -525,8 +592,9 @@ def load_inventory(path: Path | str) -> Inventory:
             for key, value in (groups[gname].vars or {}).items():
                 if key in from_group and key not in entry and merged[key] != value:
                     loc = ("hosts", name)
+                    values = "values not shown" if is_secret_field(key) else f"{merged[key]!r} vs {value!r}"
                     issues.append(InventoryIssue(
-                        _dotted(loc), f"groups `{from_group[key]}` and `{gname}` both set `{key}` ({merged[key]!r} vs {value!r})",
+                        _dotted(loc), f"groups `{from_group[key]}` and `{gname}` both set `{key}` ({values})",
                         marks.line_for(loc), hint=f"set `{key}` on the host itself to decide, or remove it from one group"))
                 merged[key] = value
                 from_group[key] = gname

@@ -69,8 +69,11 @@ class LocalBundle:
 
         p = Path(path)
         manifest = verify_bundle(p)  # raises BundleError (tampered, unreadable) before any host is touched
-        data = p.read_bytes()
-        return cls(p, hashlib.sha256(data).hexdigest(), len(data), manifest.model_dump(mode="json"))
+        h = hashlib.sha256()
+        with p.open("rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        return cls(p, h.hexdigest(), p.stat().st_size, manifest.model_dump(mode="json"))
 
 
 def default_bundle(dist: Path = Path("dist")) -> Path:
@@ -112,8 +115,10 @@ def _host_lock(ctx: HostContext, session: HostSession, *, command: str, operator
                ttl_s: float = DEFAULT_LOCK_TTL_S) -> Iterator[str]:
     """Hold the host lock across several agent calls; released on every exit path."""
     ctx.step("waiting for lock" if wait_s else "locking")
+    # host and pid are for people reading the lock; the run id is what tells two runs apart (a control
+    # machine may share the target's host name, and its pid means nothing there).
     answer = _call(session, "lock", {
-        **_base_args(ctx.host, operator), "who": operator, "command": command,
+        **_base_args(ctx.host, operator), "who": operator, "command": command, "run_id": secrets.token_hex(8),
         "host": socket.gethostname(), "pid": os.getpid(), "ttl_s": ttl_s, "wait_s": wait_s,
     }, timeout=STEP_TIMEOUT_S + wait_s)
     lock_id = answer["lock_id"]
@@ -239,7 +244,8 @@ def history(inventory: Inventory, hosts: Sequence[HostConfig], *, limit: int = 5
 
 def lock_holders(inventory: Inventory, hosts: Sequence[HostConfig], *, concurrency: int = DEFAULT_CONCURRENCY,
                  progress: FleetProgress | None = None) -> list[HostResult]:
-    """Per host: {"holder": owner record with stale/stale_reason, or None}. For unlock's confirmation."""
+    """Per host: {"holder": owner record with stale/stale_reason, or None, "problems": [{path, problem,
+    repair}] for damaged or planted state files}. For unlock's confirmation."""
 
     def one(ctx: HostContext) -> dict[str, Any]:
         with _session(ctx, inventory) as session:
@@ -250,15 +256,16 @@ def lock_holders(inventory: Inventory, hosts: Sequence[HostConfig], *, concurren
 
 def unlock(inventory: Inventory, hosts: Sequence[HostConfig], *, operator: str | None = None,
            concurrency: int = DEFAULT_CONCURRENCY, progress: FleetProgress | None = None) -> list[HostResult]:
-    """Break the host lock whoever holds it (the CLI confirms first). Also finishes an interrupted
-    install or rollback left by the dead holder, so the host is consistent when the lock goes."""
+    """Break the host lock whoever holds it (the CLI confirms first), removing links planted in the
+    state dir. Also finishes an interrupted install or rollback left by the dead holder, or clears its
+    journal when that is damaged and no file is mixed, so the host is consistent when the lock goes."""
     who = operator or operator_name()
 
     def one(ctx: HostContext) -> dict[str, Any]:
         with _session(ctx, inventory) as session:
             ctx.step("unlocking")
             released = _call(session, "unlock", {"state_dir": ctx.host.state_dir, "force": True})
-            recovered = _call(session, "recover", {**_base_args(ctx.host, who)})
+            recovered = _call(session, "recover", {**_base_args(ctx.host, who), "repair": True})
             return {**released, **recovered}
 
     return run_on_hosts(hosts, one, concurrency=concurrency, progress=progress)

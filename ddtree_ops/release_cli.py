@@ -279,15 +279,19 @@ def register(app: typer.Typer) -> None:
             from ddtree_ops.release import unlock as do_unlock
 
             holders = lock_holders(inv, hosts, concurrency=concurrency)
-            locked = [h for h, r in zip(hosts, holders, strict=True) if r.ok and r.data.get("holder")]
+            locked = [h for h, r in zip(hosts, holders, strict=True)
+                      if r.ok and (r.data.get("holder") or r.data.get("problems"))]
             for h, r in zip(hosts, holders, strict=True):
                 if r.ok and r.data.get("holder"):
                     o = r.data["holder"]
                     stale = f" (stale: {o['stale_reason']})" if o.get("stale") else " (NOT stale: it may still be running)"
-                    sys.stderr.write(f"{h.name}: locked by {o.get('who')} running {o.get('command')!r} "
-                                     f"from {o.get('host')} since {o.get('start')}{stale}\n")
+                    who = f"damaged lock: {o['damaged']}" if o.get("damaged") else \
+                        f"locked by {o.get('who')} running {o.get('command')!r} from {o.get('host')} since {o.get('start')}"
+                    sys.stderr.write(f"{h.name}: {who}{stale}\n")
+                for p in (r.data.get("problems") or []) if r.ok else []:
+                    sys.stderr.write(f"{h.name}: found {p['path']}: {p['problem']}\n")
             if not locked:
-                sys.stderr.write("no selected host is locked\n")
+                sys.stderr.write("no selected host is locked or damaged\n")
                 results = holders
             else:
                 if not yes:

@@ -6,6 +6,7 @@ one JSON request on stdin, so these tests exercise the real transport, only with
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import io
 import json
@@ -41,6 +42,10 @@ def make_site(root: Path, version: str = BASE_VERSION) -> Path:
     dist = site / f"sglang-{version}.dist-info"
     dist.mkdir(parents=True, exist_ok=True)
     (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sglang\nVersion: {version}\n")
+    # The wheel's RECORD, as pip writes it: the agent checks pristine copies against it.
+    rows = [f"{rel},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode().rstrip('=')},{len(data)}"
+            for rel, data in PRISTINE.items()]
+    (dist / "RECORD").write_text("\n".join(rows + [f"{dist.name}/RECORD,,"]) + "\n")
     return site
 
 

@@ -326,7 +326,7 @@ def _fill_leaving(d: Path, leave: int) -> None:
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 def test_full_state_dir_fs_leaves_host_unchanged(host: Host, tmp_path: Path) -> None:
     host.state_dir.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(host.state_dir)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k,mode=0700", "tmpfs", str(host.state_dir)], check=True)
     try:
         b = make_bundle(tmp_path / "dist")
         before = host.snapshot()

@@ -446,3 +446,24 @@ def test_retrive_arrays_drive_sglangs_greedy_verify_walk() -> None:
             flat = tree.retrive_index[b].gather(0, accepted[b, : length + 1]).tolist()
             assert accept_index[b][: length + 1] == flat
             assert predicts[flat[-1]] == int(bonus[b])
+
+
+def test_selection_is_prefix_closed_even_for_log_probs_above_zero() -> None:
+    """Rounding can push a log-prob a hair above 0; a caller may pass raw values. Clamped at entry,
+    a child never outscores its parent, so every selected node's parent is selected before it."""
+    rng = random.Random(3)
+    for _ in range(60):
+        batch, depth, k = rng.choice([1, 3]), rng.choice([2, 4, 15]), rng.choice([2, 4, 8])
+        topv = -torch.rand(batch, depth, k).sort(dim=-1, descending=True).values.mul(3.0).add(-0.01)
+        topv[:, 1:, :] = topv[:, 1:, :].abs() * rng.choice([1e-7, 1.0, 5.0])  # deeper positions > 0
+        topv = topv.sort(dim=-1, descending=True).values
+        topi = torch.stack([torch.randperm(50)[:k] for _ in range(batch * depth)]).view(batch, depth, k)
+        budget = rng.choice([1, 2, 5, 16])
+        tree = du.select_tree_from_topk(topv, topi, budget)
+        for b in range(batch):
+            m = int(tree.num_nodes[b])
+            for i in range(1, m):
+                p = int(tree.parents[b, i])
+                assert 0 <= p < i and int(tree.depths[b, i]) == int(tree.depths[b, p]) + 1, (b, i, p)
+            scores = tree.scores[b, :m].tolist()
+            assert all(scores[i] <= scores[int(tree.parents[b, i])] for i in range(1, m))

@@ -96,7 +96,6 @@ def _cases(models: Path) -> tuple[list[dict], dict[str, object]]:
         "full 64 cap 4": [*full, "--speculative-ddtree-budget", "64", "--speculative-ddtree-topk-cap", "4"],
         "full edges": [*full, "--speculative-ddtree-budget", "512", "--speculative-ddtree-topk-cap", "512"],
         "full budget 1": [*full, "--speculative-ddtree-budget", "1", "--speculative-ddtree-topk-cap", "1"],
-        "full allow hybrid": [*full, "--speculative-ddtree-allow-hybrid-unsafe"],
         "mode case-insensitive": [*df, "--speculative-ddtree-mode", "Shadow-Linear"],
     }
     bad = {
@@ -119,7 +118,10 @@ def _cases(models: Path) -> tuple[list[dict], dict[str, object]]:
                              "--speculative-ddtree-topk-cap must be in 1..64"),
         "allow flag with shadow": ([*df, "--speculative-ddtree-mode", "shadow-linear",
                                     "--speculative-ddtree-allow-hybrid-unsafe"],
-                                   "--speculative-ddtree-allow-hybrid-unsafe only applies to --speculative-ddtree-mode full"),
+                                   "--speculative-ddtree-allow-hybrid-unsafe is not supported yet"),
+        "allow flag with full": ([*full, "--speculative-ddtree-allow-hybrid-unsafe"],
+                                 "--speculative-ddtree-allow-hybrid-unsafe is not supported yet: full mode cannot "
+                                 "run on hybrid"),
         "full on flashinfer": ([*df, "--speculative-ddtree-mode", "full", "--attention-backend", "flashinfer"],
                                "supported: triton; got --attention-backend flashinfer"),
         "full on paged KV": ([*full, "--page-size", "16"], "--speculative-ddtree-mode full needs --page-size 1"),
@@ -161,6 +163,12 @@ def test_prepare_server_args_accepts_and_refuses(patched, tmp_path):
     assert full["disable_cuda_graph"] is True  # target-verify graphs are captured for block-size tokens
     assert results["dflash only"]["disable_cuda_graph"] is False
     assert results["mode case-insensitive"]["speculative_ddtree_mode"] == "shadow-linear"
+    # A full-mode verify writes 1 + budget slots per request: SGLang's own row-width formula must
+    # hold that (a request near the context limit otherwise writes into the next request's row).
+    extra = {name: results[name]["req_to_token_extra"] for name in
+             ("dflash only", "shadow default budget", "full 64 cap 4", "full edges", "full budget 1")}
+    assert extra == {"dflash only": 4 + 16, "shadow default budget": 4 + 16, "full 64 cap 4": 4 + 65,
+                     "full edges": 4 + 513, "full budget 1": 4 + 16}
 
 
 def test_tree_verify_bookkeeping_and_worker_guards(patched):

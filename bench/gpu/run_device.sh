@@ -16,6 +16,12 @@
 #    with ~20 servers on GPU 0 (TP servers take the minimum over their ranks).
 # 4) the same greedy requests to each (sequentially: timings are not shared), then compare_ddtree.py.
 # Env: BUDGET_S (deadline, default 560), ONLY="tag tag" (subset), SGLANG_DDTREE_LOG_EVERY (default 8).
+# MIX=1 (issue 12): the production-mix proof instead (production_mix.py): --context-length 1024,
+#   --schedule-policy fcfs; for the random (r_) and peaked (p_) sets plain | DFLASH | full 16, 64, 256;
+#   a retraction set (*_rt: --max-total-tokens 4096, SGLANG_TEST_RETRACT=1) plain | full 64, 256; and,
+#   r_full256_cap (SGLANG_DDTREE_MAX_VERIFY_TOKENS=1024: busy steps verify smaller trees); and,
+#   when dist/old/ holds an older bundle, r_full64_old / r_full256_old served from it (the payload
+#   before the fix: expected to fail, which shows the workload catches the fault).
 # TP2=1 (nvidia-h200-x2, issue 6): first tp_tree_check.py --nproc 2 (NCCL, SGLang's real TP groups and
 #   ParallelLMHead shards: the gathered-vocab tree equals the one-device tree; runs in the background
 #   while the warm-up server starts, log $OUT/tp_tree_check.log), then also serves p_plain_tp2,
@@ -41,6 +47,12 @@ ts "start"; nvidia-smi -L; python3 -V
 rm -rf /tmp/site && mkdir -p /tmp/site && tar -C /tmp/site -xJf .gpu/site312.tar.xz || { echo "extract failed"; exit 1; }
 export PYTHONPATH=/tmp/site
 BUNDLE=$(ls dist/ddtree-payload-*.tar.gz | head -1)
+OLD_BUNDLE=$(ls dist/old/ddtree-payload-*.tar.gz 2>/dev/null | head -1)
+if [ "${MIX:-0}" = 1 ] && [ -n "$OLD_BUNDLE" ]; then
+  rm -rf /tmp/site_old && mkdir -p /tmp/site_old && tar -C /tmp/site_old -xJf .gpu/site312.tar.xz \
+    && PYTHONPATH=/tmp/site_old:$PWD python3 -c "import sys; from ddtree_ops.bundle import install_bundle; \
+print('old bundle', install_bundle(sys.argv[1], '/tmp/site_old').payload_version)" "$OLD_BUNDLE" || OLD_BUNDLE=
+fi
 PYTHONPATH=/tmp/site:$PWD python3 - "$BUNDLE" <<'EOF' || { echo "bundle install failed"; exit 1; }
 import sys
 from ddtree_ops.bundle import check_tree_against_record, install_bundle
@@ -86,6 +98,21 @@ VARIANTS=(
   "h_marker_full|/tmp/tiny_h/marker|DF --speculative-ddtree-mode full --speculative-ddtree-budget 64"
   "h_marker_shadow|/tmp/tiny_h/marker|DF --speculative-ddtree-mode shadow-linear"
 )
+if [ "${MIX:-0}" = 1 ]; then
+  COMMON+=(--context-length 1024 --schedule-policy fcfs)
+  FULL="DF --speculative-ddtree-mode full --speculative-ddtree-budget"
+  VARIANTS=(
+    "r_plain|/tmp/tiny_r|" "r_dflash|/tmp/tiny_r|DF" "r_full16|/tmp/tiny_r|$FULL 16"
+    "r_full64|/tmp/tiny_r|$FULL 64" "r_full256|/tmp/tiny_r|$FULL 256"
+    "r_full256_cap|/tmp/tiny_r|$FULL 256 CAP"
+    "r_full64_old|/tmp/tiny_r|$FULL 64 OLD" "r_full256_old|/tmp/tiny_r|$FULL 256 OLD"
+    "r_plain_rt|/tmp/tiny_r|RT" "r_full64_rt|/tmp/tiny_r|$FULL 64 RT" "r_full256_rt|/tmp/tiny_r|$FULL 256 RT"
+    "p_plain|/tmp/tiny_p|" "p_dflash|/tmp/tiny_p|DF" "p_full16|/tmp/tiny_p|$FULL 16"
+    "p_full64|/tmp/tiny_p|$FULL 64" "p_full256|/tmp/tiny_p|$FULL 256"
+  )
+  # Served only when dist/old/ holds the older bundle; the p set queries last, so a tight deadline cuts it first.
+  if [ -z "$OLD_BUNDLE" ]; then VARIANTS=("${VARIANTS[@]/*_old|*}"); fi
+fi
 if [ "${TP2:-0}" = 1 ]; then  # the TP twins (token TP2 -> --tp-size 2 --nccl-port ...), queried early
   WITH_TP=()
   for v in "${VARIANTS[@]}"; do
@@ -106,16 +133,19 @@ read -r -a TP2_EXTRA_ARGS <<< "${TP2_EXTRA---disable-custom-all-reduce}"
 declare -A PID PORT
 launch() {  # TAG MODEL_DIR EXTRA...
   local tag=$1 model=$2; shift 2
-  local args=()
+  local args=() envs=(PYTHONPATH=/tmp/site)
   for a in "$@"; do
     case $a in
       DF) args+=("${DF[@]}" --speculative-draft-model-path "$model/draft") ;;
+      RT) args+=(--max-total-tokens 4096); envs+=(SGLANG_TEST_RETRACT=1 SGLANG_TEST_RETRACT_INTERVAL=25) ;;
+      OLD) envs+=(PYTHONPATH=/tmp/site_old) ;;
+      CAP) envs+=(SGLANG_DDTREE_MAX_VERIFY_TOKENS=1024) ;;  # steps must shrink their trees
       TP2) args+=(--tp-size 2 --nccl-port $(( PORT[$tag] + 5 )) "${TP2_EXTRA_ARGS[@]}") ;;
       *) args+=("$a") ;;
     esac
   done
   rm -f /tmp/spid_$tag
-  setsid bash -c 'echo $$ > /tmp/spid_'$tag'; exec python3 -m sglang.launch_server "$@"' _ \
+  env "${envs[@]}" setsid bash -c 'echo $$ > /tmp/spid_'$tag'; exec python3 -m sglang.launch_server "$@"' _ \
     --model-path "$model/target" --port "${PORT[$tag]}" "${COMMON[@]}" "${args[@]}" > "$OUT/server_$tag.log" 2>&1 &
   for i in $(seq 50); do [ -s /tmp/spid_$tag ] && break; sleep 0.1; done
   PID[$tag]=$(cat /tmp/spid_$tag)
@@ -132,8 +162,7 @@ query() {  # TAG
   if [ "$left" -lt 10 ]; then ts "skip $tag: no time left"; return 9; fi
   # A refused server should already be gone; never let one eat the deadline.
   if [[ $tag == h_*_full ]] && [ "$left" -gt 60 ]; then left=60; fi
-  python3 $HERE/client.py --port "${PORT[$tag]}" --tag "$tag" --out "$OUT/$tag.json" --wait "$left" --pid "${PID[$tag]}" \
-    > "$OUT/client_$tag.log" 2>&1
+  client "$tag" "$left"
   local rc=$?
   ts "$tag client rc=$rc $(grep -c . "$OUT/client_$tag.log") lines"
   grep -E "DDTree|Traceback|Error|refused" "$OUT/server_$tag.log" | grep -v "server_args=" | cut -c1-400 | tail -6
@@ -145,12 +174,27 @@ query() {  # TAG
 i=0; TAGS=()
 for v in "${VARIANTS[@]}"; do
   tag=${v%%|*}
+  [ -n "$tag" ] || continue
   if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $tag "* ]]; then continue; fi
   PORT[$tag]=$(( 30000 + 10 * i )); i=$((i + 1)); TAGS+=("$v")
 done
+client() {  # TAG WAIT_S: the proof's client for this server
+  local tag=$1 wait_s=$2
+  if [ "${MIX:-0}" = 1 ]; then
+    local set=${tag%%_*} make=()
+    [[ $tag == *_rt ]] && set=rt
+    [[ $tag == *_plain* ]] && make=(--make)
+    timeout "$wait_s" python3 $HERE/production_mix.py run --port "${PORT[$tag]}" --tag "$tag" --out "$OUT/$tag.json" \
+      --workload "$OUT/workload_$set.json" --wait "$wait_s" --pid "${PID[$tag]}" "${make[@]}" > "$OUT/client_$tag.log" 2>&1
+  else
+    python3 $HERE/client.py --port "${PORT[$tag]}" --tag "$tag" --out "$OUT/$tag.json" --wait "$wait_s" --pid "${PID[$tag]}" \
+      > "$OUT/client_$tag.log" 2>&1
+  fi
+}
+
 first=${TAGS[0]}; rest=("${TAGS[@]:1}")
 IFS='|' read -r tag model extra <<< "$first"; launch "$tag" "$model" $extra
-python3 $HERE/client.py --port "${PORT[$tag]}" --tag "$tag" --out "$OUT/$tag.json" --wait 300 --pid "${PID[$tag]}" > "$OUT/client_$tag.log" 2>&1
+client "$tag" 300
 ts "$tag (warm-up server) client rc=$?"
 kill -TERM -- "-${PID[$tag]}" 2>/dev/null
 wait $MAKE_PID; grep -v -i "warn\|Writing model" "$OUT/make_r.log" "$OUT/make_h.log" | tail -8
@@ -167,7 +211,18 @@ ts "all servers up or dead; GPU mem: $(nvidia-smi --query-gpu=memory.used --form
 for v in "${rest[@]}"; do IFS='|' read -r tag model extra <<< "$v"; query "$tag"; done
 ts "queries done; GPU mem: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader | paste -sd' ')"
 stop_all; trap - EXIT
+if [ "${MIX:-0}" = 1 ]; then
+  { MIXC=(python3 $HERE/production_mix.py compare "$OUT")
+    "${MIXC[@]}" r_plain --upstream r_dflash r_dflash r_full16 r_full64 r_full256 r_full256_cap; echo "rc=$?"
+    "${MIXC[@]}" p_plain --upstream p_dflash p_dflash p_full16 p_full64 p_full256; echo "rc=$?"
+    "${MIXC[@]}" r_plain_rt r_full64_rt r_full256_rt; echo "rc=$?"
+    if [ -n "$OLD_BUNDLE" ]; then echo "--- the payload before the fix ($OLD_BUNDLE), same workload (expected to fail):"
+      "${MIXC[@]}" r_plain --upstream r_dflash r_full64_old r_full256_old; echo "rc=$?"; fi
+  } 2>&1 | tee "$OUT/summary.txt"
+  for t in "${!PID[@]}"; do grep -hE "DDTree full: verify steps sized|Traceback|Error" "$OUT/server_$t.log" | head -3 | sed "s/^/[$t] /" | cut -c1-300; done
+else
 python3 $HERE/compare_ddtree.py "$OUT" | tee "$OUT/summary.txt"
+fi
 ts "done"
 # Only a few files come back from the device: keep the summaries, pack everything else.
 # (tar into /tmp first: a tarball growing inside the folder it reads makes tar fail.)

@@ -283,7 +283,7 @@ def test_sigkill_mid_install_converges(lab_fleet, inv, bundle, pristine_fleet, t
 def test_full_state_dir_filesystem(lab_fleet, inv, bundle, pristine_fleet):
     sd = STATE_DIR
     # 256 KiB with 16 KiB left: the lock fits, the upload plus backups do not.
-    r = lab_fleet.ssh("lab-2", f"mkdir -p {sd} && mount -t tmpfs -o size=256k tmpfs {sd} && "
+    r = lab_fleet.ssh("lab-2", f"mkdir -p {sd} && mount -t tmpfs -o size=256k,mode=0700 tmpfs {sd} && "
                                f"dd if=/dev/zero of={sd}/filler bs=4k count=60 2>/dev/null")
     assert r.returncode == 0, r.stderr
     try:
@@ -333,3 +333,37 @@ def test_unreachable_host_others_complete(lab_exclusive, inv, bundle, pristine_f
         start_host("lab-3")
     for h in ("lab-1", "lab-2"):
         assert remote_hashes(lab_fleet, h, paths(bundle)) == patched(bundle)
+
+
+def test_unlock_shows_and_repairs_a_damaged_state_dir(lab_fleet, inv, bundle, pristine_fleet):
+    """Issue 11 on a real host, through the CLI: a torn journal and a garbage lock owner are shown by
+    `unlock`, which clears the lock but keeps a journal whose change is half done; `rollback --to
+    pristine` then repairs the host without hand work."""
+    hosts = inv.select("lab-2")
+    killed = run_on_hosts(hosts, lambda ctx: release.push_host(ctx, inv, bundle, test_kill_after_files=1))
+    assert killed[0].error.code == "agent_no_answer", killed[0].to_dict()
+    sd = STATE_DIR
+    r = lab_fleet.ssh("lab-2", f"truncate -s 30 {sd}/journal.json && mkdir {sd}/lock && "
+                               f"printf '{{\"who\": ' > {sd}/lock/owner.json")
+    assert r.returncode == 0, r.stderr
+    refused = by_host(release.push(inv, hosts, bundle))["lab-2"]
+    assert refused.error.code == "state_damaged" and f"{sd}/journal.json" in refused.error.message
+    assert "ddtree-ops unlock" in refused.error.hint
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-c", "from ddtree_ops.cli import main; main()", *args, "-i", str(lab_fleet.inventory_path)]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=lab_fleet.repo_root)
+
+    unlocked = cli("unlock", "lab-2", "--yes")
+    assert f"found {sd}/journal.json" in unlocked.stderr and "damaged lock" in unlocked.stderr, unlocked.stderr
+    # Exit 1: the lock is broken, but the half-done change's journal is not discarded; the hint names the repair.
+    assert unlocked.returncode == 1 and "rollback --to pristine" in unlocked.stderr, unlocked.stderr
+    assert lab_fleet.ssh("lab-2", f"test -e {sd}/lock").returncode != 0
+    assert lab_fleet.ssh("lab-2", f"test -e {sd}/journal.json").returncode == 0  # half done: kept
+    repaired = cli("rollback", "--to", "pristine", "--limit", "lab-2")
+    assert repaired.returncode == 0, repaired.stderr
+    assert remote_hashes(lab_fleet, "lab-2", paths(bundle)) == pristine(bundle)
+    assert lab_fleet.ssh("lab-2", f"test -e {sd}/journal.json").returncode != 0
+    again = by_host(release.push(inv, hosts, bundle))["lab-2"]
+    assert again.ok, again.to_dict()
+    assert remote_hashes(lab_fleet, "lab-2", paths(bundle)) == patched(bundle)

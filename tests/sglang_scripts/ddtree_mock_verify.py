@@ -208,11 +208,15 @@ class FlashInferAttnBackend:
     num_draft_tokens = 16
 
 
-def _worker(mode="full", allow=False, backend=TritonAttnBackend, hybrid_attr=None, hf=None, page_size=1, vocab=VOCAB):
+def _worker(mode="full", backend=TritonAttnBackend, hybrid_attr=None, hf=None, page_size=1, vocab=VOCAB,
+            window=None):
     runner = SimpleNamespace(
         attn_backend=backend(),
         mambaish_config=None,
         hybrid_gdn_config=None,
+        sliding_window_size=window,
+        device="cpu",
+        req_to_token_pool=SimpleNamespace(size=48, max_context_len=256),
         model_config=SimpleNamespace(
             hf_config=SimpleNamespace(to_dict=lambda: hf or {"model_type": "qwen3"}), vocab_size=vocab
         ),
@@ -223,13 +227,14 @@ def _worker(mode="full", allow=False, backend=TritonAttnBackend, hybrid_attr=Non
         speculative_ddtree_mode=mode,
         speculative_ddtree_budget=64,
         speculative_ddtree_topk_cap=None,
-        speculative_ddtree_allow_hybrid_unsafe=allow,
+        speculative_ddtree_allow_hybrid_unsafe=False,
     )
     return SimpleNamespace(server_args=args, block_size=16, tp_rank=0, page_size=page_size, model_runner=runner)
 
 
 def guard_checks() -> list[str]:
-    """The worker-start guards: hybrid targets (runtime attrs and config.json markers), backend, page size."""
+    """The worker-start guards: hybrid targets (runtime attrs and config.json markers), windowed attention
+    (runtime sliding window and config.json), backend, page size."""
     out: list[str] = []
 
     def refused(worker, *needles):
@@ -241,10 +246,15 @@ def guard_checks() -> list[str]:
         return "not refused"
 
     cases = {
-        "gdn runtime": (_worker(hybrid_attr="hybrid_gdn_config"), ("hybrid", "hybrid_gdn_config", "shadow-linear",
-                                                                   "--speculative-ddtree-allow-hybrid-unsafe")),
+        "gdn runtime": (_worker(hybrid_attr="hybrid_gdn_config"), ("hybrid", "hybrid_gdn_config", "shadow-linear")),
         "mamba runtime": (_worker(hybrid_attr="mambaish_config"), ("mambaish_config",)),
         "config marker": (_worker(hf={"model_type": "qwen3_next"}), ("qwen3_next",)),
+        "runtime window": (_worker(window=4096), ("sliding window of 4096", "shadow-linear")),
+        "config window": (_worker(hf={"model_type": "mistral", "sliding_window": 4096}), ("windowed attention",
+                                                                                        "sliding_window")),
+        "config swa layers": (_worker(hf={"model_type": "gemma3_text",
+                                          "layer_types": ["sliding_attention", "full_attention"]}),
+                              ("1 of 2 windowed",)),
         "flashinfer": (_worker(backend=FlashInferAttnBackend), ("FlashInferAttnBackend", "supported: triton")),
         "page size": (_worker(page_size=16), ("page-size 1",)),
     }
@@ -253,7 +263,7 @@ def guard_checks() -> list[str]:
         if problem:
             out.append(f"guard {name}: {problem}")
     for name, worker in {
-        "allow flag": _worker(hybrid_attr="hybrid_gdn_config", allow=True),
+        "qwen3 unused window": _worker(hf={"model_type": "qwen3", "sliding_window": 4096, "use_sliding_window": False}),
         "shadow on hybrid": _worker(mode="shadow-linear", hybrid_attr="hybrid_gdn_config", backend=FlashInferAttnBackend),
         "plain target": _worker(),
     }.items():
@@ -292,7 +302,7 @@ def _lm_head(weight_full: torch.Tensor, rank: int, tp: int, padded_total: int) -
 def hook_checks() -> list[str]:
     """draft_logits under emulated TP (shard gather = column == token id), and the on_draft /
     on_verified hooks: shadow builds but never verifies; full installs the tree verify input only
-    for plain greedy batches whose tree fits the free KV pool."""
+    for plain greedy batches, shrunk to what the free KV pool holds."""
     import sglang.srt.distributed as dist
 
     out: list[str] = []
@@ -324,9 +334,9 @@ def hook_checks() -> list[str]:
     if not torch.allclose(ctl.draft_logits(hs, head), hs @ head.weight[:VOCAB].T):
         out.append("tp=1 draft logits mismatch")
 
-    def batch_for(bs, greedy=True, free=10_000):
+    def batch_for(bs, greedy=True, free=10_000, seq_lens=None, row_width=256):
         alloc = FakeAllocator(free + 1)
-        seq = torch.tensor([5 + i for i in range(bs)], dtype=torch.int64)
+        seq = torch.tensor(seq_lens or [5 + i for i in range(bs)], dtype=torch.int64)
         info = SimpleNamespace(is_all_greedy=greedy, has_custom_logit_processor=False, logit_bias=None,
                                penalizer_orchestrator=SimpleNamespace(is_required=False))
         alloc.available_size = lambda: len(alloc.free_slots)
@@ -334,7 +344,7 @@ def hook_checks() -> list[str]:
             forward_mode=SimpleNamespace(is_idle=lambda: False), batch_size=lambda: bs, device=torch.device("cpu"),
             seq_lens=seq.clone(), seq_lens_cpu=seq.clone(), seq_lens_sum=int(seq.sum()),
             req_pool_indices=torch.arange(bs, dtype=torch.int64), sampling_info=info,
-            req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(bs, 256, dtype=torch.int64)),
+            req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(bs, row_width, dtype=torch.int64)),
             token_to_kv_pool_allocator=alloc, tree_cache=None, reqs=[], input_ids=None, out_cache_loc=None,
             spec_info="untouched", return_hidden_states=True,
         ), alloc
@@ -344,8 +354,10 @@ def hook_checks() -> list[str]:
     dw.evict_from_tree_cache = lambda cache, k: None
     draft_hidden = torch.randn(2, 16, hid)
     bonus = torch.tensor([3, 4])
-    for mode, greedy, free, want_tree in (("shadow-linear", True, 10_000, False), ("full", True, 10_000, True),
-                                          ("full", False, 10_000, False), ("full", True, 100, False)):
+    # (mode, greedy, free KV slots, tree width installed or 0 for the linear path)
+    for mode, greedy, free, want_n in (("shadow-linear", True, 10_000, 0), ("full", True, 10_000, 65),
+                                       ("full", False, 10_000, 0), ("full", True, 100, 32), ("full", True, 3, 0)):
+        want_tree = want_n > 0
         ctl = dw.DDTreeController.maybe_create(_worker(mode=mode))
         batch, alloc = batch_for(2, greedy, free)
         cache_alloc = [alloc]
@@ -357,7 +369,7 @@ def hook_checks() -> list[str]:
             continue
         if took:
             vi = batch.spec_info
-            n = 65
+            n = want_n
             if not isinstance(vi, dw.DDTreeVerifyInput) or vi.draft_token_num != n:
                 out.append(f"{label}: spec_info {type(vi).__name__}")
                 continue
@@ -376,6 +388,60 @@ def hook_checks() -> list[str]:
             fallback = 1 if mode == "full" else 0
             if ctl.stats.fallback_steps != fallback or ctl.stats.accepted_depth_hist != {3: 1, 0: 1}:
                 out.append(f"{label}: stats {ctl.stats.as_dict()}")
+            want_reason = {"full": "kv_pool" if free < 100 else "sampling"}.get(mode)
+            if want_reason and dict(ctl.stats.fallback_reasons) != {want_reason: 1}:
+                out.append(f"{label}: fallback reasons {dict(ctl.stats.fallback_reasons)}")
+    out += step_limit_checks(batch_for, head, draft_hidden, bonus)
+    return out
+
+
+def step_limit_checks(batch_for, head, draft_hidden, bonus) -> list[str]:
+    """A step whose rows, logits or mask cannot hold the full tree verifies a smaller one (never
+    writing past a request's req_to_token row), or linearly when not even one node fits."""
+    out: list[str] = []
+    cases = [
+        # (label, seq_lens, row width, max verify tokens, expected tree width (0 = linear), reason)
+        ("fits", [5, 6], 256, 10_000, 65, None),
+        ("row near the limit", [5, 220], 256, 10_000, 32, None),  # 220 + 36 = 256: ladder 64, 63, 31
+        ("row exactly full", [5, 191], 256, 10_000, 65, None),  # 191 + 65 = 256
+        ("row one short", [5, 192], 256, 10_000, 64, None),  # ladder 64 → 63
+        ("no room at all", [5, 255], 256, 10_000, 0, "step_limits"),
+        ("logits bound", [5, 6], 256, 2 * 16, 16, None),  # bs * n <= 32 → n = 16 (budget 15)
+        ("logits below one node", [5, 6], 256, 3, 0, "step_limits"),
+    ]
+    for label, seq_lens, row_width, max_tokens, want_n, reason in cases:
+        ctl = dw.DDTreeController.maybe_create(_worker(mode="full"))
+        ctl.max_verify_tokens = max_tokens
+        batch, alloc = batch_for(2, True, 10_000, seq_lens=seq_lens, row_width=row_width)
+        dw.alloc_token_slots = lambda cache, k, alloc=alloc: alloc.alloc(k)
+        try:
+            took = ctl.on_draft(batch, bonus_tokens=bonus, target_prefix_lens=batch.seq_lens,
+                                draft_hidden=draft_hidden, lm_head=head)
+        except Exception as e:  # an overflowing write raises in fake_assign (slice shorter than values)
+            out.append(f"step limit {label}: {type(e).__name__}: {e}")
+            continue
+        got_n = batch.spec_info.draft_token_num if took else 0
+        if got_n != want_n:
+            out.append(f"step limit {label}: tree width {got_n}, want {want_n}")
+        if took and batch.out_cache_loc.numel() != 2 * want_n:
+            out.append(f"step limit {label}: {batch.out_cache_loc.numel()} slots for width {want_n}")
+        if reason and ctl.stats.fallback_reasons.get(reason) != 1:
+            out.append(f"step limit {label}: fallback reasons {dict(ctl.stats.fallback_reasons)}")
+        if took and (want_n < 65) != (ctl.stats.shrunk_steps == 1):
+            out.append(f"step limit {label}: shrunk_steps {ctl.stats.shrunk_steps}")
+    # The verify input's own bound check: a tree that does not fit the row is refused, not written.
+    ctl = dw.DDTreeController.maybe_create(_worker(mode="full"))
+    batch, alloc = batch_for(2, True, 10_000, seq_lens=[5, 250], row_width=256)
+    tree = build_ddtree(torch.randn(2, 15, VOCAB), 15)
+    vi = dw.DDTreeVerifyInput(draft_token=tree.full_token_ids(bonus).reshape(-1),
+                              positions=tree.positions(batch.seq_lens).reshape(-1), draft_token_num=16,
+                              tree=tree, controller=ctl)
+    try:
+        vi.prepare_for_verify(batch, 1)
+        out.append("prepare_for_verify wrote a tree past the end of a req_to_token row")
+    except RuntimeError as e:
+        if "does not fit a req_to_token row of 256" not in str(e):
+            out.append(f"row bound check message: {e}")
     return out
 
 

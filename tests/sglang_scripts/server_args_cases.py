@@ -21,6 +21,7 @@ FIELDS = (
     "speculative_ddtree_budget",
     "speculative_ddtree_topk_cap",
     "speculative_ddtree_allow_hybrid_unsafe",
+    "max_speculative_num_draft_tokens",
     "disable_cuda_graph",
 )
 
@@ -34,7 +35,13 @@ def run(case: dict) -> dict:
         return {"name": case["name"], "ok": False, "error": err.getvalue().strip().splitlines()[-1:], "exit": e.code}
     except Exception as e:
         return {"name": case["name"], "ok": False, "error": f"{type(e).__name__}: {e}"}
-    return {"name": case["name"], "ok": True, **{f: getattr(args, f, None) for f in FIELDS}}
+    fields = {f: getattr(args, f, None) for f in FIELDS}
+    if args.speculative_algorithm:
+        # The req_to_token row headroom SGLang itself derives (context length + this per row).
+        from sglang.srt.mem_cache.common import get_req_to_token_extra_context_len
+
+        fields["req_to_token_extra"] = get_req_to_token_extra_context_len(args)
+    return {"name": case["name"], "ok": True, **fields}
 
 
 def main() -> None:

@@ -108,14 +108,6 @@ def write_json_atomic(target: str | os.PathLike[str], obj: object) -> None:
     write_bytes_atomic(target, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
-def read_json(path: str | os.PathLike[str], default: object = None) -> object:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return default
-
-
 def remove_durably(path: str | os.PathLike[str]) -> bool:
     """Unlink a file and fsync its directory; False when it was already gone."""
     path = Path(path)

@@ -1,135 +1,34 @@
 """Agent ops for installing a payload bundle: stage, plan (dry run), install (stdlib only).
 
-A bundle is `manifest.json` + `files/<site-packages-relative path>` in a .tar.gz. The agent
-trusts nothing it is sent: it re-hashes the uploaded archive against the sha256 the
-control side computed, then every file in it against the manifest, all before any change.
-Release ids are content addressed (payload version + hash of the (path, patched sha256)
-list), so rebuilding the same payload gives the same id and re-pushing it is a no-op.
+The agent trusts nothing it is sent: it re-hashes the uploaded archive against the sha256 the
+control side computed, then every file in it against the manifest (bundle.py), all before any
+change. Before the first file changes, every file the bundle touches has a verified original in
+the pristine store (pristine.py), and the release's own backup is taken.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import os
 import shutil
-import tarfile
 from pathlib import Path
 
-from . import journal, lock, state
+from . import backup, journal, lock, pristine, state, statefs
 from .atomic import (
     AgentError,
     copy_file_atomic,
     free_bytes,
     fsync_dir,
     is_enospc,
-    read_json,
-    sha256_bytes,
     sha256_file,
     write_bytes_atomic,
     write_json_atomic,
 )
-from .layout import (
-    BACKUP_RECORD,
-    RELEASES,
-    STAGING,
-    find_base,
-    release_dir,
-    safe_name,
-    safe_relpath,
-    state_dir_of,
-)
+from .bundle import extract, normalize_manifest, read_bundle, release_id
+from .layout import BACKUP_RECORD, RELEASES, STAGING, find_base, release_dir, safe_name
 
 # Room kept free beyond the bytes we can count (json files, directory blocks).
 SPACE_MARGIN = 64 * 1024
-MAX_MEMBER = 64 * 1024 * 1024
-
-
-# ---------------------------------------------------------------- manifest
-
-
-def normalize_manifest(raw: object) -> dict:
-    """The fields the agent needs from manifest.json (bundle.BundleManifest), validated.
-
-    -> {"package", "version", "payload_version", "files": [{"path", "pristine_sha256", "patched_sha256"}]}
-    New files carry pristine_sha256 None: "absent" is their pristine state.
-    """
-    if not isinstance(raw, dict):
-        raise AgentError("bad_bundle", "manifest.json is not a JSON object", "rebuild the bundle")
-    package, version = raw.get("base_package"), raw.get("base_version")
-    payload_version = raw.get("payload_version")
-    entries = []
-    for f in raw.get("patched_files") or []:
-        entries.append((f.get("path"), f.get("pristine_sha256"), f.get("sha256")))
-    for f in raw.get("new_files") or []:
-        entries.append((f.get("path"), None, f.get("sha256")))
-    if not (isinstance(package, str) and isinstance(version, str) and isinstance(payload_version, str) and entries):
-        raise AgentError("bad_bundle", "manifest.json lacks base_package/base_version, payload_version or files",
-                         "rebuild the bundle with ddtree-ops build")
-    files = []
-    for path, pristine, patched in entries:
-        rel = str(safe_relpath(str(path or "")))
-        for what, h in (("sha256", patched), ("pristine_sha256", pristine)):
-            if (h is not None or what == "sha256") and not (isinstance(h, str) and len(h) == 64):
-                raise AgentError("bad_bundle", f"manifest entry {rel} has no valid {what}", "rebuild the bundle")
-        files.append({"path": rel, "pristine_sha256": pristine, "patched_sha256": patched})
-    files.sort(key=lambda f: f["path"])
-    if len({f["path"] for f in files}) != len(files):
-        raise AgentError("bad_bundle", "manifest lists a file twice", "rebuild the bundle")
-    return {"package": package, "version": version, "payload_version": payload_version, "files": files}
-
-
-def release_id(man: dict) -> str:
-    h = hashlib.sha256()
-    for f in man["files"]:
-        h.update(f"{f['path']}\0{f['patched_sha256']}\n".encode())
-    pv = "".join(c if c.isalnum() or c in "._-+" else "_" for c in man["payload_version"])
-    return f"{pv}-{h.hexdigest()[:12]}"
-
-
-def _member_prefix(names: list[str]) -> str:
-    # Tolerate a single top-level directory around manifest.json (tar czf dir/ style).
-    if "manifest.json" in names:
-        return ""
-    tops = {n.split("/", 1)[0] for n in names}
-    if len(tops) == 1:
-        top = tops.pop()
-        if f"{top}/manifest.json" in names:
-            return top + "/"
-    raise AgentError("bad_bundle", "bundle has no manifest.json", "rebuild the bundle with ddtree-ops build")
-
-
-def read_bundle(path: Path) -> tuple[dict, dict[str, bytes]]:
-    """(normalized manifest, {rel: bytes}) with every file hash checked against the manifest."""
-    try:
-        with tarfile.open(path, "r:gz") as tar:
-            members = {(m.name[2:] if m.name.startswith("./") else m.name): m for m in tar.getmembers()}
-            prefix = _member_prefix(list(members))
-
-            def read(name: str) -> bytes:
-                m = members.get(prefix + name)
-                if m is None or not m.isreg() or m.size > MAX_MEMBER:
-                    raise AgentError("bad_bundle", f"bundle member {name} missing or not a regular file",
-                                     "rebuild the bundle")
-                fobj = tar.extractfile(m)
-                assert fobj is not None
-                return fobj.read()
-
-            raw_manifest = read("manifest.json")
-            man = normalize_manifest(json.loads(raw_manifest))
-            blobs = {f["path"]: read("files/" + f["path"]) for f in man["files"]}
-    except (tarfile.TarError, OSError, EOFError, ValueError) as exc:
-        if isinstance(exc, AgentError):
-            raise
-        raise AgentError("bad_bundle", f"cannot read bundle {path.name}: {exc}", "re-upload or rebuild it") from exc
-    bad = [rel for rel, data in blobs.items()
-           if sha256_bytes(data) != next(f["patched_sha256"] for f in man["files"] if f["path"] == rel)]
-    if bad:
-        raise AgentError("bad_bundle", f"bundle files do not match the manifest (tampered?): {', '.join(bad)}",
-                         "rebuild the bundle; nothing was changed")
-    man["_raw"] = raw_manifest
-    return man, blobs
 
 
 # ---------------------------------------------------------------- staging
@@ -137,12 +36,12 @@ def read_bundle(path: Path) -> tuple[dict, dict[str, bytes]]:
 
 def op_stage_begin(request: dict) -> dict:
     """Make room for an upload: refuse early (before sftp writes) when the disk cannot hold it."""
-    sd = state_dir_of(request)
+    sd = statefs.state_dir(request)
     name = safe_name(str(request.get("name", "")), "bundle name")
     size = int(request.get("size", 0))
     staging = sd / STAGING
     try:
-        staging.mkdir(parents=True, exist_ok=True)
+        staging.mkdir(exist_ok=True)
     except OSError as exc:
         raise AgentError("state_dir", f"cannot create {staging}: {exc}", "check the state_dir in the inventory") from exc
     # Twice the bundle: the staged copy plus the copy kept under releases/.
@@ -175,7 +74,7 @@ def _staged(sd: Path, request: dict) -> Path:
 
 
 def op_stage_verify(request: dict) -> dict:
-    sd = state_dir_of(request)
+    sd = statefs.state_dir(request)
     src = request.get("import_from")
     if src:
         # sudo hosts: the login user uploaded to its tmp; move it into the root-owned staging dir.
@@ -187,16 +86,12 @@ def op_stage_verify(request: dict) -> dict:
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(src)
-    man, _ = read_bundle(_staged(sd, request))
+    man = read_bundle(_staged(sd, request))
     return {"release": release_id(man), "payload_version": man["payload_version"],
             "base": {"package": man["package"], "version": man["version"]}, "files": len(man["files"])}
 
 
 # ---------------------------------------------------------------- plan
-
-
-def _stack_records(sd: Path, stack: list[str]) -> list[dict]:
-    return [read_json(release_dir(sd, r) / BACKUP_RECORD, {}) or {} for r in stack]
 
 
 def plan(sd: Path, man: dict, *, sys_path: list | None = None, adopt: bool = False) -> dict:
@@ -205,7 +100,7 @@ def plan(sd: Path, man: dict, *, sys_path: list | None = None, adopt: bool = Fal
     st = state.load(sd)
     rid = release_id(man)
     stack = list(st.get("stack") or [])
-    records = _stack_records(sd, stack)
+    records = [backup.read(sd, r) for r in stack]
     # What our own current release put in each file counts as known, not foreign.
     ours: dict[str, str | None] = {}
     for rec in records:
@@ -258,7 +153,7 @@ def plan(sd: Path, man: dict, *, sys_path: list | None = None, adopt: bool = Fal
 
 def op_plan(request: dict) -> dict:
     """Dry run: works from a manifest sent inline, so nothing needs uploading."""
-    sd = state_dir_of(request)
+    sd = statefs.state_dir(request)
     man = normalize_manifest(request.get("manifest"))
     return plan(sd, man, sys_path=request.get("sys_path"), adopt=bool(request.get("adopt")))
 
@@ -266,8 +161,7 @@ def op_plan(request: dict) -> dict:
 # ---------------------------------------------------------------- install
 
 
-def _write_release_dir(sd: Path, rid: str, bundle: Path, man: dict, blobs: dict[str, bytes],
-                       site: Path, pl: dict) -> dict:
+def _write_release_dir(sd: Path, rid: str, bundle: Path, man: dict, site: Path, pl: dict) -> dict:
     """Write releases/<id>/ (bundle, manifest, payload, backup, backup.json) in a temp dir, then rename."""
     final = release_dir(sd, rid)
     tmp = sd / RELEASES / f".{rid}.tmp"
@@ -275,8 +169,7 @@ def _write_release_dir(sd: Path, rid: str, bundle: Path, man: dict, blobs: dict[
     tmp.mkdir(parents=True)
     copy_file_atomic(bundle, tmp / "bundle.tar.gz", mode=0o640)
     write_bytes_atomic(tmp / "manifest.json", man["_raw"])
-    for rel, data in blobs.items():
-        write_bytes_atomic(tmp / "payload" / rel, data)
+    extract(bundle, man, tmp / "payload")
     record: dict = {"release": rid, "files": {}}
     targets = {f["path"]: f["target"] for f in pl["files"]}
     for f in pl["files"]:
@@ -290,9 +183,13 @@ def _write_release_dir(sd: Path, rid: str, bundle: Path, man: dict, blobs: dict[
                 raise AgentError("backup_failed", f"backup of {rel} does not verify", "the file changed while copying")
         record["files"][rel] = {"before": before, "after": targets[rel], "mode": f.get("mode") or mode}
         if "origin" in f and f["target"] is not None:
-            # A file this bundle dropped: its "new" bytes are the pre-ddtree bytes from the
-            # release that first touched it.
-            copy_file_atomic(release_dir(sd, f["origin"]) / "backup" / rel, tmp / "payload" / rel)
+            # A file this bundle dropped: its "new" bytes are the pre-ddtree bytes, from the pristine
+            # store or the backup of the release that first touched it, whichever still verifies.
+            src = next((p for p in (pristine.copy_path(sd, rel), release_dir(sd, f["origin"]) / "backup" / rel)
+                        if sha256_file(p) == f["target"]), None)
+            if src is None:
+                raise pristine.lost(rel, f["target"], man["package"], man["version"])
+            copy_file_atomic(src, tmp / "payload" / rel)
     write_json_atomic(tmp / BACKUP_RECORD, record)
     fsync_dir(tmp)
     if final.exists():
@@ -302,16 +199,17 @@ def _write_release_dir(sd: Path, rid: str, bundle: Path, man: dict, blobs: dict[
     return record
 
 
-def _space_needed(bundle: Path, blobs: dict[str, bytes], site: Path, pl: dict) -> int:
-    backup = sum((site / f["path"]).stat().st_size for f in pl["files"] if f["now"] is not None)
-    return bundle.stat().st_size + sum(len(b) for b in blobs.values()) + backup + SPACE_MARGIN
+def _space_needed(bundle: Path, man: dict, site: Path, pl: dict) -> int:
+    # The backups, plus (at most) as much again for the pristine copies of a first install.
+    backups = sum((site / f["path"]).stat().st_size for f in pl["files"] if f["now"] is not None)
+    return bundle.stat().st_size + sum(f["size"] for f in man["files"]) + 2 * backups + SPACE_MARGIN
 
 
 def install(sd: Path, bundle: Path, *, operator: str, sys_path: list | None = None, adopt: bool = False,
             kill_after: int | None = None, skip_space_check: bool = False) -> dict:
     """Install a staged, hash-verified bundle; the caller holds the lock. Returns the result dict."""
     recovered = journal.recover(sd)
-    man, blobs = read_bundle(bundle)
+    man = read_bundle(bundle)
     pl = plan(sd, man, sys_path=sys_path, adopt=adopt)
     rid = pl["release"]
     if pl["refusals"]:
@@ -326,26 +224,29 @@ def install(sd: Path, bundle: Path, *, operator: str, sys_path: list | None = No
                 "files": pl["files"], "recovered": recovered}
     site = Path(pl["site_packages"])
     st = state.load(sd)
+    if not (sd / state.STATE).exists():
+        # A fresh host: from now on the state dir holds a release, so state.json must exist too.
+        state.save(sd, st)
     stack = list(st.get("stack") or [])
     repairing = bool(stack) and stack[-1] == rid
-    need = _space_needed(bundle, blobs, site, pl)
+    need = _space_needed(bundle, man, site, pl)
     have = free_bytes(sd)
     if have < need and not skip_space_check:
         raise AgentError("no_space", f"state dir {sd} has {have} bytes free; backups and release need about {need}",
                          "free space on the state-dir filesystem; nothing was changed")
     tmp = sd / RELEASES / f".{rid}.tmp"
     try:
-        prior = read_json(release_dir(sd, rid) / BACKUP_RECORD) if repairing else None
-        if isinstance(prior, dict) and isinstance(prior.get("files"), dict):
-            # Repairing the current release (someone reverted some of its files): its backup still
-            # holds the true "before", and a content-addressed id means the same patched bytes, so
-            # the release dir is kept as is; only a damaged payload copy is rewritten.
-            record = prior
-            for rel, data in blobs.items():
-                if sha256_file(release_dir(sd, rid) / "payload" / rel) != sha256_bytes(data):
-                    write_bytes_atomic(release_dir(sd, rid) / "payload" / rel, data)
+        pristine.ensure(sd, site, man, adopt=adopt)
+        if repairing:
+            # Repairing the current release (someone reverted some of its files): its backup (plan
+            # checked the record) still holds the true "before", and a content-addressed id means the
+            # same patched bytes, so the release dir is kept; only damaged payload copies are rewritten.
+            record = backup.read(sd, rid)
+            payload = release_dir(sd, rid) / "payload"
+            if any(sha256_file(payload / f["path"]) != f["patched_sha256"] for f in man["files"]):
+                extract(bundle, man, payload)
         else:
-            record = _write_release_dir(sd, rid, bundle, man, blobs, site, pl)
+            record = _write_release_dir(sd, rid, bundle, man, site, pl)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if is_enospc(exc):
@@ -376,7 +277,7 @@ def install(sd: Path, bundle: Path, *, operator: str, sys_path: list | None = No
 
 
 def op_install(request: dict) -> dict:
-    sd = state_dir_of(request)
+    sd = statefs.state_dir(request)
     operator = str(request.get("operator", "?"))
     hook = request.get("test_kill_after_files")
     with lock.held(sd, request.get("lock_id"), who=operator, command="push",

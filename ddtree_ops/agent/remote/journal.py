@@ -16,6 +16,9 @@ Policy (one rule for install and rollback alike):
     left exactly as before and the error says why.
 Each file is replaced with temp-file + fsync + rename, so a file is always wholly its
 before or wholly its after bytes, never torn.
+A journal.json that does not validate (truncated, wrong shape, a source outside the state dir)
+is refused naming the repair; `unlock` clears it only after checking that no file is mixed
+(repair.py), and `rollback --to pristine` supersedes it.
 """
 
 from __future__ import annotations
@@ -25,17 +28,16 @@ import os
 import signal
 from pathlib import Path
 
-from . import state
+from . import state, statefs
 from .atomic import (
     AgentError,
     copy_file_atomic,
     is_enospc,
-    read_json,
     remove_durably,
     sha256_file,
     write_json_atomic,
 )
-from .layout import JOURNAL
+from .layout import JOURNAL, is_release_id
 
 # Test hook: SIGKILL ourselves after this many files changed (the crash tests' knife).
 KILL_ENV = "DDTREE_OPS_TEST_KILL_AFTER_FILES"
@@ -76,7 +78,8 @@ def apply_steps(site: Path, steps: list[dict], side: str, kill_after: int | None
             got = sha256_file(path)
             if got != want:
                 raise AgentError("verify_failed", f"{step['rel']}: sha256 {got} after writing, expected {want}",
-                                 f"the source {src} in the state dir is damaged")
+                                 f"the source {src} in the state dir is damaged. "
+                                 f"repair: {statefs.REPAIR_PRISTINE}", path=src)
         changed.append(step["rel"])
         if kill_after is not None and len(changed) >= kill_after:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -129,9 +132,56 @@ def _undo(state_dir: Path, site: Path, jr: dict) -> str | None:
     return None
 
 
+def _hash_or_none(v: object) -> bool:
+    return v is None or (isinstance(v, str) and len(v) == 64)
+
+
+def _step_problem(step: object, state_dir: Path) -> str | None:
+    if not isinstance(step, dict) or not isinstance(step.get("rel"), str) or step["rel"].startswith("/") \
+            or ".." in step["rel"].split("/"):
+        return "a step without a safe `rel`"
+    for side in ("before", "after"):
+        src = step.get(f"{side}_src")
+        if not _hash_or_none(step.get(side)):
+            return f"step {step['rel']}: `{side}` is not a sha256 or null"
+        # Sources are our own copies: one outside the state dir would copy any file into site-packages.
+        if (step[side] is None) != (src is None) or (src is not None and not (
+                isinstance(src, str) and src.startswith(str(state_dir) + "/") and ".." not in src.split("/"))):
+            return f"step {step['rel']}: `{side}_src` is not a file in the state dir"
+    if not (step.get("mode") is None or isinstance(step.get("mode"), int)):
+        return f"step {step['rel']}: `mode` is not an integer"
+    return None
+
+
+def problem_of(jr: object, state_dir: Path) -> str | None:
+    if not isinstance(jr, dict):
+        return f"is a JSON {type(jr).__name__}, not an object"
+    for key in ("action", "release", "operator", "site_packages"):
+        if not isinstance(jr.get(key), str):
+            return f"`{key}` is not a string"
+    if not jr["site_packages"].startswith("/"):
+        return "`site_packages` is not an absolute path"
+    for key in ("stack_before", "stack_after"):
+        if not (isinstance(jr.get(key), list) and all(is_release_id(r) for r in jr[key])):
+            return f"`{key}` is not a list of release ids"
+    if not isinstance(jr.get("steps"), list):
+        return "`steps` is not a list"
+    return next((p for p in (_step_problem(s, state_dir) for s in jr["steps"]) if p), None)
+
+
 def pending(state_dir: Path) -> dict | None:
-    jr = read_json(state_dir / JOURNAL)
-    return jr if isinstance(jr, dict) else None
+    """The journal of an interrupted change, validated; None when there is none."""
+    path = state_dir / JOURNAL
+    what = "journal.json (an install or rollback was interrupted)"
+    try:
+        jr = statefs.read_json(path, what, statefs.REPAIR_UNLOCK)
+    except FileNotFoundError:
+        return None
+    problem = problem_of(jr, state_dir)
+    if problem:
+        raise statefs.damaged(path, f"{what} {problem}", statefs.REPAIR_UNLOCK)
+    assert isinstance(jr, dict)
+    return jr
 
 
 def recover(state_dir: Path) -> dict | None:
@@ -163,9 +213,18 @@ def recover(state_dir: Path) -> dict | None:
 
 
 def op_recover(request: dict) -> dict:
-    from . import lock
-    from .layout import state_dir_of
+    """Finish an interrupted change; with repair (the `unlock` command) clear a damaged journal
+    too, once every file is shown to be where state.json says (repair.py)."""
+    from . import lock, repair
 
-    sd = state_dir_of(request)
+    sd = statefs.state_dir(request)
     with lock.held(sd, request.get("lock_id"), who=str(request.get("operator", "?")), command="recover"):
+        if request.get("repair"):
+            try:
+                pending(sd)
+            except AgentError as exc:
+                if exc.code != "state_damaged":
+                    raise
+                return {"recovered": None, "journal_cleared": repair.clear_journal(sd, exc.message,
+                                                                                  request.get("sys_path"))}
         return {"recovered": recover(sd)}

@@ -7,6 +7,8 @@
     <state_dir>/releases/<id>/backup/<rel>  what each file was before this release replaced it
     <state_dir>/releases/<id>/backup.json   per file: before/after sha256, mode
     <state_dir>/journal.json                only while files in site-packages are changing
+    <state_dir>/pristine/index.json         per file every release ever touched: its original sha256
+    <state_dir>/pristine/files/<rel>        the original bytes, written once (pristine.py)
 """
 
 from __future__ import annotations
@@ -20,15 +22,15 @@ from .atomic import AgentError
 
 STAGING = "staging"
 RELEASES = "releases"
+PRISTINE = "pristine"
+REPLACED = "replaced"  # replaced/<time>/<rel>: what rollback --to pristine overwrote, so it can be undone
 JOURNAL = "journal.json"
 BACKUP_RECORD = "backup.json"
 
 
-def state_dir_of(request: dict) -> Path:
-    raw = request.get("state_dir")
-    if not raw or not isinstance(raw, str) or not raw.startswith("/"):
-        raise AgentError("bad_request", "state_dir must be an absolute path", "set state_dir in the inventory")
-    return Path(raw)
+def is_release_id(value: object) -> bool:
+    return isinstance(value, str) and bool(value) and "/" not in value and "\\" not in value \
+        and not value.startswith(".") and "\0" not in value
 
 
 def release_dir(state_dir: Path, release: str) -> Path:
@@ -38,17 +40,23 @@ def release_dir(state_dir: Path, release: str) -> Path:
 
 def safe_name(name: str, what: str) -> str:
     """A single path component: no separators, no dot-dirs (names travel in requests)."""
-    if not name or "/" in name or "\\" in name or name in (".", "..") or name.startswith(".") or "\0" in name:
+    if not is_release_id(name):
         raise AgentError("bad_request", f"invalid {what}: {name!r}", "use the name ddtree-ops printed")
     return name
 
 
-def safe_relpath(rel: str) -> PurePosixPath:
-    """A site-packages-relative path from a manifest; never absolute, never escaping."""
+def safe_relpath(rel: str, package: str = "sglang") -> PurePosixPath:
+    """A site-packages-relative path from a manifest: never absolute, never escaping, and inside the
+    base package's own tree: never the site-packages root (where a .pth file runs at every interpreter
+    start) nor another package."""
     p = PurePosixPath(rel)
-    if not rel or p.is_absolute() or ".." in p.parts or "\0" in rel or any(part in ("", ".") for part in p.parts):
+    if not rel or p.is_absolute() or ".." in p.parts or "\0" in rel or any(part in ("", ".") for part in p.parts) \
+            or str(p) != rel:
         raise AgentError("bad_bundle", f"manifest path {rel!r} is not a safe site-packages-relative path",
                          "rebuild the bundle with ddtree-ops build")
+    if p.parts[0] != package or len(p.parts) < 2:
+        raise AgentError("bad_bundle", f"manifest path {rel!r} is outside {package}/ (a payload only patches or adds "
+                         f"files of the {package} package)", "rebuild the bundle with ddtree-ops build")
     return p
 
 

@@ -5,9 +5,15 @@ It outlives the agent process on purpose: the control side takes it once and the
 several agent calls (stage, install, record) under its `lock_id`, and releases it in a
 `finally`. Because a crashed control side cannot release it, a lock is *stale* when
   - its heartbeat is older than its TTL (every call made under the lock refreshes it), or
-  - its owner ran on this very host and that pid is gone (local callers, tests).
+  - it was taken by an agent process itself (an install or rollback called without a lock_id)
+    and that very process is gone: same boot id, same pid *and* same process start time, read
+    from /proc. The control side's host name and pid are recorded for people only and never
+    checked: a control machine may share the target's host name (a host deploying to itself,
+    containers), and its pid means nothing on the target, so checking it would let a second run
+    take a live lock. Each lock is identified by its random lock_id and the caller's run_id.
 Deciding "stale" and breaking it happens under a short flock on `.lock.guard` so two
-waiters can never both break the same lock and then both take it.
+waiters can never both break the same lock and then both take it. A damaged owner.json is
+never stale by itself (it may belong to a live run): `unlock` shows it and clears it.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from .atomic import AgentError, is_enospc, read_json, write_json_atomic
+from . import statefs
+from .atomic import AgentError, fsync_dir, is_enospc, write_json_atomic
 
 LOCK_DIR = "lock"
 OWNER = "owner.json"
@@ -40,8 +47,7 @@ def _lock_path(state_dir: Path) -> Path:
 
 @contextlib.contextmanager
 def _guard(state_dir: Path) -> Iterator[None]:
-    state_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(state_dir / ".lock.guard", os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(state_dir / ".lock.guard", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -49,47 +55,116 @@ def _guard(state_dir: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _pid_alive(pid: int) -> bool:
+def _read(path: str) -> str | None:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        with open(path, encoding="ascii", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _boot_id() -> str | None:
+    text = _read("/proc/sys/kernel/random/boot_id")
+    return text.strip() if text else None
+
+
+def _start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22), None when gone."""
+    text = _read(f"/proc/{pid}/stat")
+    if not text:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after its last ")".
+    fields = text.rsplit(")", 1)[-1].split()
+    return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else None
+
+
+def this_process() -> dict:
+    """What makes this agent process unique on this host for as long as it lives."""
+    return {"boot_id": _boot_id(), "pid": os.getpid(), "start_ticks": _start_ticks(os.getpid())}
+
+
+def _process_gone(proc: dict) -> bool:
+    if proc.get("boot_id") is None or proc.get("start_ticks") is None:
+        return False  # no /proc where it was taken: only the TTL can tell
+    return proc["boot_id"] != _boot_id() or _start_ticks(proc["pid"]) != proc["start_ticks"]
+
+
+_NUMBER = (int, float)
+# owner.json field -> accepted types; a record that does not match is damaged, never guessed at.
+OWNER_FIELDS: dict[str, tuple[type, ...]] = {
+    "who": (str,), "command": (str,), "lock_id": (str,), "run_id": (str,), "start": (str,),
+    "start_epoch": _NUMBER, "heartbeat": _NUMBER, "ttl_s": _NUMBER,
+    "host": (str, type(None)), "pid": (int, type(None)), "agent_process": (dict, type(None)),
+}
+
+
+def _owner_problem(owner: object) -> str | None:
+    if not isinstance(owner, dict):
+        return f"is a JSON {type(owner).__name__}, not an object"
+    for key, types in OWNER_FIELDS.items():
+        if key not in owner:
+            return f"lacks `{key}`"
+        if not isinstance(owner[key], types) or isinstance(owner[key], bool):
+            return f"`{key}` is a {type(owner[key]).__name__}"
+    proc = owner["agent_process"]
+    if proc is not None and not (isinstance(proc.get("pid"), int) and isinstance(proc.get("boot_id"), (str, type(None)))
+                                 and isinstance(proc.get("start_ticks"), (int, type(None)))):
+        return "`agent_process` is not {boot_id, pid, start_ticks}"
+    return None
+
+
+def _unknown_holder(problem: str, stale: bool = False) -> dict:
+    return {"who": "?", "command": "?", "host": None, "pid": None, "lock_id": None, "run_id": None,
+            "damaged": problem, "stale": stale, "stale_reason": problem if stale else ""}
 
 
 def holder(state_dir: str | os.PathLike[str]) -> dict | None:
-    """The current owner record (with `stale` and `stale_reason`), or None when unlocked."""
+    """The current owner record (with `stale` and `stale_reason`, and `damaged` when the lock's files
+    are not what the agent writes), or None when unlocked."""
     state_dir = Path(state_dir)
     lock = _lock_path(state_dir)
-    if not lock.is_dir():
+    try:
+        st = os.lstat(lock)
+    except FileNotFoundError:
         return None
-    owner = read_json(lock / OWNER)
-    if not isinstance(owner, dict):
-        age = time.time() - lock.stat().st_mtime
-        stale = age > UNOWNED_GRACE_S
-        return {"who": "?", "command": "?", "host": "?", "pid": None, "lock_id": None,
-                "stale": stale, "stale_reason": "lock dir without owner.json" if stale else ""}
+    if not os.path.isdir(lock) or os.path.islink(lock):
+        return _unknown_holder(f"{lock} is not a directory the agent made (a link or a file)")
+    path = lock / OWNER
+    try:
+        owner = statefs.read_json(path, "the lock owner file", statefs.REPAIR_UNLOCK)
+    except FileNotFoundError:
+        stale = time.time() - st.st_mtime > UNOWNED_GRACE_S
+        return {**_unknown_holder(""), "damaged": None, "stale": stale,
+                "stale_reason": "lock dir without owner.json" if stale else ""}
+    except AgentError as exc:
+        return _unknown_holder(exc.message)
+    problem = _owner_problem(owner)
+    if problem:
+        return _unknown_holder(f"{path}: the lock owner file {problem}")
+    assert isinstance(owner, dict)
     now = time.time()
-    beat = float(owner.get("heartbeat", owner.get("start_epoch", 0)))
-    ttl = float(owner.get("ttl_s", DEFAULT_TTL_S))
+    beat, ttl = float(owner["heartbeat"]), float(owner["ttl_s"])
     reason = ""
     if now > beat + ttl:
         reason = f"TTL of {ttl:.0f}s expired {now - beat - ttl:.0f}s ago"
-    elif owner.get("host") == socket.gethostname() and isinstance(owner.get("pid"), int) \
-            and not _pid_alive(owner["pid"]):
-        reason = f"owner pid {owner['pid']} on this host is gone"
-    return {**owner, "stale": bool(reason), "stale_reason": reason}
+    elif owner["agent_process"] is not None and _process_gone(owner["agent_process"]):
+        reason = f"the agent process {owner['agent_process']['pid']} that took it on this host is gone"
+    return {**owner, "damaged": None, "stale": bool(reason), "stale_reason": reason}
 
 
 def describe(owner: dict) -> str:
+    if owner.get("damaged"):
+        return f"an unknown holder ({owner['damaged']})"
     return (f"{owner.get('who', '?')} ({owner.get('command', '?')}) from {owner.get('host', '?')} "
-            f"pid {owner.get('pid', '?')} since {owner.get('start', '?')}")
+            f"run {owner.get('run_id', '?')} since {owner.get('start', '?')}")
 
 
 def _break(state_dir: Path) -> None:
     lock = _lock_path(state_dir)
+    if os.path.islink(lock) or not os.path.isdir(lock):
+        os.unlink(lock)  # the entry itself, never what a link points at
+        fsync_dir(state_dir)
+        return
     # Rename first so a half-removed lock is never mistaken for a live one.
     grave = state_dir / f".lock.broken.{secrets.token_hex(4)}"
     os.rename(lock, grave)
@@ -120,16 +195,18 @@ def _try_take(state_dir: Path, owner: dict) -> bool:
 
 
 def acquire(state_dir: str | os.PathLike[str], *, who: str, command: str, host: str | None = None,
-            pid: int | None = None, ttl_s: float = DEFAULT_TTL_S, wait_s: float = 0.0) -> dict:
-    """Take the lock, waiting up to wait_s; returns the owner record (its lock_id is the key)."""
+            pid: int | None = None, run_id: str | None = None, ttl_s: float = DEFAULT_TTL_S, wait_s: float = 0.0,
+            agent_process: dict | None = None) -> dict:
+    """Take the lock, waiting up to wait_s; returns the owner record (its lock_id is the key).
+
+    host / pid: the caller's, shown to people only. agent_process: set when this agent process
+    itself is the holder, so the lock dies with it."""
     state_dir = Path(state_dir)
     now = time.time()
     owner = {
-        "who": who, "command": command,
-        # pid None: a remote caller's pid means nothing here, so only the TTL can expire it.
-        "host": host or socket.gethostname(), "pid": pid,
+        "who": who, "command": command, "host": host, "pid": pid, "run_id": run_id or secrets.token_hex(8),
         "start": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)), "start_epoch": now,
-        "heartbeat": now, "ttl_s": float(ttl_s), "lock_id": secrets.token_hex(8),
+        "heartbeat": now, "ttl_s": float(ttl_s), "lock_id": secrets.token_hex(8), "agent_process": agent_process,
     }
     deadline = time.monotonic() + max(0.0, wait_s)
     while True:
@@ -142,10 +219,11 @@ def acquire(state_dir: str | os.PathLike[str], *, who: str, command: str, host: 
             raise
         if time.monotonic() >= deadline:
             current = holder(state_dir) or {}
+            hint = ("wait for it to finish (--lock-wait SECONDS), or if it is dead: ddtree-ops unlock -i INVENTORY HOST"
+                    if not current.get("damaged") else f"repair: {statefs.REPAIR_UNLOCK}")
             raise AgentError(
-                "locked", f"host is locked by {describe(current)}",
-                "wait for it to finish (--lock-wait SECONDS), or if it is dead: ddtree-ops unlock -i INVENTORY HOST",
-                holder={k: current.get(k) for k in ("who", "command", "host", "pid", "start", "ttl_s")},
+                "locked", f"host is locked by {describe(current)}", hint,
+                holder={k: current.get(k) for k in ("who", "command", "host", "run_id", "start", "ttl_s", "damaged")},
             )
         time.sleep(POLL_S)
 
@@ -158,7 +236,7 @@ def check(state_dir: str | os.PathLike[str], lock_id: str) -> None:
         who = describe(current) if current else "nobody"
         raise AgentError("lock_lost", f"this run does not hold the host lock (held by {who})",
                          "someone broke the lock; re-run the command")
-    owner = {k: v for k, v in current.items() if k not in ("stale", "stale_reason")}
+    owner = {k: v for k, v in current.items() if k not in ("stale", "stale_reason", "damaged")}
     owner["heartbeat"] = time.time()
     # A full disk must not fail the operation here: the heartbeat only extends the TTL.
     with contextlib.suppress(OSError):
@@ -190,7 +268,8 @@ def held(state_dir: str | os.PathLike[str], lock_id: str | None, *, who: str, co
         check(state_dir, lock_id)
         yield lock_id
         return
-    owner = acquire(state_dir, who=who, command=command, wait_s=wait_s, pid=os.getpid())
+    owner = acquire(state_dir, who=who, command=command, wait_s=wait_s, host=socket.gethostname(), pid=os.getpid(),
+                    agent_process=this_process())
     try:
         yield owner["lock_id"]
     finally:
@@ -198,16 +277,26 @@ def held(state_dir: str | os.PathLike[str], lock_id: str | None, *, who: str, co
 
 
 def op_lock(request: dict) -> dict:
-    owner = acquire(request["state_dir"], who=str(request.get("who", "?")),
-                    command=str(request.get("command", "?")), host=request.get("host"),
-                    pid=request.get("pid"), ttl_s=float(request.get("ttl_s", DEFAULT_TTL_S)),
-                    wait_s=float(request.get("wait_s", 0.0)))
+    host, pid, run_id = request.get("host"), request.get("pid"), request.get("run_id")
+    owner = acquire(statefs.state_dir(request), who=str(request.get("who", "?")),
+                    command=str(request.get("command", "?")), host=host if isinstance(host, str) else None,
+                    pid=pid if isinstance(pid, int) and not isinstance(pid, bool) else None,
+                    run_id=run_id if isinstance(run_id, str) else None,
+                    ttl_s=float(request.get("ttl_s", DEFAULT_TTL_S)), wait_s=float(request.get("wait_s", 0.0)))
     return {"lock": owner, "lock_id": owner["lock_id"]}
 
 
 def op_unlock(request: dict) -> dict:
-    return release(request["state_dir"], request.get("lock_id"), force=bool(request.get("force")))
+    """Release by lock_id; with force (the `unlock` command) break it, and clear planted entries first."""
+    force = bool(request.get("force"))
+    sd = statefs.state_dir(request, scan_tree=not force)
+    removed = statefs.remove_planted(sd) if force else []
+    return {**release(sd, request.get("lock_id"), force=force), "removed": removed}
 
 
 def op_lock_status(request: dict) -> dict:
-    return {"holder": holder(request["state_dir"])}
+    """Who holds the lock, and every problem `unlock` would repair (read-only, never refuses on damage)."""
+    from . import repair
+
+    sd = statefs.state_dir(request, create=False, scan_tree=False)
+    return {"holder": holder(sd) if sd.is_dir() else None, "problems": repair.diagnose(sd)}

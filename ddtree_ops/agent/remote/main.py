@@ -33,6 +33,9 @@ def main() -> int:
     answer_fd = os.dup(1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+    # Whatever the login shell's umask, nothing the agent creates is writable by group or others
+    # (the state dir refuses such entries as possibly planted) and site-packages stays readable.
+    os.umask(0o022)
     try:
         answer = handle(sys.stdin.buffer.readline())
     except AgentError as exc:

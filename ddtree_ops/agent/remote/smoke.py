@@ -20,9 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .atomic import read_json
-from .layout import BACKUP_RECORD, release_dir
-from .state import STATE
+from . import backup, state
 
 DEFAULT_TIMEOUT_S = 240.0
 OUTPUT_TAIL = 4000
@@ -193,10 +191,9 @@ def _patched_modules(request: dict) -> list[str]:
     mods = list(request.get("modules") or [])
     sd = request.get("state_dir")
     if not mods and isinstance(sd, str) and sd.startswith("/"):
-        st = read_json(Path(sd) / STATE, {}) or {}
-        cur = st.get("current") if isinstance(st, dict) else None
-        rec = read_json(release_dir(Path(sd), cur) / BACKUP_RECORD, {}) if cur else {}
-        for rel in sorted((rec or {}).get("files", {})):
+        # Validated like every state read: a damaged state.json fails smoke with its repair.
+        cur = state.load(Path(sd))["current"]
+        for rel in sorted(backup.read(Path(sd), cur)["files"] if cur else []):
             if rel.endswith(".py") and rel.startswith("sglang/"):
                 name = rel[:-3].replace("/", ".")
                 mods.append(name[: -len(".__init__")] if name.endswith(".__init__") else name)

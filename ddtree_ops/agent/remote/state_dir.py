@@ -16,6 +16,7 @@ import os
 
 from .lock import LOCK_DIR, OWNER
 from .state import STATE
+from .statefs import MAX_STATE_FILE
 
 
 def state_file(state_dir: str) -> str:
@@ -33,8 +34,9 @@ def lock_owner_file(state_dir: str) -> str:
 def read_json_file(path: str):
     """(value, problem): value is None when the file is absent; problem names a corrupt file."""
     try:
-        with open(path, "rb") as f:
-            return json.loads(f.read().decode("utf-8")), None
+        # Never through a link (it could point anywhere), never blocking on a planted fifo.
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK), "rb") as f:
+            return json.loads(f.read(MAX_STATE_FILE).decode("utf-8")), None
     except FileNotFoundError:
         return None, None
     except (OSError, ValueError) as exc:

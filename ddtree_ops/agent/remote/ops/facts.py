@@ -29,6 +29,7 @@ import sys
 from .. import atomic
 from ..errors import AgentError
 from ..requests import get_abs_path, get_str, get_str_list, relative_inside
+from ..state import problem_of as state_problem
 from ..state_dir import lock_dir, lock_owner_file, read_json_file, state_file
 
 DEFAULT_STATE_DIR = "/var/lib/ddtree-ops"
@@ -225,6 +226,8 @@ def lock_facts(state_dir: str, warnings: list) -> dict | None:
 
 def release_facts(state_dir: str, warnings: list) -> dict | None:
     state, problem = read_json_file(state_file(state_dir))
+    if problem is None and state is not None and (bad := state_problem(state)):
+        problem = f"{state_file(state_dir)}: state.json {bad} (`ddtree-ops unlock HOST` shows the repair)"
     if problem:
         warnings.append(problem)
     if not isinstance(state, dict):

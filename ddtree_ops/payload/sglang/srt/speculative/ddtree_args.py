@@ -188,6 +188,14 @@ def _check_full_mode(server_args: Any) -> None:
         )
     if getattr(server_args, "enable_dp_attention", False):
         raise DDTreeConfigError(f"{FLAG_MODE} full does not support --enable-dp-attention.")
+    # A tree verify writes 1 + budget KV slots per request, more than the block size the
+    # req_to_token rows (context length + 4 + this value) and the scheduler's per-step
+    # reservation are sized by; without this a request near the context limit writes its tree
+    # into the next request's row. Only the row width and the reservation read this value.
+    verify_width = 1 + int(server_args.speculative_ddtree_budget)
+    current = getattr(server_args, "max_speculative_num_draft_tokens", None) or 0
+    if verify_width > current:
+        server_args.max_speculative_num_draft_tokens = verify_width
     # The target-verify CUDA graphs are captured for exactly block-size tokens per request;
     # a tree of 1 + budget tokens would replay the wrong graph, so decode graphs go.
     if not getattr(server_args, "disable_cuda_graph", False):

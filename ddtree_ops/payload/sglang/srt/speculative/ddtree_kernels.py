@@ -141,7 +141,9 @@ def _select_tree_kernel(
         prev = tl.load(beam_score_ptr + beam_base + (d - 1) * N + pi, mask=pmask & (d > 0), other=NEG_INF)
         root_prev = tl.where(pi == 0, 0.0, NEG_INF)
         prev = tl.where(d == 0, root_prev, prev)
-        lp = tl.load(topv_ptr + (b * D + d) * K + pj, mask=pmask, other=NEG_INF)
+        # <= 0 by construction: a child then never outscores its parent, so the global cut below
+        # (ties: smaller depth first) is prefix-closed and every node_of read was written.
+        lp = tl.minimum(tl.load(topv_ptr + (b * D + d) * K + pj, mask=pmask, other=NEG_INF), 0.0)
         cand = tl.where(pmask, prev + lp, NEG_INF)
         skey = tl.sort(_pack(cand, offs_p), descending=True)
         score, chosen = _unpack(skey)
@@ -306,7 +308,7 @@ def _row_topk_kernel(
 
     keys = tl.load(key_scratch_ptr + row * BLOCK_K + offs_k, mask=offs_k < K, other=-9223372036854775807)
     value, token = _unpack(tl.sort(keys, descending=True))
-    tl.store(topv_ptr + row * K + offs_k, value - lse, mask=offs_k < K)
+    tl.store(topv_ptr + row * K + offs_k, tl.minimum(value - lse, 0.0), mask=offs_k < K)
     tl.store(topi_ptr + row * K + offs_k, token.to(tl.int64), mask=offs_k < K)
 
 
@@ -403,11 +405,11 @@ def topk_logprobs_triton_glue(du, draft_logits: torch.Tensor, k: int) -> tuple[t
     values = torch.where(inside, logits.gather(1, cols).float(), float("-inf"))
     keys = torch.topk(du._sort_keys(values, cols), k, dim=1).values
     top_logits, top_ids = du._decode_keys(keys)
-    return (top_logits - lse).view(batch, depth, k), top_ids.view(batch, depth, k)
+    return (top_logits - lse).clamp_(max=0.0).view(batch, depth, k), top_ids.view(batch, depth, k)
 
 
 def select_tree_triton(du, topv: torch.Tensor, topi: torch.Tensor, budget: int):
-    """Same contract as ``ddtree_utils.select_tree_from_topk``, as one kernel launch (+ one memset)."""
+    """Same contract as ``ddtree_utils.select_tree_from_topk``, as one kernel launch (+ two fills)."""
     batch, depth, cap = topv.shape
     device = topv.device
     n = budget
@@ -421,7 +423,7 @@ def select_tree_triton(du, topv: torch.Tensor, topi: torch.Tensor, budget: int):
     beam_score = torch.empty((batch, depth, n), device=device, dtype=f32)
     beam_parent = torch.empty((batch, depth, n), device=device, dtype=i32)
     beam_rank = torch.empty((batch, depth, n), device=device, dtype=i32)
-    node_of = torch.empty((batch, depth, n), device=device, dtype=i32)
+    node_of = torch.full((batch, depth, n), -1, device=device, dtype=i32)  # -1: never a valid parent
     sib = torch.empty((batch, block_n1), device=device, dtype=i64)
     token_ids = torch.empty((batch, n), device=device, dtype=i64)
     parents = torch.empty((batch, n1), device=device, dtype=i64)

@@ -14,7 +14,9 @@ DFlash gives, for each of ``depth`` future positions, logits over the vocabulary
 ``<= 0`` a prefix never scores below its extensions, so the selection is prefix-closed.
 
 Route: at each depth keep the best ``budget`` prefixes of that length (extend the previous depth's beam
-by the top-K tokens, keep the best ``budget``), then keep the best ``budget`` over all depths. Only
+by the top-K tokens, keep the best ``budget``), then keep the best ``budget`` over all depths.
+Log-probs are clamped to ``<= 0`` wherever they enter (rounding can push one a hair above), so the
+prefix-closure holds by construction, not by arithmetic luck. Only
 pairs (beam position ``i``, token rank ``j``) with ``(i+1)*(j+1) <= budget`` can make a depth's cut,
 because every pair (i' <= i, j' <= j) ranks at least as high, so about ``budget * ln(budget)``
 candidates are scored per depth instead of ``budget * K``.
@@ -182,7 +184,9 @@ def topk_logprobs(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, tor
     vocab_index = torch.arange(logits.shape[-1], device=logits.device)
     keys = torch.topk(_sort_keys(logits, vocab_index), k, dim=-1, sorted=True).values
     top_logits, top_ids = _decode_keys(keys)
-    return top_logits - lse, top_ids
+    # Clamped: float32 rounding of the log-sum-exp can put a near-certain token a hair above 0, and
+    # prefix-closure of the selection rests on every log-prob being <= 0.
+    return (top_logits - lse).clamp_(max=0.0), top_ids
 
 
 def _pair_table(budget: int, cap: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,7 +228,7 @@ def select_tree_from_topk(topv: torch.Tensor, topi: torch.Tensor, budget: int) -
 
     pair_i, pair_j = _pairs(budget, cap, device)
     pair_index = torch.arange(pair_i.numel(), device=device)
-    cand_lp = topv[:, :, pair_j]  # [batch, depth, P]
+    cand_lp = topv[:, :, pair_j].clamp(max=0.0)  # [batch, depth, P]; <= 0 keeps it prefix-closed
 
     beam_score = torch.full((batch, budget), float("-inf"), device=device)
     beam_score[:, 0] = 0.0  # the root is the only prefix of length 0

@@ -33,6 +33,13 @@ from sglang.srt.managers.schedule_batch import ScheduleBatch
 from sglang.srt.mem_cache.common import alloc_token_slots, evict_from_tree_cache
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.speculative.ddtree_args import DDTREE_FULL_ATTENTION_BACKENDS, FLAG_MODE
+from sglang.srt.speculative.ddtree_step_budget import (
+    StepLimits,
+    budget_ladder,
+    max_verify_tokens_for,
+    step_budget,
+    verify_token_bytes,
+)
 from sglang.srt.speculative.ddtree_utils import DDTreeRefused, full_mode_refusal
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.spec_utils import assign_req_to_token_pool_func
@@ -86,6 +93,13 @@ def full_mode_refusal_at_start(model_runner: Any) -> str | None:
     return full_mode_refusal(_hf_config_dict(model_runner))
 
 
+def _plain_greedy(info: Any) -> bool:
+    if not info.is_all_greedy or info.has_custom_logit_processor or info.logit_bias is not None:
+        return False
+    orchestrator = getattr(info, "penalizer_orchestrator", None)
+    return orchestrator is None or not orchestrator.is_required
+
+
 def _median(values: Any) -> float:
     ordered = sorted(values)
     if not ordered:
@@ -101,6 +115,9 @@ class DDTreeStats:
     steps: int = 0
     tree_steps: int = 0
     fallback_steps: int = 0
+    # Tree steps that ran a smaller budget than configured (row, logits or mask limits), and
+    # linear steps by cause: "sampling" (not plain greedy), "kv_pool", "step_limits".
+    shrunk_steps: int = 0
     nodes_sum: int = 0
     requests_sum: int = 0
     build_ms_n: int = 0
@@ -111,6 +128,7 @@ class DDTreeStats:
         # process includes Triton JIT compilation, so it is kept apart.
         self.build_ms_first: float | None = None
         self.build_ms_recent: collections.deque[float] = collections.deque(maxlen=256)
+        self.fallback_reasons: collections.Counter[str] = collections.Counter()
 
     def as_dict(self) -> dict[str, Any]:
         n_req = max(1, sum(self.accepted_depth_hist.values()))
@@ -118,6 +136,8 @@ class DDTreeStats:
             "steps": self.steps,
             "tree_steps": self.tree_steps,
             "fallback_steps": self.fallback_steps,
+            "shrunk_steps": self.shrunk_steps,
+            "fallback_reasons": dict(sorted(self.fallback_reasons.items())),
             "avg_tree_nodes": round(self.nodes_sum / max(1, self.requests_sum), 3),
             "build_ms_median": round(_median(self.build_ms_recent), 4),
             "build_ms_max": round(max(self.build_ms_recent, default=0.0), 4),
@@ -171,6 +191,7 @@ class DDTreeController:
                 raise DDTreeRefused(
                     f"DDTree full mode refused: needs --page-size 1, got {worker.page_size}."
                 )
+            self.max_verify_tokens, self.max_mask_bytes = self._size_verify_memory(worker)
         from sglang.srt.speculative import ddtree_utils  # noqa: F401  (fail at start, not mid-serve)
 
         if self.tp_rank == 0:
@@ -182,6 +203,51 @@ class DDTreeController:
                 self.depth,
                 self.block_size,
             )
+
+    def _size_verify_memory(self, worker: Any) -> tuple[int, int]:
+        """Verify tokens and mask bytes a step may use, sized once at start and reserved.
+
+        Runs after the target and draft runners allocated their KV pools and graphs, so the free
+        device memory is what verify steps have. The worst step (every running request with a full
+        tree) is allocated once here: a server that cannot afford it fails at start, naming the
+        budget, instead of running out of memory mid-step, and the caching allocator keeps the
+        block for the steps. Steps beyond the sizing shrink their tree (`step_budget`).
+        """
+        runner = worker.model_runner
+        max_running = int(runner.req_to_token_pool.size)
+        n = self.budget + 1
+        worst_tokens = max_running * n
+        # Mask: every running request's full row as prefix, plus the tree part.
+        worst_mask = n * max_running * int(runner.req_to_token_pool.max_context_len)
+        override = os.environ.get("SGLANG_DDTREE_MAX_VERIFY_TOKENS")
+        if not torch.cuda.is_available() or not str(runner.device).startswith("cuda"):
+            tokens = int(override) if override else worst_tokens
+            return tokens, worst_mask
+        cfg = runner.model_config
+        per_token = verify_token_bytes(cfg.vocab_size, cfg.hidden_size)
+        free, _total = torch.cuda.mem_get_info()
+        fit = max_verify_tokens_for(free - min(worst_mask, free // 4), vocab=cfg.vocab_size, hidden=cfg.hidden_size)
+        tokens = min(worst_tokens, fit, int(override) if override else worst_tokens)
+        floor = max_running * self.block_size  # what linear DFLASH verifies anyway
+        if tokens < min(worst_tokens, floor):
+            raise DDTreeRefused(
+                f"DDTree full mode refused: {free / 2**30:.2f} GiB free after start-up holds "
+                f"{tokens} verify tokens per step, fewer than linear DFLASH needs ({floor}). Lower "
+                "--mem-fraction-static or --max-running-requests."
+            )
+        mask = min(worst_mask, free // 4)
+        reserve = torch.empty((tokens * per_token + mask,), dtype=torch.uint8, device=runner.device)
+        del reserve  # freed into the caching allocator: reserved for verify steps
+        if self.tp_rank == 0:
+            logger.info(
+                "DDTree full: verify steps sized at %d tokens (worst step %d) and %.1f MiB of mask; "
+                "%.2f GiB reserved",
+                tokens,
+                worst_tokens,
+                mask / 2**20,
+                (tokens * per_token + mask) / 2**30,
+            )
+        return tokens, mask
 
     # ------------------------------------------------------------------ draft logits + tree
     def draft_logits(self, hidden_states: torch.Tensor, lm_head: Any) -> torch.Tensor:
@@ -213,7 +279,7 @@ class DDTreeController:
         vocab = int(self.worker.model_runner.model_config.vocab_size)
         return gathered[:, :vocab]
 
-    def build_tree(self, draft_hidden: torch.Tensor, lm_head: Any) -> Any:
+    def build_tree(self, draft_hidden: torch.Tensor, lm_head: Any, budget: int | None = None) -> Any:
         """draft_hidden: [bs, block_size, hidden]; positions 1.. predict the block's tokens."""
         from sglang.srt.speculative.ddtree_utils import build_ddtree
 
@@ -225,7 +291,9 @@ class DDTreeController:
             start.record()
         t0 = time.perf_counter()
         logits = self.draft_logits(flat, lm_head).view(bs, self.depth, -1)
-        tree = build_ddtree(logits, self.budget, topk_cap=self.topk_cap)
+        budget = self.budget if budget is None else budget
+        cap = None if self.topk_cap is None else min(int(self.topk_cap), budget)
+        tree = build_ddtree(logits, budget, topk_cap=cap)
         if use_events:
             end.record()
             # Read lazily at the next log line: no host sync in the serving path.
@@ -261,9 +329,11 @@ class DDTreeController:
         """Hook after the DFlash draft forward. True: the tree verify input is installed and
         the caller must return; False: continue with upstream's linear path."""
         self.set_verify_width(None)
-        if self.tree_verify_allowed(batch):
+        budget = self.tree_budget_for(batch)
+        if budget:
             self.prepare_tree_verify(
                 batch,
+                budget=budget,
                 bonus_tokens=bonus_tokens,
                 target_prefix_lens=target_prefix_lens,
                 draft_hidden=draft_hidden,
@@ -281,26 +351,43 @@ class DDTreeController:
         )
 
     # ------------------------------------------------------------------ full mode
-    def tree_verify_allowed(self, batch: ScheduleBatch) -> bool:
+    def tree_budget_for(self, batch: ScheduleBatch) -> int:
+        """The budget of this step's tree verify; 0: upstream's linear verify (counted by reason)."""
         if self.mode != "full":
-            return False
+            return 0
         info = batch.sampling_info
-        if info is None:
-            return True
-        # Anything but plain greedy argmax takes upstream's linear verify: its semantics for
-        # sampling, penalties, biases and custom processors are per-position and linear.
-        if not info.is_all_greedy or info.has_custom_logit_processor or info.logit_bias is not None:
-            return False
-        orchestrator = getattr(info, "penalizer_orchestrator", None)
-        if orchestrator is not None and orchestrator.is_required:
-            return False
-        return self._tree_fits_in_kv(batch)
+        if info is not None and not _plain_greedy(info):
+            # Sampling, penalties, biases and custom processors are per-position and linear.
+            self.stats.fallback_reasons["sampling"] += 1
+            return 0
+        budget = step_budget(
+            self.budget,
+            batch_size=batch.batch_size(),
+            max_seq_len=int(batch.seq_lens_cpu.max().item()),
+            prefix_total=int(batch.seq_lens_cpu.sum().item()),
+            limits=StepLimits(
+                row_width=int(batch.req_to_token_pool.req_to_token.shape[1]),
+                max_verify_tokens=self.max_verify_tokens,
+                max_mask_bytes=self.max_mask_bytes,
+            ),
+        )
+        if budget == 0:
+            self.stats.fallback_reasons["step_limits"] += 1
+            return 0
+        while not self._tree_fits_in_kv(batch, budget):
+            budget = next((b for b in budget_ladder(self.budget) if b < budget), 0)
+            if budget == 0:
+                self.stats.fallback_reasons["kv_pool"] += 1
+                return 0
+        if budget < self.budget:
+            self.stats.shrunk_steps += 1
+        return budget
 
-    def _tree_fits_in_kv(self, batch: ScheduleBatch) -> bool:
-        # The scheduler reserves --speculative-num-draft-tokens slots per request for the next
-        # decode step (ScheduleBatch.new_tokens_required_next_decode), not 1 + budget. When the
-        # pool is that tight, verify this step linearly instead of failing the allocation.
-        needed = batch.batch_size() * (self.budget + 1)
+    def _tree_fits_in_kv(self, batch: ScheduleBatch, budget: int) -> bool:
+        # The scheduler reserves max_speculative_num_draft_tokens (raised to 1 + budget by
+        # ddtree_args) per request for the next step; this is the last line should the pool still
+        # be short (another allocation in between): verify linearly instead of failing the alloc.
+        needed = batch.batch_size() * (budget + 1)
         allocator = batch.token_to_kv_pool_allocator
         if allocator.available_size() >= needed:
             return True
@@ -311,6 +398,7 @@ class DDTreeController:
         self,
         batch: ScheduleBatch,
         *,
+        budget: int,
         bonus_tokens: torch.Tensor,
         target_prefix_lens: torch.Tensor,
         draft_hidden: torch.Tensor,
@@ -318,8 +406,8 @@ class DDTreeController:
     ) -> None:
         """Replace DFlash's linear verify input by the tree's (called instead of the argmax)."""
         bs = batch.batch_size()
-        tree = self.build_tree(draft_hidden, lm_head)
-        n = self.budget + 1
+        tree = self.build_tree(draft_hidden, lm_head, budget)
+        n = budget + 1
         tokens = torch.empty((bs, n), dtype=torch.long, device=bonus_tokens.device)
         tokens[:, 0] = bonus_tokens.to(torch.long)
         # Padding slots (num_nodes < 1 + budget) carry PAD_TOKEN_ID, depth 0 and a mask row of
@@ -412,6 +500,14 @@ class DDTreeVerifyInput(DFlashVerifyInput):
             raise DDTreeRefused(f"DDTree full mode needs page_size 1, got {page_size}.")
         n = int(self.draft_token_num)
         bs = batch.batch_size()
+        row_width = int(batch.req_to_token_pool.req_to_token.shape[1])
+        longest = int(batch.seq_lens_cpu.max().item())
+        if longest + n > row_width:
+            # step_budget never lets this happen; the slot writer has no bound check of its own,
+            # so an overflow here would land in the next request's row.
+            raise RuntimeError(
+                f"DDTree verify of {n} tokens after {longest} does not fit a req_to_token row of {row_width}."
+            )
         batch.input_ids = self.draft_token
         batch.out_cache_loc = alloc_token_slots(batch.tree_cache, bs * n)
         end_offset = batch.seq_lens + n
@@ -435,7 +531,7 @@ class DDTreeVerifyInput(DFlashVerifyInput):
         logits_output: LogitsProcessorOutput,
         page_size: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-        """Same contract as DFlashVerifyInput.verify (greedy only; see tree_verify_allowed)."""
+        """Same contract as DFlashVerifyInput.verify (greedy only; see tree_budget_for)."""
         from sglang.srt.speculative.ddtree_utils import follow_verified_tree
 
         self.controller.set_verify_width(None)

@@ -1,0 +1,136 @@
+"""How large a tree a full-mode verify step may use: row width, logits and mask limits, at their
+edges and against a brute-force oracle; and the windowed-attention / hybrid refusals of full mode."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import sys
+from pathlib import Path
+
+import pytest
+from ddtree_oracle import load_ddtree_utils
+
+_PATH = Path(__file__).resolve().parents[1] / "ddtree_ops/payload/sglang/srt/speculative/ddtree_step_budget.py"
+_spec = importlib.util.spec_from_file_location("ddtree_step_budget_under_test", _PATH)
+sb = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = sb  # dataclasses look their module up while the class is made
+_spec.loader.exec_module(sb)
+du = load_ddtree_utils()
+
+BLOCK = 16  # DFLASH block size (--speculative-num-draft-tokens)
+
+
+def sglang_row_width(context_len: int, max_draft_tokens: int) -> int:
+    """req_to_token row width as SGLang 0.5.13.post1 sizes it (mem_cache/common.py):
+    context_len + 4 + max_speculative_num_draft_tokens (page size 1)."""
+    return context_len + 4 + max_draft_tokens
+
+
+UNBOUNDED = dict(max_verify_tokens=10**9, max_mask_bytes=10**15)
+
+
+@pytest.mark.parametrize("budget", [23, 24, 255])
+def test_a_request_at_the_context_limit_gets_its_full_tree_once_rows_are_sized_for_it(budget: int) -> None:
+    context_len = 1024
+    # ddtree_args raises max_speculative_num_draft_tokens to 1 + budget in full mode.
+    row = sglang_row_width(context_len, max(BLOCK, 1 + budget))
+    for seq_len in (1, context_len - 4, context_len - 1, context_len):
+        limits = sb.StepLimits(row_width=row, **UNBOUNDED)
+        got = sb.step_budget(budget, batch_size=3, max_seq_len=seq_len, prefix_total=3 * seq_len, limits=limits)
+        assert got == budget, (seq_len, got)
+
+
+@pytest.mark.parametrize(("budget", "want"), [(23, 23), (24, 15), (255, 15)])
+def test_rows_sized_for_the_block_only_shrink_the_tree_so_it_never_overflows(budget: int, want: int) -> None:
+    # The upstream width (block size only): at seq_len = context_len - 4 the row holds 24 slots more.
+    context_len = 1024
+    row = sglang_row_width(context_len, BLOCK)
+    seq_len = context_len - 4
+    limits = sb.StepLimits(row_width=row, **UNBOUNDED)
+    got = sb.step_budget(budget, batch_size=2, max_seq_len=seq_len, prefix_total=2 * seq_len, limits=limits)
+    assert got == want
+    assert seq_len + 1 + got <= row
+
+
+def test_no_room_for_even_one_node_verifies_linearly() -> None:
+    limits = sb.StepLimits(row_width=100, **UNBOUNDED)
+    assert sb.step_budget(64, batch_size=1, max_seq_len=99, prefix_total=99, limits=limits) == 0
+    assert sb.step_budget(64, batch_size=1, max_seq_len=98, prefix_total=98, limits=limits) == 1
+
+
+def test_logits_bound_caps_the_batch_tokens() -> None:
+    limits = sb.StepLimits(row_width=10**6, max_verify_tokens=32 * 64, max_mask_bytes=10**15)
+    assert sb.step_budget(255, batch_size=32, max_seq_len=10, prefix_total=320, limits=limits) == 63
+    assert sb.step_budget(255, batch_size=33, max_seq_len=10, prefix_total=330, limits=limits) == 31
+
+
+def test_ladder_is_the_budget_then_powers_of_two_minus_one() -> None:
+    assert sb.budget_ladder(255) == [255, 127, 63, 31, 15, 7, 3, 1]
+    assert sb.budget_ladder(64) == [64, 63, 31, 15, 7, 3, 1]
+    assert sb.budget_ladder(15) == [15, 7, 3, 1]
+    assert sb.budget_ladder(1) == [1]
+
+
+def test_step_budget_is_the_largest_ladder_budget_that_fits_randomised() -> None:
+    rng = random.Random(12)
+    for _ in range(3000):
+        budget = rng.choice([1, 2, 15, 23, 24, 63, 64, 255, 512])
+        bs = rng.randint(1, 64)
+        row = rng.randint(16, 4096)
+        seqs = [rng.randint(1, row) for _ in range(bs)]
+        limits = sb.StepLimits(row_width=row, max_verify_tokens=rng.randint(1, 20_000),
+                               max_mask_bytes=rng.randint(1, 10**8))
+        got = sb.step_budget(budget, batch_size=bs, max_seq_len=max(seqs), prefix_total=sum(seqs), limits=limits)
+
+        def fits(b: int, seqs=seqs, limits=limits) -> bool:  # the oracle: each request's own row, etc.
+            n = 1 + b
+            mask = sum(n * (s + n) for s in seqs)
+            return all(s + n <= limits.row_width for s in seqs) and len(seqs) * n <= limits.max_verify_tokens \
+                and mask <= limits.max_mask_bytes
+
+        candidates = [b for b in [budget, *[(1 << k) - 1 for k in range(1, 11)]] if 1 <= b <= budget]
+        best = max((b for b in candidates if fits(b)), default=0)
+        assert got == best, (budget, bs, row, limits, got, best)
+
+
+def test_memory_sizing_arithmetic() -> None:
+    per = sb.verify_token_bytes(vocab=152_000, hidden=5120)
+    assert per == 10 * 152_000 + 64 * 5120
+    # batch 128 x budget 255 on a 152k vocab is the ~20 GB step the issue names: 10 GiB free holds far less.
+    tokens = sb.max_verify_tokens_for(10 * 2**30, vocab=152_000, hidden=5120)
+    assert tokens < 128 * 256
+    assert tokens * per <= 5 * 2**30
+
+
+# ------------------------------------------------- full-mode refusals from config.json -------------------
+
+@pytest.mark.parametrize(("config", "evidence"), [
+    ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window = 4096"),
+    ({"model_type": "gemma3_text", "layer_types": ["sliding_attention"] * 5 + ["full_attention"]},
+     "5 of 6 windowed attention layers"),
+    ({"model_type": "llama4_text", "attention_chunk_size": 8192}, "attention_chunk_size"),
+    ({"model_type": "x", "text_config": {"model_type": "gemma3_text", "sliding_window": 512}},
+     "text_config.sliding_window = 512"),
+])
+def test_windowed_attention_is_detected_and_refused(config: dict, evidence: str) -> None:
+    windowed, reason = du.uses_windowed_attention(config)
+    assert windowed and evidence in reason
+    refusal = du.full_mode_refusal(config)
+    assert refusal and "windowed attention" in refusal and evidence in refusal
+    assert "--speculative-ddtree-mode shadow-linear" in refusal
+
+
+@pytest.mark.parametrize("config", [
+    {"model_type": "qwen3", "sliding_window": 4096, "use_sliding_window": False},  # shipped but unused
+    {"model_type": "llama", "sliding_window": None},
+    {"model_type": "qwen3", "layer_types": ["full_attention"] * 4},
+])
+def test_plain_attention_models_are_not_refused(config: dict) -> None:
+    assert du.uses_windowed_attention(config)[0] is False
+    assert du.full_mode_refusal(config) is None
+
+
+def test_hybrid_models_are_refused_without_an_escape_hatch() -> None:
+    refusal = du.full_mode_refusal({"model_type": "qwen3_next"})
+    assert refusal and "hybrid" in refusal and "allow" not in refusal
