@@ -273,6 +273,11 @@ def test_inventory_for_one_host_has_no_empty_main_group(tmp_path):
     rendered = render([LabHost("lab-1", paths)])
     assert rendered["groups"] == {"canary": {"hosts": ["lab-1"]}}
     assert rendered["hosts"] == {"lab-1": {"address": "10.200.0.11", "port": 22}}
+    # the lab's serving unit runs the lab engine on the lab's models, on production's port
+    vars_ = rendered["all"]["vars"]
+    assert (vars_["server_module"], vars_["serve_port"]) == ("ddtree_lab_engine", 30000)
+    assert (vars_["model_path"], vars_["draft_model_path"]) == ("/opt/ddtree-lab/models/target",
+                                                                "/opt/ddtree-lab/models/draft")
 
 
 @pytest.mark.parametrize("name", ["lab-0", "lab-51", "lab-x", "gpu-1", "lab-1; rm -rf /", "../lab-1"])

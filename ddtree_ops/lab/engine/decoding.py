@@ -75,6 +75,10 @@ class TreeStats:
     steps: int = 0
     tree_steps: int = 0
     fallback_steps: int = 0
+    # The engine never shrinks a tree (no device memory to run out of); its only fallback cause is
+    # the worker's "sampling": a step whose batch is not all plain greedy.
+    shrunk_steps: int = 0
+    fallback_reasons: collections.Counter[str] = field(default_factory=collections.Counter)
     nodes_sum: int = 0
     requests_sum: int = 0
     build_ms_n: int = 0
@@ -98,6 +102,8 @@ class TreeStats:
             "steps": self.steps,
             "tree_steps": self.tree_steps,
             "fallback_steps": self.fallback_steps,
+            "shrunk_steps": self.shrunk_steps,
+            "fallback_reasons": dict(sorted(self.fallback_reasons.items())),
             "avg_tree_nodes": round(self.nodes_sum / max(1, self.requests_sum), 3),
             "build_ms_median": round(_median(self.build_ms_recent), 4),
             "build_ms_max": round(max(self.build_ms_recent, default=0.0), 4),
@@ -206,7 +212,7 @@ class Decoder:
             self._tree_verify(reqs, draft_logits)
         else:
             if self.mode == "shadow-linear":
-                self._shadow(reqs, draft_logits)
+                self._build_tree(draft_logits)  # built and measured, never used: the verify stays linear
             self._linear_verify(reqs, draft_logits)
 
     def _plain(self, r: Request) -> None:
@@ -227,10 +233,6 @@ class Decoder:
         self.tree_stats.requests_sum += int(draft_logits.shape[0])
         return tree
 
-    def _shadow(self, reqs: list[Request], draft_logits: torch.Tensor) -> None:
-        # Built and measured, never used: verification below stays linear (shadow-linear).
-        self._build_tree(draft_logits)
-
     def _linear_verify(self, reqs: list[Request], draft_logits: torch.Tensor) -> None:
         drafts = draft_logits.argmax(-1).tolist()  # DFLASH's linear path: the top-1 token per position
         for r, draft in zip(reqs, drafts, strict=True):
@@ -247,6 +249,7 @@ class Decoder:
             self.tree_stats.steps += 1
             if self.mode == "full":
                 self.tree_stats.fallback_steps += 1
+                self.tree_stats.fallback_reasons["sampling"] += 1
 
     def _tree_verify(self, reqs: list[Request], draft_logits: torch.Tensor) -> None:
         tree = self._build_tree(draft_logits)

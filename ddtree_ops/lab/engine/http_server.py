@@ -35,7 +35,7 @@ class _Handler(BaseHTTPRequestHandler):
     server: EngineHTTPServer
     protocol_version = "HTTP/1.1"
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (stdlib signature)
+    def log_message(self, format: str, *args: Any) -> None:
         logger.debug("%s - %s", self.address_string(), format % args)
 
     def _send(self, status: int, body: bytes = b"", content_type: str = "application/json") -> None:
@@ -49,7 +49,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _error(self, status: int, message: str) -> None:
         self._send(status, dumps({"error": {"message": message}}))
 
-    def do_GET(self) -> None:  # noqa: N802 (stdlib name)
+    def do_GET(self) -> None:
         api = self.server.api
         path = self.path.split("?", 1)[0]
         if path in ("/health", "/health_generate"):
@@ -65,7 +65,7 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._send(404, dumps({"detail": "Not Found"}))
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         path = self.path.split("?", 1)[0]
         if path != "/generate":
             self._send(404, dumps({"detail": "Not Found"}))
@@ -84,7 +84,7 @@ class _Handler(BaseHTTPRequestHandler):
             except Unavailable as e:
                 self._error(503, str(e))
 
-    do_PUT = do_POST  # noqa: N815
+    do_PUT = do_POST
 
 
 class EngineHTTPServer(ThreadingHTTPServer):

@@ -40,7 +40,6 @@ class Scheduler:
         self._waiting: deque[tuple[Job, Request]] = deque()
         self._running: list[tuple[Job, Request]] = []
         self._answered = 0
-        self.stalled = False
         self.last_step_time = time.monotonic()
         self.generated_tokens = 0
         self.prompt_tokens = 0
@@ -117,7 +116,6 @@ class Scheduler:
                 threading.Timer(0.2, _crash, args=(limit,)).start()
 
     def _stall(self, running: list[tuple[Job, Request]]) -> None:
-        self.stalled = True
         logger.error(
             "fault %s: greedy and sampled requests in one batch (%d running); the scheduler stalls",
             "DDTREE_LAB_FAULT_HANG_ON_MIXED",
