@@ -251,7 +251,8 @@ def lock_holders(inventory: Inventory, hosts: Sequence[HostConfig], *, concurren
 def unlock(inventory: Inventory, hosts: Sequence[HostConfig], *, operator: str | None = None,
            concurrency: int = DEFAULT_CONCURRENCY, progress: FleetProgress | None = None) -> list[HostResult]:
     """Break the host lock whoever holds it (the CLI confirms first). Also finishes an interrupted
-    install or rollback left by the dead holder, so the host is consistent when the lock goes."""
+    install or rollback, and undoes an interrupted promote stage, left by the dead holder, so the
+    host is consistent when the lock goes."""
     who = operator or operator_name()
 
     def one(ctx: HostContext) -> dict[str, Any]:
@@ -259,7 +260,9 @@ def unlock(inventory: Inventory, hosts: Sequence[HostConfig], *, operator: str |
             ctx.step("unlocking")
             released = _call(session, "unlock", {"state_dir": ctx.host.state_dir, "force": True})
             recovered = _call(session, "recover", {**_base_args(ctx.host, who)})
-            return {**released, **recovered}
+            # A promote killed mid-stage left its unit journal: undo it (its gates never passed).
+            units = _call(session, "unit_recover", {**_base_args(ctx.host, who)})
+            return {**released, **recovered, "unit_recovered": units.get("recovered")}
 
     return run_on_hosts(hosts, one, concurrency=concurrency, progress=progress)
 

@@ -1,89 +1,44 @@
-"""CLI commands push, smoke, rollback, history, unlock: thin wrappers over release.py / smoke.py.
+"""CLI commands push, smoke, rollback, history, unlock: thin wrappers over release.py / smoke.py
+(and rollout.py, which restores promoted units on rollback).
 
 Registered on the main app by `register(app)` (called from cli.py). Same conventions as every
-command: -i/--inventory, --limit, --json (one document on stdout), exit 0 all ok / 1 some host
-failed or was unreachable / 2 usage or inventory error. Heavy imports happen inside commands.
+command (cli_common): -i/--inventory, --limit, --json (one document on stdout), exit 0 all ok /
+1 some host failed or was unreachable / 2 usage or inventory error. Heavy imports happen inside commands.
 """
 
 from __future__ import annotations
 
-import signal
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ddtree_ops.cli import (
+from ddtree_ops.cli_common import (
     EXIT_USAGE,
     ConcurrencyOption,
     InventoryOption,
     JsonOption,
     LimitOption,
-    _Session,
+    LockWaitOption,
     load_selection,
     reported_errors,
+    terminate_like_ctrl_c,
 )
-from ddtree_ops.fleet import DEFAULT_CONCURRENCY, exit_code
+from ddtree_ops.cli_common import finish as _finish
+from ddtree_ops.cli_common import (
+    table as _table,
+)
+from ddtree_ops.fleet import DEFAULT_CONCURRENCY
 from ddtree_ops.smoke import DEFAULT_STEP_TIMEOUT_S
 
 if TYPE_CHECKING:
     from ddtree_ops.fleet import HostResult
     from ddtree_ops.inventory import HostConfig
 
-LockWaitOption = Annotated[float, typer.Option("--lock-wait", min=0, metavar="SECONDS",
-                                               help="Wait this long for another run's host lock, then fail naming its holder.")]
 AdoptOption = Annotated[bool, typer.Option("--adopt", help="Take over files that hash to neither pristine nor patched "
                                                            "(they are backed up first) instead of refusing the host.")]
-
-
-def _finish(command: str, hosts: list[HostConfig], results: list[HostResult], json_output: bool,
-            render: Any = None) -> None:
-    from ddtree_ops.output import emit_json, print_failures, print_notices
-    from ddtree_ops.release import summary
-
-    summ = summary(results)
-    if json_output:
-        emit_json({"command": command, "results": [r.to_dict() for r in results], "summary": summ})
-    elif render is not None:
-        render(hosts, results)
-    print_notices(results)
-    print_failures(results, debug=_Session.debug)
-    line = f"{command}: {summ['ok']}/{summ['hosts']} ok"
-    if summ["noop"]:
-        line += f", {len(summ['noop'])} no-op (nothing to do)"
-    if summ["failed"]:
-        line += f"; failed: {', '.join(summ['failed'])}"
-    if summ["unreachable"]:
-        line += f"; unreachable: {', '.join(summ['unreachable'])}"
-    sys.stderr.write(line + "\n")
-    raise typer.Exit(exit_code(results))
-
-
-@contextmanager
-def _terminate_like_ctrl_c() -> Iterator[None]:
-    """SIGTERM (systemd, CI cancel) unwinds like Ctrl-C: hosts in flight finish their step and
-    release their lock in `finally` instead of leaving it to expire by TTL."""
-
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _table(columns: list[str]) -> Any:
-    from rich.table import Table
-
-    table = Table()
-    for c in columns:
-        table.add_column(c)
-    return table
 
 
 def _short(h: str | None) -> str:
@@ -148,7 +103,7 @@ def register(app: typer.Typer) -> None:
             from ddtree_ops.release import push as do_push
 
             progress = progress_for(hosts, "dry run" if dry_run else "push", json_mode=json_output)
-            with _terminate_like_ctrl_c(), progress or nullcontext():
+            with terminate_like_ctrl_c(), progress or nullcontext():
                 results = do_push(inv, hosts, bundle or default_bundle(), dry_run=dry_run, adopt=adopt,
                                   lock_wait_s=lock_wait, concurrency=concurrency, progress=progress)
         _finish("push --dry-run" if dry_run else "push", hosts, results, json_output, _render_push)
@@ -200,18 +155,22 @@ def register(app: typer.Typer) -> None:
         json_output: JsonOption = False,
         concurrency: ConcurrencyOption = DEFAULT_CONCURRENCY,
     ) -> None:
-        """Restore files from the backups of a release, byte for byte (sha256-verified).
+        """Undo the last promote stage or release: units first, then files, then restart and health-check.
 
-        Nothing to roll back is a no-op that says so; an interrupted push is completed first and
-        then rolled back.
+        previous: the unit of the stage before the last promote (the release stays), or, with no
+        promote stage left, the release before the current one. pristine: every stage (the unit as
+        it was before ddtree-ops touched it: removed if there was none) and every release. RELEASE:
+        files of that release. Files are restored byte for byte (sha256-verified); a promoted
+        service is restarted and must answer /health_generate again. Nothing to roll back is a
+        no-op that says so; an interrupted push or promote is completed or undone first.
         """
         with reported_errors(json_output):
             inv, hosts = load_selection(inventory, limit)
             from ddtree_ops.output import progress_for, stdout_console
-            from ddtree_ops.release import rollback as do_rollback
+            from ddtree_ops.rollout import rollback as do_rollback
 
             progress = progress_for(hosts, "rollback", json_mode=json_output)
-            with _terminate_like_ctrl_c(), progress or nullcontext():
+            with terminate_like_ctrl_c(), progress or nullcontext():
                 results = do_rollback(inv, hosts, to=to, adopt=adopt, lock_wait_s=lock_wait,
                                       concurrency=concurrency, progress=progress)
 
@@ -220,6 +179,8 @@ def register(app: typer.Typer) -> None:
             for r in results:
                 d = r.data or {}
                 now = d.get("current", d.get("release")) or "pristine"
+                if "current_mode" in d:
+                    now = f"unit: {d['current_mode'] or 'pristine'}"
                 table.add_row(r.host, r.status, now if r.ok else "-",
                               d.get("message", "") if r.ok else (r.error.code if r.error else "-"),
                               f"{r.elapsed_s:.1f}s", style="" if r.ok else "red")
