@@ -183,7 +183,7 @@ def _promotion_cell(promotion: dict[str, Any] | None) -> str:
     gates = " ".join(f"{g.get('gate')}{marks.get(g.get('verdict'), '?')}" for g in promotion.get("gates") or [])
     accept = promotion.get("accept_length")
     return (f"{promotion['last_mode']} {promotion.get('last_result')}"
-            + (f" [{gates}]" if gates else "") + (f" accept {accept:.2f}" if isinstance(accept, int | float) else ""))
+            + (f" ({gates})" if gates else "") + (f" accept {accept:.2f}" if isinstance(accept, int | float) else ""))
 
 
 STATUS_COLUMNS = {

@@ -523,15 +523,19 @@ def op_unit_restore(args: dict) -> dict:
                     "recovered": recovered}
         pops = stack[-1:] if to == "previous" else list(reversed(stack))
         records = [_record(sd, uid) for uid in pops]
+        bottom = records[-1]
+        mode_now = bottom.get("from_mode")
+        # Undoing a stage returns to a unit that was serving; pristine may mean "nothing ran here",
+        # and then the service stops before its unit goes (a removed unit cannot be stopped by name
+        # cleanly once systemd forgot it).
+        run = bool(bottom.get("active_before")) if to == "pristine" else True
+        restarted = None if run else _restart(bottom["service"], False)
         restored = []
         for rec in records:  # newest first: the oldest backup's bytes are the last written
             restored += _put_back(sd, rec)
         _daemon_reload()
-        bottom = records[-1]
-        mode_now = bottom.get("from_mode")
-        # Undoing a stage returns to a unit that was serving; pristine may mean "nothing ran here".
-        run = bool(bottom.get("active_before")) if to == "pristine" else True
-        restarted = _restart(bottom["service"], run) if restart else None
+        if run and restart:
+            restarted = _restart(bottom["service"], True)
 
         def change(s: dict) -> None:
             promo = s.setdefault("promotion", {})
@@ -564,8 +568,8 @@ def op_unit_service(args: dict) -> dict:
     service = _service(args)
     sd = state_dir_of(args)
     with lock.held(sd, args.get("lock_id"), who=str(args.get("operator", "?")), command="restart"):
-        props = show(service)
-        if props.get("LoadState") != "loaded":
-            return {"noop": True, "message": f"{service} is {props.get('LoadState')}", "since": None}
-        return {"noop": False, **_restart(service, bool(args.get("run", True)))}
+        run = bool(args.get("run", True))
+        if run and show(service).get("LoadState") != "loaded":
+            return {"noop": True, "message": f"{service} has no unit here: nothing to restart", "since": None}
+        return {"noop": False, **_restart(service, run)}
 
