@@ -392,8 +392,8 @@ def _http_status(url: str, timeout: float) -> tuple:
 
 def op_unit_wait(args: dict) -> dict:
     """The ready probe on the host: /health_generate answers 200 within timeout_s while the unit stays
-    active. A unit that fails (failed, stopped, or restarted by systemd) fails at once, with the
-    journal since the (re)start."""
+    up. A unit that fails (failed — e.g. its crash loop hit the start limit — or stopped) fails at
+    once, with the journal since the (re)start."""
     service = _service(args)
     url = str(args.get("url") or "")
     if not re.fullmatch(r"http://[A-Za-z0-9.:\[\]%-]+:[0-9]{1,5}/[A-Za-z0-9_/]*", url):
@@ -417,8 +417,10 @@ def op_unit_wait(args: dict) -> dict:
         polls += 1
         props = show(service)
         active = props.get("ActiveState")
-        if active in ("failed", "inactive", "deactivating") or props["NRestarts"] > 0 or \
-                props.get("SubState") == "auto-restart":
+        # A crash with restarts left is systemd's to retry (activating/auto-restart); once the start
+        # limit is hit the unit is `failed` (Result=start-limit-hit), and a unit that stopped is
+        # `inactive`: both end the wait at once.
+        if active in ("failed", "inactive"):
             reason = (f"unit {active}/{props.get('SubState')} (result {props.get('Result')}, "
                       f"exit {props.get('ExecMainCode')}/{props.get('ExecMainStatus')}, restarts {props['NRestarts']})")
             return {"ready": False, "failed": True, "reason": reason, "seconds": round(time.monotonic() - started, 2),
