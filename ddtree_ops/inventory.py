@@ -47,7 +47,7 @@ _ADDRESS_RE = re.compile(r"[A-Za-z0-9_:.%-]{1,253}")
 _USER_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}")
 # systemd unit names: letters, digits, ":-_.\" and "@" for template instances.
 _UNIT_RE = re.compile(r"[A-Za-z0-9:_.@\\-]{1,240}")
-# Python module names (`sglang.launch_server`): the launcher runs `python -m MODULE`.
+# `python -m MODULE`: a dotted Python module name, nothing a unit's ExecStart could misread.
 _MODULE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
 # Environment variable names, as systemd accepts them in Environment= and EnvironmentFile=.
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
@@ -106,15 +106,15 @@ def _check_service(value: str) -> str:
     return value if value.endswith(".service") else f"{value}.service"
 
 
-def _check_jump_host(value: str) -> str:
-    if not _JUMP_RE.fullmatch(value):
-        raise _invalid(f"`{value}` is not a jump host", "name another host of this inventory, or write `[user@]address[:port]`")
+def _check_module(value: str) -> str:
+    if not _MODULE_RE.fullmatch(value) or len(value) > 200:
+        raise _invalid(f"`{value}` is not a Python module name", "use a dotted module name such as `sglang.launch_server`")
     return value
 
 
-def _check_module(value: str) -> str:
-    if not _MODULE_RE.fullmatch(value):
-        raise _invalid(f"`{value}` is not a dotted Python module name", "e.g. `sglang.launch_server`")
+def _check_jump_host(value: str) -> str:
+    if not _JUMP_RE.fullmatch(value):
+        raise _invalid(f"`{value}` is not a jump host", "name another host of this inventory, or write `[user@]address[:port]`")
     return value
 
 
@@ -137,8 +137,8 @@ RemotePath = Annotated[str, AfterValidator(_check_remote_path)]
 LocalPath = Annotated[str, AfterValidator(_check_local_path)]
 ServiceName = Annotated[str, AfterValidator(_check_service)]
 JumpHost = Annotated[str, AfterValidator(_check_jump_host)]
-Text = Annotated[str, AfterValidator(_check_text)]
 ModuleName = Annotated[str, AfterValidator(_check_module)]
+Text = Annotated[str, AfterValidator(_check_text)]
 EnvName = Annotated[str, AfterValidator(_check_env_name)]
 
 
@@ -165,13 +165,13 @@ class HostConfig(BaseModel):
     # The SGLang installation and its service.
     python: RemotePath = "/usr/bin/python3"
     service: ServiceName = "sglang.service"
+    server_module: ModuleName = "sglang.launch_server"  # the unit runs `{python} -m {server_module} ARGS`
     serve_host: Address = "127.0.0.1"
     serve_port: int = Field(30000, ge=1, le=65535)
     model_path: Text | None = None
     draft_model_path: Text | None = None
     extra_args: list[Text] = Field(default_factory=list)
     state_dir: RemotePath = DEFAULT_STATE_DIR
-    server_module: ModuleName = "sglang.launch_server"
 
     # The serving unit promote renders (ddtree_ops/templates/, service.py).
     unit_kind: Literal["unit", "drop-in"] = "unit"

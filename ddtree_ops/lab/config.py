@@ -22,6 +22,12 @@ VENV_DIR = "/opt/sglang/venv"
 SERVICE = "sglang.service"
 HOST_STATE_DIR = "/var/lib/ddtree-ops"
 SERVE_PORT = 30000
+# The lab engine stands in for sglang.launch_server (see ddtree_ops/lab/engine and engine_files).
+SERVER_MODULE = "ddtree_lab_engine"
+LAB_MODELS_DIR = "/opt/ddtree-lab/models"
+TARGET_MODEL = f"{LAB_MODELS_DIR}/target"
+HYBRID_TARGET_MODEL = f"{LAB_MODELS_DIR}/target-hybrid"
+DRAFT_MODEL = f"{LAB_MODELS_DIR}/draft"
 
 DEFAULT_CACHE_DIR = Path("/var/cache/ddtree-ops-lab")
 DEFAULT_STATE_DIR = Path("/var/lib/ddtree-ops-lab")

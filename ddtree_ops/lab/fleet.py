@@ -19,8 +19,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ddtree_ops.lab import engine_files, image, inventory_file, network
 from ddtree_ops.lab import host as lab_host
-from ddtree_ops.lab import image, inventory_file, network
 from ddtree_ops.lab.config import MAX_HOSTS, LabPaths, host_index, host_name
 from ddtree_ops.lab.host import LabHost
 from ddtree_ops.lab.steps import LabError, Progress, no_progress, run_step
@@ -110,6 +110,7 @@ def lab_up(
         for h in wanted:
             lab_host.wait_for_ssh(h, paths.client_key, paths.known_hosts)
         progress(f"{hosts} host(s) answer ssh")
+        engine_files.install(wanted, paths, progress)
         image.prune_old_images(paths, {rootfs.parent.resolve()})
         inventory = inventory_file.write(repo_root, paths, wanted)
     return lab_status(repo_root, paths, inventory)

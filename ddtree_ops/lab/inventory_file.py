@@ -10,7 +10,17 @@ import os
 import shutil
 from pathlib import Path
 
-from ddtree_ops.lab.config import HOST_STATE_DIR, SERVE_PORT, SERVICE, SSH_PORT, VENV_DIR, LabPaths
+from ddtree_ops.lab.config import (
+    DRAFT_MODEL,
+    HOST_STATE_DIR,
+    SERVE_PORT,
+    SERVER_MODULE,
+    SERVICE,
+    SSH_PORT,
+    TARGET_MODEL,
+    VENV_DIR,
+    LabPaths,
+)
 from ddtree_ops.lab.host import LabHost
 
 INVENTORY_NAME = "lab.yaml"
@@ -36,6 +46,9 @@ def render(hosts: list[LabHost]) -> dict[str, object]:
                 "service": SERVICE,
                 "state_dir": HOST_STATE_DIR,
                 "serve_port": SERVE_PORT,
+                "server_module": SERVER_MODULE,
+                "model_path": TARGET_MODEL,
+                "draft_model_path": DRAFT_MODEL,
             }
         },
         "groups": groups,
