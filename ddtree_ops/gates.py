@@ -74,18 +74,25 @@ class ServerClient:
         self._client = httpx.Client(base_url=base_url, timeout=timeout_s,
                                     limits=httpx.Limits(max_keepalive_connections=0, max_connections=64))
         self._lock = threading.Lock()
-        self.wait_s = 0.0
+        self._in_flight = 0
+        self._busy_since = 0.0
+        self.wait_s = 0.0  # wall time with at least one request in flight (concurrent ones count once)
 
     def close(self) -> None:
         self._client.close()
 
     def _timed(self, fn: Callable[[], Any]) -> Any:
-        started = time.monotonic()
+        with self._lock:
+            if self._in_flight == 0:
+                self._busy_since = time.monotonic()
+            self._in_flight += 1
         try:
             return fn()
         finally:
             with self._lock:
-                self.wait_s += time.monotonic() - started
+                self._in_flight -= 1
+                if self._in_flight == 0:
+                    self.wait_s += time.monotonic() - self._busy_since
 
     def get(self, path: str) -> tuple[int | None, Any]:
         """(status, parsed JSON or text); status None when the server could not be reached."""

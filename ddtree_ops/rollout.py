@@ -376,16 +376,22 @@ def _stage(run: _HostRun, info: dict[str, Any], mode: str, baseline: dict[str, A
                     summary={"gates": summaries, "failed_gate": failed.gate, "reason": failed.reason})
     restored = service.restore(run.session, host, lock_id=run.lock_id, operator=opts.operator, to="journal",
                                evidence=run.redact(evidence))
-    back = run.wait_ready(since=restored.get("since"))
-    check: dict[str, Any] = {"ready": back.to_dict()}
-    if back.passed and baseline is not None:
-        verdict, _ = gates.canary_gate(run.client, baseline["prompts"], baseline["outputs"],
-                                       timeout_s=opts.request_timeout_s)
-        check["canary"] = verdict.to_dict()
-    serving_again = back.passed and check.get("canary", {}).get("verdict", "pass") == "pass"
+    check: dict[str, Any]
+    if ((restored.get("undone") or {}).get("restart") or {}).get("action") == "stop":
+        # Nothing ran before this stage (the host had no unit): back to that, nothing to serve.
+        check, serving_again = {"stopped": "no unit before this stage: removed again, nothing runs"}, True
+        again = "back to no unit, as before"
+    else:
+        back = run.wait_ready(since=restored.get("since"))
+        check = {"ready": back.to_dict()}
+        if back.passed and baseline is not None:
+            verdict, _ = gates.canary_gate(run.client, baseline["prompts"], baseline["outputs"],
+                                           timeout_s=opts.request_timeout_s)
+            check["canary"] = verdict.to_dict()
+        serving_again = back.passed and check.get("canary", {}).get("verdict", "pass") == "pass"
+        again = "serving its previous unit again" if serving_again else "NOT serving correctly after the rollback"
     evidence.update(rollback=check, serving_again=serving_again, timing=run.clock.report(run.client))
     local = _write_local_evidence(opts, host.name, run.redact(evidence))
-    again = "serving its previous unit again" if serving_again else "NOT serving correctly after the rollback"
     raise PromoteFailed(
         f"{host.name}: gate {failed.gate} {failed.verdict}: {run.redact(failed.reason)}; rolled back, {again}",
         code=f"gate_{failed.gate}_failed",
