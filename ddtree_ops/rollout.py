@@ -42,6 +42,8 @@ DEFAULT_BATCH = "1,25%,100%"
 # Test hook: the CLI SIGKILLs itself at this point of a promote (the crash tests' knife).
 KILL_ENV = "DDTREE_OPS_TEST_KILL_PROMOTE_AT"
 KILL_POINTS = ("after_install", "during_gates", "before_commit")
+# ...and the agent SIGKILLs itself inside unit_apply at this point (after_journal, after_write).
+AGENT_KILL_ENV = "DDTREE_OPS_TEST_KILL_UNIT_AT"
 DEFAULT_EVIDENCE_DIR = Path("evidence")
 
 
@@ -318,7 +320,8 @@ def _stage(run: _HostRun, info: dict[str, Any], mode: str, baseline: dict[str, A
     assert run.client is not None
     unit = service.render_unit(host, mode)
     run.ctx.step(f"installing the {mode} unit")
-    applied = service.install(run.session, host, unit, lock_id=run.lock_id, operator=opts.operator)
+    applied = service.install(run.session, host, unit, lock_id=run.lock_id, operator=opts.operator,
+                              test_kill=os.environ.get(AGENT_KILL_ENV))
     _kill_point("after_install")
     since = applied["restart"]["since"]
     canary: gates.CanaryRun | None = None
@@ -513,28 +516,27 @@ def rollback_host(ctx: HostContext, inventory: Inventory, *, to: str = "previous
             _host_lock(ctx, session, command=f"rollback --to {to}", operator=operator, wait_s=lock_wait_s) as lock_id:
         base = {"state_dir": host.state_dir, "operator": operator, "lock_id": lock_id}
         out: dict[str, Any] = {}
-        unit = None
-        if to in ("previous", "pristine"):
-            ctx.step("restoring the unit")
-            # pristine: the release files roll back first-unit-then-files, and the service restarts once, after both.
-            unit = service.restore(session, host, lock_id=lock_id, operator=operator, to=to,
-                                   restart=to == "previous")
-            out["unit"] = unit
-        managed = bool(unit and (not unit.get("noop") or unit.get("mode")))
-        if to == "previous" and unit and not unit.get("noop"):
+        ctx.step("restoring the unit")
+        # previous/pristine restore promoted units; a release id only undoes a stage left in flight
+        # (and says whether ddtree-ops manages the service). pristine restarts once, after the files.
+        unit = service.restore(session, host, lock_id=lock_id, operator=operator,
+                               to=to if to in ("previous", "pristine") else "journal", restart=to == "previous")
+        out["unit"] = unit
+        managed = not unit.get("noop") or unit.get("mode") is not None
+        if to == "previous" and not unit.get("noop"):
             out["message"] = f"unit back to {unit.get('mode') or 'pristine'} (release unchanged)"
             out["current_mode"] = unit.get("mode")
         else:
             ctx.step("rolling back files")
             rel = _call(session, "rollback", {**base, "to": to, "adopt": adopt})
             out.update(rel)
-            run = (unit or {}).get("should_run", True) if to == "pristine" else True
+            run = unit.get("should_run", True) if to == "pristine" else True
             if managed and (not rel.get("noop") or to == "pristine"):
                 ctx.step("restarting")
                 out["restart"] = _call(session, "unit_service", {**base, "service": host.service, "run": run})
-            if to == "pristine" and unit and not unit.get("noop"):
+            if to == "pristine" and not unit.get("noop"):
                 out["message"] = f"{rel.get('message')}; unit restored to as it was before ddtree-ops"
-        restart = out.get("restart") or (unit or {}).get("restart")
+        restart = out.get("restart") or unit.get("restart")
         if restart and restart.get("action") == "restart":
             ctx.step("waiting for the service")
             answer = service.wait_ready(session, host, timeout_s=float(host.start_timeout_s),

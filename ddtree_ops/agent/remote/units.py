@@ -2,7 +2,9 @@
 
 Files (beside the release files, in the same state dir):
     units/<unit_id>/record.json     what a stage replaced: per file its sha256 before (null: absent)
-    units/<unit_id>/files/<n>       the replaced bytes
+    units/<unit_id>/files/unit      the replaced unit (or drop-in); the replaced env file is kept
+                                    beside it (<env dir>/.ddtree-ops-backup/<unit_id>.env, 0600):
+                                    secrets never enter the state dir
     units-journal.json              present only while a stage is in flight (installed, gates not
                                     yet passed): an interrupted promote is *undone* from it by the
                                     next promote, rollback or unlock (its gates never passed)
@@ -260,22 +262,31 @@ def _unit_dir(sd: Path, unit_id: str) -> Path:
     return sd / UNITS / safe_name(unit_id, "unit id")
 
 
-def _backup(sd: Path, unit_id: str, paths: list, service: str, mode: str, from_mode: str | None,
-            active_before: bool) -> dict:
-    """units/<id>/: the bytes of every file the stage replaces, written before anything changes."""
+def env_backup_path(env_path: Path, unit_id: str) -> Path:
+    """Where the replaced env file is kept: beside it, in its own 0700 directory, never in the state
+    dir (the env file holds secrets, and nothing in the state dir may)."""
+    return env_path.parent / ".ddtree-ops-backup" / f"{safe_name(unit_id, 'unit id')}.env"
+
+
+def _backup(sd: Path, unit_id: str, unit_path: Path, env_path: Path, service: str, mode: str,
+            from_mode: str | None, active_before: bool) -> dict:
+    """units/<id>/: the unit file the stage replaces (and where the env file's copy went), written
+    before anything changes."""
     final = _unit_dir(sd, unit_id)
     tmp = final.with_name(f".{unit_id}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "files").mkdir(parents=True)
     files = []
-    for i, path in enumerate(paths):
+    for path, keep in ((unit_path, final / "files" / "unit"), (env_path, env_backup_path(env_path, unit_id))):
         before = sha256_file(path)
         entry = {"path": str(path), "before": before, "backup": None, "mode": None}
         if before is not None:
-            entry["backup"] = f"files/{i}"
+            entry["backup"] = str(keep)
             entry["mode"] = os.stat(path).st_mode & 0o7777
-            copy_file_atomic(path, tmp / entry["backup"], mode=0o600)
-            if sha256_file(tmp / entry["backup"]) != before:
+            staged = tmp / "files" / keep.name if keep.is_relative_to(final) else keep
+            staged.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            copy_file_atomic(path, staged, mode=0o600)
+            if sha256_file(staged) != before:
                 raise AgentError("backup_failed", f"backup of {path} does not verify", "it changed while copying")
         files.append(entry)
     record = {"unit_id": unit_id, "service": service, "mode": mode, "from_mode": from_mode,
@@ -305,7 +316,7 @@ def _put_back(sd: Path, rec: dict) -> list:
         if f["before"] is None:
             remove_durably(path)
         else:
-            copy_file_atomic(_unit_dir(sd, rec["unit_id"]) / f["backup"], path, mode=f.get("mode"))
+            copy_file_atomic(f["backup"], path, mode=f.get("mode"))
             if sha256_file(path) != f["before"]:
                 raise AgentError("verify_failed", f"{path} does not hash to its backup after restoring")
         restored.append(str(path))
@@ -361,7 +372,7 @@ def op_unit_apply(args: dict) -> dict:
         before = show(service)
         active_before = before.get("ActiveState") in ("active", "activating", "reloading")
         unit_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}-{mode}"
-        rec = _backup(sd, unit_id, [unit_path, env_path], service, mode, st.get("mode"), active_before)
+        rec = _backup(sd, unit_id, unit_path, env_path, service, mode, st.get("mode"), active_before)
         jr = {"unit_id": unit_id, "mode": mode, "operator": operator, "started": state.now_iso(),
               "files": [{"path": str(unit_path), "after": None}, {"path": str(env_path), "after": None}]}
         write_json_atomic(sd / UNIT_JOURNAL, jr)
