@@ -198,7 +198,7 @@ def register(app: typer.Typer) -> None:
         json_output: JsonOption = False,
         concurrency: ConcurrencyOption = DEFAULT_CONCURRENCY,
     ) -> None:
-        """Per host: current and previous release, installed stack, and the audit log's latest entries."""
+        """Per host: current and previous release, installed stack, mode, promote stages, and the audit log's latest entries."""
         with reported_errors(json_output):
             inv, hosts = load_selection(inventory, host or limit)
             from ddtree_ops.output import stdout_console
@@ -213,7 +213,12 @@ def register(app: typer.Typer) -> None:
                     continue
                 st = r.data["state"]
                 console.print(f"[bold]{r.host}[/bold]: current {st.get('current') or 'pristine'}, "
-                              f"previous {st.get('previous') or '-'}, stack {' > '.join(st.get('stack') or []) or '-'}")
+                              f"previous {st.get('previous') or '-'}, stack {' > '.join(st.get('stack') or []) or '-'}, "
+                              f"mode {st.get('mode') or '-'}")
+                for h in r.data.get("history") or []:
+                    if str(h.get("action", "")).startswith(("promote", "unit rollback")):
+                        console.print(f"  {h.get('time')}  {h.get('operator')}  {h.get('action')}  "
+                                      f"(from {h.get('from') or '-'}): {h.get('result')}")
                 for a in r.data["audit"]:
                     console.print(f"  {a.get('time')}  {a.get('operator')}  {a.get('command')}  "
                                   f"{a.get('release') or '-'}  {a.get('result')}")

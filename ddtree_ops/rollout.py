@@ -194,8 +194,9 @@ def gate_plan(host: HostConfig, mode: str, start_timeout_s: float) -> list[str]:
     return plan
 
 
-def _refusals(host: HostConfig, opts: PromoteOptions, info: dict[str, Any]) -> list[dict[str, str]]:
-    """Why this host must not be promoted, found before any change."""
+def _refusals(host: HostConfig, opts: PromoteOptions, info: dict[str, Any],
+              ctx_notes: list[str]) -> list[dict[str, str]]:
+    """Why this host must not be promoted, found before any change (notes: what could not be checked)."""
     out = []
     if not info["release"]["ddtree_payload"]:
         out.append({"code": "not_ddtree_payload",
@@ -209,6 +210,9 @@ def _refusals(host: HostConfig, opts: PromoteOptions, info: dict[str, Any]) -> l
                         "hint": "run promote --mode shadow-linear first (or --force to take the baseline "
                                 "from the service as it runs now)"})
         check = info.get("full_mode") or {}
+        if not check.get("checked", True):
+            ctx_notes.append(f"full mode not checked against the target before the change ({check.get('reason')}); "
+                             "the server's own refusal at start is the backstop")
         if check.get("refusal"):
             out.append({"code": "full_mode_refused", "message": check["refusal"],
                         "hint": "use --mode shadow-linear on this target"})
@@ -414,7 +418,7 @@ def promote_host(ctx: HostContext, inventory: Inventory, opts: PromoteOptions) -
         run = _HostRun(ctx, session, opts, secrets)
         ctx.step("inspect")
         info = service.inspect(session, host, unit, mode=opts.mode, check_full=opts.mode == "full")
-        refusals = _refusals(host, opts, info)
+        refusals = _refusals(host, opts, info, ctx.notices)
         diff = service.unit_diff(info.get("installed_text"), unit.text, unit.paths.unit_path)
         if opts.dry_run:
             return run.redact({

@@ -8,8 +8,11 @@
 # stays up afterwards (`.venv/bin/ddtree-ops lab down` removes it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh
-OPS=.venv/bin/ddtree-ops
+# OPS=/path/to/ddtree-ops skips the install and uses that CLI (e.g. another checkout's venv).
+if [ -z "${OPS:-}" ]; then
+  bash scripts/install.sh
+  OPS=.venv/bin/ddtree-ops
+fi
 INV=inventory/lab.yaml
 OUT=${REHEARSAL_OUT:-rehearsal/$(date -u +%Y%m%dT%H%M%SZ)}
 mkdir -p "$OUT"

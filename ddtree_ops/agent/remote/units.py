@@ -194,6 +194,7 @@ import importlib.util, json, sys
 path, config = sys.argv[1], json.loads(sys.argv[2])
 spec = importlib.util.spec_from_file_location("ddtree_utils_probe", path)
 mod = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = mod  # dataclasses look their module up there
 spec.loader.exec_module(mod)
 print(json.dumps({"refusal": mod.full_mode_refusal(config)}))
 """
