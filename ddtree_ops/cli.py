@@ -87,9 +87,6 @@ app = typer.Typer(
 )
 
 
-
-
-
 def _show_version(value: bool) -> None:
     if value:
         typer.echo(f"ddtree-ops {__version__}")

@@ -26,7 +26,6 @@ from typing import Any, Literal
 from ddtree_ops.errors import UsageError
 
 Verdict = Literal["pass", "fail", "inconclusive"]
-GATE_ORDER = ("ready", "settings", "canary", "liveness", "acceptance")
 DEFAULT_REQUEST_TIMEOUT_S = 300.0
 DEFAULT_LIVENESS_BOUND_S = 120.0
 

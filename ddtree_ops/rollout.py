@@ -39,9 +39,9 @@ if TYPE_CHECKING:
     from ddtree_ops.ssh import HostSession
 
 DEFAULT_BATCH = "1,25%,100%"
-# Test hook: the CLI SIGKILLs itself at this point of a promote (the crash tests' knife).
+# Test hook: the CLI SIGKILLs itself at this point of a promote (the crash tests' knife):
+# after_install, during_gates or before_commit.
 KILL_ENV = "DDTREE_OPS_TEST_KILL_PROMOTE_AT"
-KILL_POINTS = ("after_install", "during_gates", "before_commit")
 # ...and the agent SIGKILLs itself inside unit_apply at this point (after_journal, after_write).
 AGENT_KILL_ENV = "DDTREE_OPS_TEST_KILL_UNIT_AT"
 DEFAULT_EVIDENCE_DIR = Path("evidence")
@@ -382,7 +382,8 @@ def _stage(run: _HostRun, info: dict[str, Any], mode: str, baseline: dict[str, A
     evidence.update(result="rolled-back", failed_gate=failed.gate, reason=failed.reason,
                     summary={"gates": summaries, "failed_gate": failed.gate, "reason": failed.reason})
     restored = service.restore(run.session, host, lock_id=run.lock_id, operator=opts.operator, to="journal",
-                               evidence=run.redact(evidence))
+                               evidence=run.redact(evidence), since=since)
+    evidence["journal"] = restored.get("journal")
     check: dict[str, Any]
     if ((restored.get("undone") or {}).get("restart") or {}).get("action") == "stop":
         # Nothing ran before this stage (the host had no unit): back to that, nothing to serve.

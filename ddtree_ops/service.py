@@ -326,12 +326,12 @@ def commit(session: HostSession, host: HostConfig, *, lock_id: str, operator: st
 
 
 def restore(session: HostSession, host: HostConfig, *, lock_id: str | None, operator: str, to: str,
-            evidence: dict[str, Any] | None = None, restart: bool = True) -> dict[str, Any]:
+            evidence: dict[str, Any] | None = None, restart: bool = True, since: float | None = None) -> dict[str, Any]:
     """Put the unit back: `journal` (undo the stage in flight), `previous` (undo the last stage) or
     `pristine` (as before ddtree-ops touched it); daemon-reload; restart (or stop, when nothing ran)."""
     paths = unit_paths(host)
     args = {**_unit_args(host, paths), "lock_id": lock_id, "operator": operator, "to": to, "evidence": evidence,
-            "restart": restart}
+            "restart": restart, "since": since}
     return _call(session, "unit_restore", args, timeout=180)
 
 

@@ -15,16 +15,10 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from ddtree_ops.errors import OpsError
-
 if TYPE_CHECKING:
     import paramiko
 
     from ddtree_ops.ssh import HostSession
-
-
-class TunnelError(OpsError):
-    code = "tunnel_failed"
 
 
 def _pump(client: socket.socket, channel: paramiko.Channel) -> None:

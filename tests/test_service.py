@@ -119,3 +119,15 @@ def test_unit_diff(tmp_path: Path) -> None:
     assert service.unit_diff(unit.text, unit.text, "/x") == ""
     diff = service.unit_diff(unit.text.replace("full", "shadow-linear"), unit.text, "/x")
     assert "+ExecStart=" in diff and "-ExecStart=" in diff
+
+
+def test_host_side_redaction_reads_the_env_file_we_write(tmp_path: Path) -> None:
+    """The agent redacts journal excerpts with the env file's values: it must parse what
+    service.py wrote back to the very same secret."""
+    from ddtree_ops.agent.remote import units
+
+    unit = service.render_unit(_host(tmp_path), "full", secrets={"HF_TOKEN": SECRET, "OTHER": "plain"})
+    env = tmp_path / "sglang.env"
+    env.write_text(unit.env_text)
+    assert sorted(units._secret_values(env)) == sorted([SECRET, "plain"])
+    assert units.redact(f"token={SECRET} ok", units._secret_values(env)) == "token=[secret] ok"

@@ -238,25 +238,23 @@ def test_lossy_fault_caught_and_batch_stops(lab_fleet, lab):
     assert state(lab_fleet, "lab-2")["promotion"]["last"]["result"] == "rolled-back"
 
 
-def test_start_that_never_gets_healthy_times_out(lab_fleet, lab):
+def test_unhealthy_and_crash_looping_starts_roll_back(lab_fleet, lab):
+    """In one batch: lab-2 never becomes healthy (the ready gate times out), lab-3 crashes at every
+    start (systemd's start limit ends the loop, the gate fails). Both are rolled back by themselves."""
     invs, tmp = lab
-    inv = invs.write({"lab-1": {"service_environment": {faults.NEVER_HEALTHY: "1"}, "start_timeout_s": 60}})
-    doc = promote_json(inv, "--mode", "full", "--limit", "lab-1", evidence=tmp / "ev", expect=1)
-    r = by_host(doc)["lab-1"]
-    assert r["error"]["code"] == "gate_ready_failed" and "within 60s" in r["error"]["message"], r
-    assert r["error"]["detail"]["serving_again"]
-    assert server_info(lab_fleet, "lab-1")["speculative_ddtree_mode"] == "full"
-
-
-def test_crash_loop_stopped_by_the_start_limit(lab_fleet, lab):
-    invs, tmp = lab
-    inv = invs.write({"lab-1": {"service_environment": {faults.FAIL_AT_START: "1"}, "restart_sec": 1}})
-    doc = promote_json(inv, "--mode", "full", "--limit", "lab-1", evidence=tmp / "ev", expect=1)
-    r = by_host(doc)["lab-1"]
-    assert r["error"]["code"] == "gate_ready_failed" and "unit failed/failed" in r["error"]["message"], r
-    evidence = json.loads(Path(r["error"]["detail"]["evidence"]).read_text())
+    inv = invs.write({"lab-2": {"service_environment": {faults.NEVER_HEALTHY: "1"}, "start_timeout_s": 45},
+                      "lab-3": {"service_environment": {faults.FAIL_AT_START: "1"}, "restart_sec": 1}})
+    doc = promote_json(inv, "--mode", "full", "--limit", "lab-2,lab-3", "--batch", "100%", "--max-fail", "100%",
+                       evidence=tmp / "ev", expect=1)
+    assert doc["batches"] == [["lab-2", "lab-3"]]
+    never, crash = by_host(doc)["lab-2"]["error"], by_host(doc)["lab-3"]["error"]
+    assert never["code"] == "gate_ready_failed" and "within 45s" in never["message"], never
+    assert crash["code"] == "gate_ready_failed" and "unit failed/failed" in crash["message"], crash
+    evidence = json.loads(Path(crash["detail"]["evidence"]).read_text())
     assert "Start request repeated too quickly" in evidence["gates"][0]["evidence"]["journal"]
-    assert r["error"]["detail"]["serving_again"]
+    for h, err in (("lab-2", never), ("lab-3", crash)):
+        assert err["detail"]["serving_again"], err
+        assert server_info(lab_fleet, h)["speculative_ddtree_mode"] == "full"
 
 
 def test_hybrid_target_refused_before_any_change(lab_fleet, lab):

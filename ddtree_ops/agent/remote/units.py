@@ -523,14 +523,20 @@ def op_unit_restore(args: dict) -> dict:
             if not isinstance(jr, dict):
                 return {"noop": True, "message": "no stage in flight", "mode": st.get("mode")}
             mode = str(jr.get("mode"))
+            # What the stage's server said, before its unit goes (evidence for any failed gate).
+            env_path = _abs(args, "env_path") if args.get("env_path") else None
+            excerpt = journal_excerpt(_service(args), args.get("since"), env_path) if args.get("service") else None
             undone = undo_journal(sd)
-            evidence_path = _write_evidence(sd, args.get("evidence"), mode, "rolled-back")
+            evidence = args.get("evidence")
+            if isinstance(evidence, dict):
+                evidence = {**evidence, "journal": excerpt}
+            evidence_path = _write_evidence(sd, evidence, mode, "rolled-back")
             record = args.get("evidence") if isinstance(args.get("evidence"), dict) else {}
             state.update(sd, lambda s: _set_last(s, mode=mode, result="rolled-back",
                                                  record={**(record.get("summary") or {}), "operator": operator},
                                                  evidence_path=evidence_path))
             return {"noop": False, "to": to, "undone": undone, "mode": st.get("mode"), "evidence": evidence_path,
-                    "since": undone["restart"]["since"] if undone else None}
+                    "since": undone["restart"]["since"] if undone else None, "journal": excerpt}
         recovered = undo_journal(sd)
         if not stack:
             return {"noop": True, "to": to, "message": "no promoted unit to restore", "mode": st.get("mode"),
