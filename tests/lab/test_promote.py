@@ -110,7 +110,7 @@ def by_host(doc: dict) -> dict[str, dict]:
 def reset_hosts(lab_fleet) -> None:
     """No unit, no env file, no state: as a host is before ddtree-ops touched it."""
     for h in lab_fleet.hosts:
-        ssh(lab_fleet, h, f"systemctl stop sglang.service; rm -f {UNIT}; rm -rf /etc/ddtree-ops; "
+        ssh(lab_fleet, h, f"systemctl stop sglang.service; rm -rf {UNIT} {UNIT}.d /etc/ddtree-ops; "
                           f"systemctl daemon-reload; systemctl reset-failed sglang.service; true")
     inv = load_inventory(lab_fleet.inventory_path)
     release.unlock(inv, inv.select(None))
@@ -366,3 +366,30 @@ def test_rollback_steps_back_then_to_pristine(lab_fleet, lab):
     assert ssh(lab_fleet, "lab-2", "systemctl is-active sglang.service").stdout.strip() != "active"
     st = state(lab_fleet, "lab-2")
     assert st["current"] is None and st["mode"] is None and st["promotion"]["stack"] == []
+
+
+def test_drop_in_over_an_existing_unit(lab_fleet, lab, bundle):
+    """unit_kind: drop-in over the operator's own sglang.service: promote adds one file, and
+    rollback --to pristine deletes just that file; their unit is never rewritten."""
+    invs, tmp = lab
+    own = ("[Unit]\nDescription=the operator's own SGLang unit\n\n[Service]\nType=exec\n"
+           f"ExecStart=/opt/sglang/venv/bin/python -m ddtree_lab_engine --model-path {TARGET_MODEL} "
+           "--host 127.0.0.1 --port 30000 --device cpu\n")
+    r = ssh(lab_fleet, "lab-2", f"printf %s {shlex.quote(own)} > {UNIT} && systemctl daemon-reload && "
+                                "systemctl start sglang.service")
+    assert r.returncode == 0, r.stderr
+    own_sha = sha_of(lab_fleet, "lab-2", UNIT)
+    inventory = load_inventory(invs.write({"lab-2": {"unit_kind": "drop-in"}}))
+    hosts = inventory.select("lab-2")
+    assert release.push(inventory, hosts, bundle)[0].ok
+    doc = promote_json(inventory.path, "--mode", "shadow-linear", "--limit", "lab-2", evidence=tmp / "ev")
+    data = by_host(doc)["lab-2"]["data"]
+    assert data["result"] == "passed" and "first_stage" not in data, data
+    drop_in = "/etc/systemd/system/sglang.service.d/50-ddtree-ops.conf"
+    assert sha_of(lab_fleet, "lab-2", drop_in) and sha_of(lab_fleet, "lab-2", UNIT) == own_sha
+    assert server_info(lab_fleet, "lab-2")["speculative_ddtree_mode"] == "shadow-linear"
+    gone = rollout.rollback(inventory, hosts, to="pristine")[0]
+    assert gone.ok and gone.data["ready"]["verdict"] == "pass", gone.to_dict()
+    assert sha_of(lab_fleet, "lab-2", drop_in) is None and sha_of(lab_fleet, "lab-2", UNIT) == own_sha
+    info = server_info(lab_fleet, "lab-2")
+    assert not info.get("speculative_algorithm") and "speculative_ddtree_mode" not in info
