@@ -10,6 +10,7 @@ test (tests/test_lab_engine_contract.py) holds these shapes against the wheel's 
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 import uuid
 from typing import Any
@@ -20,8 +21,8 @@ from .decoding import Decoder, Request
 from .sampling import Choice
 from .scheduler import Job, Scheduler
 
-# http_server.HEALTH_CHECK_TIMEOUT (SGLANG_HEALTH_CHECK_TIMEOUT, default 20)
-HEALTH_CHECK_TIMEOUT_S = 20.0
+# As http_server.HEALTH_CHECK_TIMEOUT: how long /health_generate waits for the scheduler.
+HEALTH_CHECK_TIMEOUT_S = float(os.getenv("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
 # SamplingParams fields the lab engine does not implement; a request that sets one to anything but
 # its default is refused with 400 rather than silently served differently from SGLang.
 UNSUPPORTED_SAMPLING = {
