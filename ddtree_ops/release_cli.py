@@ -22,13 +22,11 @@ from ddtree_ops.cli_common import (
     JsonOption,
     LimitOption,
     LockWaitOption,
+    finish,
     load_selection,
     reported_errors,
+    table,
     terminate_like_ctrl_c,
-)
-from ddtree_ops.cli_common import finish as _finish
-from ddtree_ops.cli_common import (
-    table as _table,
 )
 from ddtree_ops.fleet import DEFAULT_CONCURRENCY
 from ddtree_ops.smoke import DEFAULT_STEP_TIMEOUT_S
@@ -48,21 +46,21 @@ def _short(h: str | None) -> str:
 def _render_push(hosts: list[HostConfig], results: list[HostResult]) -> None:
     from ddtree_ops.output import stdout_console
 
-    table = _table(["host", "status", "release", "result", "files", "time"])
+    t = table(["host", "status", "release", "result", "files", "time"])
     for r in results:
         d = r.data or {}
         if not r.ok:
-            table.add_row(r.host, r.status, "-", r.error.code if r.error else "-", "-", f"{r.elapsed_s:.1f}s", style="red")
+            t.add_row(r.host, r.status, "-", r.error.code if r.error else "-", "-", f"{r.elapsed_s:.1f}s", style="red")
             continue
         if d.get("dry_run"):
             result = "would refuse" if d.get("refusals") else ("no change" if d.get("noop") else "would install")
-            table.add_row(r.host, "dry-run", d.get("release", "-"), result, str(d.get("changes", 0)), f"{r.elapsed_s:.1f}s")
+            t.add_row(r.host, "dry-run", d.get("release", "-"), result, str(d.get("changes", 0)), f"{r.elapsed_s:.1f}s")
             continue
         changed = "0" if d.get("noop") else str(len(d.get("changed", [])))
-        table.add_row(r.host, r.status, d.get("release", "-"), "already current" if d.get("noop") else "installed",
+        t.add_row(r.host, r.status, d.get("release", "-"), "already current" if d.get("noop") else "installed",
                       changed, f"{r.elapsed_s:.1f}s")
     console = stdout_console()
-    console.print(table)
+    console.print(t)
     for r in results:
         d = r.data or {}
         if r.ok and d.get("dry_run"):
@@ -106,7 +104,7 @@ def register(app: typer.Typer) -> None:
             with terminate_like_ctrl_c(), progress or nullcontext():
                 results = do_push(inv, hosts, bundle or default_bundle(), dry_run=dry_run, adopt=adopt,
                                   lock_wait_s=lock_wait, concurrency=concurrency, progress=progress)
-        _finish("push --dry-run" if dry_run else "push", hosts, results, json_output, _render_push)
+        finish("push --dry-run" if dry_run else "push", hosts, results, json_output, _render_push)
 
     @app.command()
     def smoke(
@@ -132,15 +130,15 @@ def register(app: typer.Typer) -> None:
                 results = do_smoke(inv, hosts, step_timeout_s=step_timeout, concurrency=concurrency, progress=progress)
 
         def render(hosts: list[HostConfig], results: list[HostResult]) -> None:
-            table = _table(["host", "status", "import", "server_args", "tree", "time"])
+            t = table(["host", "status", "import", "server_args", "tree", "time"])
             for r in results:
                 steps = {s["name"]: s for s in (r.data or {}).get("steps", [])}
                 cells = [("pass" if steps[n]["passed"] else "FAIL") + f" {steps[n]['seconds']:.0f}s" if n in steps
                          else "-" for n in ("import", "server_args", "tree")]
-                table.add_row(r.host, r.status, *cells, f"{r.elapsed_s:.1f}s", style="" if r.ok else "red")
-            stdout_console().print(table)
+                t.add_row(r.host, r.status, *cells, f"{r.elapsed_s:.1f}s", style="" if r.ok else "red")
+            stdout_console().print(t)
 
-        _finish("smoke", hosts, results, json_output, render)
+        finish("smoke", hosts, results, json_output, render)
 
     @app.command()
     def rollback(
@@ -175,18 +173,18 @@ def register(app: typer.Typer) -> None:
                                       concurrency=concurrency, progress=progress)
 
         def render(hosts: list[HostConfig], results: list[HostResult]) -> None:
-            table = _table(["host", "status", "now", "result", "time"])
+            t = table(["host", "status", "now", "result", "time"])
             for r in results:
                 d = r.data or {}
                 now = d.get("current", d.get("release")) or "pristine"
                 if "current_mode" in d:
                     now = f"unit: {d['current_mode'] or 'pristine'}"
-                table.add_row(r.host, r.status, now if r.ok else "-",
+                t.add_row(r.host, r.status, now if r.ok else "-",
                               d.get("message", "") if r.ok else (r.error.code if r.error else "-"),
                               f"{r.elapsed_s:.1f}s", style="" if r.ok else "red")
-            stdout_console().print(table)
+            stdout_console().print(t)
 
-        _finish("rollback", hosts, results, json_output, render)
+        finish("rollback", hosts, results, json_output, render)
 
     @app.command()
     def history(
@@ -223,7 +221,7 @@ def register(app: typer.Typer) -> None:
                     console.print(f"  {a.get('time')}  {a.get('operator')}  {a.get('command')}  "
                                   f"{a.get('release') or '-'}  {a.get('result')}")
 
-        _finish("history", hosts, results, json_output, render)
+        finish("history", hosts, results, json_output, render)
 
     @app.command()
     def unlock(
@@ -263,4 +261,4 @@ def register(app: typer.Typer) -> None:
                     typer.confirm(f"Break the lock on {', '.join(h.name for h in locked)}?", abort=True, err=True)
                 results = do_unlock(inv, locked, concurrency=concurrency)
                 hosts = locked
-        _finish("unlock", hosts, results, json_output)
+        finish("unlock", hosts, results, json_output)
