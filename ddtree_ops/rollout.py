@@ -413,10 +413,9 @@ def promote_host(ctx: HostContext, inventory: Inventory, opts: PromoteOptions) -
     from ddtree_ops import tunnel
 
     host = ctx.host
-    secrets = tuple(v for v in service.load_secrets(host).values() if v)
     unit = service.render_unit(host, opts.mode)
     with _session(ctx, inventory) as session:
-        run = _HostRun(ctx, session, opts, secrets)
+        run = _HostRun(ctx, session, opts, unit.secret_values)
         ctx.step("inspect")
         info = service.inspect(session, host, unit, mode=opts.mode, check_full=opts.mode == "full")
         refusals = _refusals(host, opts, info, ctx.notices)

@@ -173,12 +173,6 @@ class RenderedUnit:
     env_text: str = field(repr=False)
     secret_values: tuple[str, ...] = field(default=(), repr=False)
 
-    def public(self) -> dict[str, Any]:
-        """Everything about this unit that may be shown or stored (no env-file contents)."""
-        return {"mode": self.mode, "kind": self.paths.kind, "service": self.paths.service,
-                "unit_path": self.paths.unit_path, "env_path": self.paths.env_path, "argv": self.argv,
-                "text": self.text}
-
 
 @functools.cache
 def _jinja() -> jinja2.Environment:
