@@ -327,21 +327,25 @@ def test_bundle_with_altered_walk_caught_by_the_canary(lab_fleet, lab, bundle):
 
 
 def test_interrupted_promote_converges(lab_fleet, lab):
-    """The CLI killed mid-gates: unlock undoes the stage. The agent killed mid-install (a lost
-    connection): the next promote undoes it first, then does the stage."""
+    """The CLI killed mid-gates, or after the gates but before the record: unlock undoes the stage.
+    The agent killed mid-install (a lost connection): the next promote undoes it first, then does
+    the stage."""
     invs, tmp = lab
     inv = invs.write({"lab-1": {"service_environment": {"PROMOTE_TEST_CHANGE": "1"}}})  # a unit that differs
     unit = sha_of(lab_fleet, "lab-1", UNIT)
-    killed = run_cli("promote", "-i", str(inv), "--mode", "full", "--limit", "lab-1", "--evidence-dir",
-                     str(tmp / "ev"), env={rollout.KILL_ENV: "during_gates"})
-    assert killed.returncode == -9, killed.stderr
-    assert ssh(lab_fleet, "lab-1", f"test -e {STATE_DIR}/units-journal.json").returncode == 0
-    unlocked = run_cli("unlock", "-i", str(inv), "lab-1", "--yes", "--json")
-    assert unlocked.returncode == 0, unlocked.stderr
-    undone = json.loads(unlocked.stdout)["results"][0]["data"]["unit_recovered"]
-    assert undone["mode"] == "full" and undone["restart"]["action"] == "restart"
-    assert sha_of(lab_fleet, "lab-1", UNIT) == unit
-    assert ssh(lab_fleet, "lab-1", f"test -e {STATE_DIR}/units-journal.json").returncode != 0
+    stack = state(lab_fleet, "lab-1")["promotion"]["stack"]
+    for point in ("during_gates", "before_commit"):  # before_commit: every gate passed, nothing recorded
+        killed = run_cli("promote", "-i", str(inv), "--mode", "full", "--limit", "lab-1", "--evidence-dir",
+                         str(tmp / "ev"), env={rollout.KILL_ENV: point})
+        assert killed.returncode == -9, killed.stderr
+        assert ssh(lab_fleet, "lab-1", f"test -e {STATE_DIR}/units-journal.json").returncode == 0
+        unlocked = run_cli("unlock", "-i", str(inv), "lab-1", "--yes", "--json")
+        assert unlocked.returncode == 0, unlocked.stderr
+        undone = json.loads(unlocked.stdout)["results"][0]["data"]["unit_recovered"]
+        assert undone["mode"] == "full" and undone["restart"]["action"] == "restart", (point, undone)
+        assert sha_of(lab_fleet, "lab-1", UNIT) == unit, point
+        assert ssh(lab_fleet, "lab-1", f"test -e {STATE_DIR}/units-journal.json").returncode != 0
+        assert state(lab_fleet, "lab-1")["promotion"]["stack"] == stack, point
 
     lost = run_cli("promote", "-i", str(inv), "--mode", "full", "--limit", "lab-1", "--json", "--evidence-dir",
                    str(tmp / "ev"), env={rollout.AGENT_KILL_ENV: "after_write"})
