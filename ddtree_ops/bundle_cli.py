@@ -1,6 +1,6 @@
 """CLI command `build`: a thin wrapper over bundle.py (build a payload bundle, or re-check one).
 
-Registered on the main app by `register(app)` (called from cli.py). Works on this machine only,
+Registered on the main app by `register(app)` (called from cli.py); options from cli_common. Works on this machine only,
 so it takes no inventory; --json prints one document on stdout; exit 0 ok / 1 build or verify
 failed / 2 usage error.
 """
@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ddtree_ops.cli import JsonOption, reported_errors
+from ddtree_ops.cli_common import JsonOption, reported_errors
 from ddtree_ops.errors import UsageError
 
 

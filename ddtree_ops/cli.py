@@ -1,11 +1,6 @@
-"""`ddtree-ops`: a thin Typer layer. Parse options, call the library, render (rich or --json).
-
-Conventions every command follows:
-  -i/--inventory PATH   the inventory (default: $DDTREE_INVENTORY)
-  --limit PATTERNS      host names, group names or globs, comma-separated (default: all hosts)
-  --json                one JSON document on stdout and nothing else there; humans read stderr
-  --concurrency N       hosts worked on at once
-  exit codes            0 every host ok, 1 some host failed or was unreachable, 2 usage/inventory error
+"""`ddtree-ops`: the Typer app. It owns the root (--version, --debug), `status` and `hosts`, and
+mounts the other command modules (bundle_cli, release_cli, promote_cli), which take their shared
+options and helpers from cli_common (conventions documented there) and never import this module.
 
 Heavy libraries (fabric, paramiko, pydantic, rich, httpx, torch) are imported inside commands so
 `--help` stays fast.
@@ -13,24 +8,25 @@ Heavy libraries (fabric, paramiko, pydantic, rich, httpx, torch) are imported in
 
 from __future__ import annotations
 
-import os
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
-from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from contextlib import nullcontext
+from typing import Annotated, Any
 
 import typer
 from typer.core import TyperGroup
 
-from ddtree_ops import __version__
-from ddtree_ops.errors import OpsError, UsageError
+from ddtree_ops import __version__, bundle_cli, promote_cli, release_cli
+from ddtree_ops.cli_common import (
+    EXIT_HOST_FAILED,
+    ConcurrencyOption,
+    InventoryOption,
+    JsonOption,
+    LimitOption,
+    Session,
+    load_selection,
+    reported_errors,
+)
 from ddtree_ops.fleet import DEFAULT_CONCURRENCY
-
-if TYPE_CHECKING:
-    from ddtree_ops.inventory import HostConfig, Inventory
-
-EXIT_OK, EXIT_HOST_FAILED, EXIT_USAGE = 0, 1, 2
 
 # Sub-apps owned by other modules, mounted on first use so `--help` does not import them (and
 # the rich console they pull in): name -> (module, attribute, one-line help for the listing).
@@ -90,23 +86,6 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-InventoryOption = Annotated[
-    Path | None,
-    typer.Option("--inventory", "-i", envvar="DDTREE_INVENTORY", show_default=False,
-                 help="Inventory YAML file (see inventory/example.yaml)."),
-]
-LimitOption = Annotated[
-    str | None,
-    typer.Option("--limit", "-l", metavar="PATTERNS",
-                 help="Only these hosts: host names, group names or globs, comma-separated."),
-]
-JsonOption = Annotated[bool, typer.Option("--json", help="One JSON document on stdout (nothing else on stdout).")]
-ConcurrencyOption = Annotated[int, typer.Option("--concurrency", "-c", min=1, max=512, help="Hosts worked on at once.")]
-
-
-class _Session:
-    debug = os.environ.get("DDTREE_DEBUG", "") not in ("", "0")
-
 
 def _show_version(value: bool) -> None:
     if value:
@@ -121,36 +100,8 @@ def root(
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors (also DDTREE_DEBUG=1).")] = False,
 ) -> None:
     """Ship the DDTree speculative-decoding patch set to SGLang GPU fleets: safely, host by host."""
-    _Session.debug = _Session.debug or debug
+    Session.debug = Session.debug or debug
 
-
-@contextmanager
-def reported_errors(json_mode: bool) -> Iterator[None]:
-    """Expected failures become a message + hint (and a JSON error with --json), never a traceback."""
-    try:
-        yield
-    except OpsError as exc:
-        from ddtree_ops.output import emit_json, print_error
-
-        if json_mode:
-            to_dict = getattr(exc, "to_dict", None)
-            emit_json({"ok": False, "error": to_dict() if callable(to_dict) else exc.info().to_dict()})
-        print_error(exc)
-        if _Session.debug:
-            import traceback
-
-            traceback.print_exc()
-        raise typer.Exit(EXIT_USAGE if isinstance(exc, UsageError) else EXIT_HOST_FAILED) from None
-
-
-def load_selection(inventory: Path | None, limit: str | None) -> tuple[Inventory, list[HostConfig]]:
-    if inventory is None:
-        raise UsageError("no inventory given", hint="pass -i PATH or set DDTREE_INVENTORY (start from inventory/example.yaml)",
-                         code="inventory_missing")
-    from ddtree_ops.inventory import load_inventory
-
-    inv = load_inventory(inventory)
-    return inv, inv.select(limit)
 
 
 @app.command()
@@ -185,7 +136,7 @@ def status(
         else:
             print_status_table(hosts, results)
         print_notices(results)
-        print_failures(results, debug=_Session.debug)
+        print_failures(results, debug=Session.debug)
     raise typer.Exit(exit_code(results))
 
 
@@ -220,17 +171,16 @@ def hosts(
         stdout_console().print(table)
 
 
-# push, smoke, rollback, history, unlock live in release_cli.py (issue 5); same conventions as above.
-# build lives in bundle_cli.py (issue 4).
-from ddtree_ops import bundle_cli, release_cli  # noqa: E402 - needs the options and helpers defined above
-
+# build lives in bundle_cli.py; push, smoke, rollback, history, unlock in release_cli.py; promote in
+# promote_cli.py. They import cli_common, never this module.
 bundle_cli.register(app)
 release_cli.register(app)
+promote_cli.register(app)
 
 
 def main() -> None:
     """Console entry point: unexpected exceptions print one line unless --debug asks for the traceback."""
-    debug = _Session.debug or "--debug" in sys.argv[1:]
+    debug = Session.debug or "--debug" in sys.argv[1:]
     try:
         app(prog_name="ddtree-ops")
     except Exception as exc:

@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
 class ErrorInfo:
-    """The `{code, message, hint}` triple carried by host results and `--json` output."""
+    """The `{code, message, hint}` triple carried by host results and `--json` output, plus the
+    error's structured `detail` (e.g. promote's gate verdicts) when it has one."""
 
     code: str
     message: str
     hint: str | None = None
+    detail: dict[str, Any] | None = None
 
-    def to_dict(self) -> dict[str, str | None]:
-        return {"code": self.code, "message": self.message, "hint": self.hint}
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"code": self.code, "message": self.message, "hint": self.hint}
+        if self.detail:
+            out["detail"] = self.detail
+        return out
 
 
 class OpsError(Exception):
@@ -30,7 +36,8 @@ class OpsError(Exception):
             self.code = code
 
     def info(self) -> ErrorInfo:
-        return ErrorInfo(self.code, self.message, self.hint)
+        detail = getattr(self, "detail", None)
+        return ErrorInfo(self.code, self.message, self.hint, detail if isinstance(detail, dict) and detail else None)
 
 
 class UsageError(OpsError):

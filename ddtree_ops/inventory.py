@@ -70,6 +70,8 @@ _USER_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}")
 _UNIT_RE = re.compile(r"[A-Za-z0-9:_.@\\-]{1,240}")
 # `python -m MODULE`: a dotted Python module name, nothing a unit's ExecStart could misread.
 _MODULE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
+# Environment variable names, as systemd accepts them in Environment= and EnvironmentFile=.
+_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 _JUMP_RE = re.compile(r"(?:(?P<user>[A-Za-z_][A-Za-z0-9_.-]{0,31})@)?(?P<address>[A-Za-z0-9_.%-]{1,253}|\[[0-9A-Fa-f:.%]+\])(?::(?P<port>[0-9]{1,5}))?")
 
 
@@ -137,6 +139,12 @@ def _check_jump_host(value: str) -> str:
     return value
 
 
+def _check_env_name(value: str) -> str:
+    if not _ENV_NAME_RE.fullmatch(value):
+        raise _invalid(f"`{value}` is not an environment variable name", "use letters, digits and `_`, not starting with a digit")
+    return value
+
+
 def _check_text(value: str) -> str:
     _reject_control_chars(value, "value")
     if not value:
@@ -152,6 +160,7 @@ ServiceName = Annotated[str, AfterValidator(_check_service)]
 JumpHost = Annotated[str, AfterValidator(_check_jump_host)]
 ModuleName = Annotated[str, AfterValidator(_check_module)]
 Text = Annotated[str, AfterValidator(_check_text)]
+EnvName = Annotated[str, AfterValidator(_check_env_name)]
 
 
 class HostConfig(BaseModel):
@@ -185,11 +194,23 @@ class HostConfig(BaseModel):
     extra_args: list[Text] = Field(default_factory=list)
     state_dir: RemotePath = DEFAULT_STATE_DIR
 
+    # The serving unit promote renders (ddtree_ops/templates/, service.py).
+    unit_kind: Literal["unit", "drop-in"] = "unit"
+    start_timeout_s: int = Field(900, ge=10, le=86400)
+    stop_timeout_s: int = Field(120, ge=5, le=3600)
+    restart_sec: int = Field(10, ge=1, le=3600)
+    service_environment: dict[EnvName, Text] = Field(default_factory=dict)
+    service_secrets_file: LocalPath | None = None
+    env_file: RemotePath | None = None
+    read_write_paths: list[RemotePath] = Field(default_factory=list)
+    draft_block_size: int = Field(16, ge=2, le=64)
+
     # Rollout settings (push / smoke / promote).
     canary: bool = False
     ddtree_budget: int | None = Field(None, ge=1, le=4096)
     ddtree_topk_cap: int | None = Field(None, ge=1, le=256)
     allow_hybrid_unsafe: bool = False
+    acceptance_margin: float = Field(0.05, ge=0, le=10)
 
     def public_dict(self) -> dict[str, Any]:
         """The settings as JSON-able values, secret-bearing fields redacted (for `hosts`, logs)."""

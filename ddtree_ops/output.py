@@ -166,6 +166,8 @@ def status_row(host: HostConfig, result: HostResult) -> dict[str, str]:
         "service": f"{service.get('active_state')}/{service.get('sub_state')}" if service else "-",
         # No state file: ddtree-ops never installed here. current null: everything rolled back.
         "release": "-" if not result.ok else ("none" if release is None else (release.get("current") or "pristine")),
+        "mode": (release or {}).get("mode") or "-",
+        "last_promote": _promotion_cell((release or {}).get("promotion")),
         "lock": (str(lock.get("who") or lock.get("owner") or "held") if lock else ("free" if result.ok else "-")),
         "gpus": _gpus_cell(facts.get("gpus")),
         "free_disk": human_bytes((facts.get("disk") or {}).get("free_bytes")),
@@ -173,9 +175,21 @@ def status_row(host: HostConfig, result: HostResult) -> dict[str, str]:
     }
 
 
+def _promotion_cell(promotion: dict[str, Any] | None) -> str:
+    """The last promote on a host: mode, result, gate verdicts, accept length."""
+    if not promotion or not promotion.get("last_mode"):
+        return "-"
+    marks = {"pass": "✓", "fail": "✗", "inconclusive": "?"}
+    gates = " ".join(f"{g.get('gate')}{marks.get(g.get('verdict'), '?')}" for g in promotion.get("gates") or [])
+    accept = promotion.get("accept_length")
+    return (f"{promotion['last_mode']} {promotion.get('last_result')}"
+            + (f" ({gates})" if gates else "") + (f" accept {accept:.2f}" if isinstance(accept, int | float) else ""))
+
+
 STATUS_COLUMNS = {
     "host": "Host", "address": "Address", "reachable": "Reachable", "os": "OS", "python": "Python",
-    "sglang": "SGLang", "service": "Service", "release": "Release", "lock": "Lock", "gpus": "GPUs",
+    "sglang": "SGLang", "service": "Service", "release": "Release", "mode": "Mode", "last_promote": "Last promote",
+    "lock": "Lock", "gpus": "GPUs",
     "free_disk": "Free disk",
 }
 

@@ -258,7 +258,8 @@ def unlock(inventory: Inventory, hosts: Sequence[HostConfig], *, operator: str |
            concurrency: int = DEFAULT_CONCURRENCY, progress: FleetProgress | None = None) -> list[HostResult]:
     """Break the host lock whoever holds it (the CLI confirms first), removing links planted in the
     state dir. Also finishes an interrupted install or rollback left by the dead holder, or clears its
-    journal when that is damaged and no file is mixed, so the host is consistent when the lock goes."""
+    journal when that is damaged and no file is mixed, and undoes an interrupted promote stage, so the
+    host is consistent when the lock goes."""
     who = operator or operator_name()
 
     def one(ctx: HostContext) -> dict[str, Any]:
@@ -266,7 +267,9 @@ def unlock(inventory: Inventory, hosts: Sequence[HostConfig], *, operator: str |
             ctx.step("unlocking")
             released = _call(session, "unlock", {"state_dir": ctx.host.state_dir, "force": True})
             recovered = _call(session, "recover", {**_base_args(ctx.host, who), "repair": True})
-            return {**released, **recovered}
+            # A promote killed mid-stage left its unit journal: undo it (its gates never passed).
+            units = _call(session, "unit_recover", {**_base_args(ctx.host, who)})
+            return {**released, **recovered, "unit_recovered": units.get("recovered")}
 
     return run_on_hosts(hosts, one, concurrency=concurrency, progress=progress)
 

@@ -1,89 +1,42 @@
-"""CLI commands push, smoke, rollback, history, unlock: thin wrappers over release.py / smoke.py.
+"""CLI commands push, smoke, rollback, history, unlock: thin wrappers over release.py / smoke.py
+(and rollout.py, which restores promoted units on rollback).
 
 Registered on the main app by `register(app)` (called from cli.py). Same conventions as every
-command: -i/--inventory, --limit, --json (one document on stdout), exit 0 all ok / 1 some host
-failed or was unreachable / 2 usage or inventory error. Heavy imports happen inside commands.
+command (cli_common): -i/--inventory, --limit, --json (one document on stdout), exit 0 all ok /
+1 some host failed or was unreachable / 2 usage or inventory error. Heavy imports happen inside commands.
 """
 
 from __future__ import annotations
 
-import signal
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ddtree_ops.cli import (
+from ddtree_ops.cli_common import (
     EXIT_USAGE,
     ConcurrencyOption,
     InventoryOption,
     JsonOption,
     LimitOption,
-    _Session,
+    LockWaitOption,
+    finish,
     load_selection,
     reported_errors,
+    table,
+    terminate_like_ctrl_c,
 )
-from ddtree_ops.fleet import DEFAULT_CONCURRENCY, exit_code
+from ddtree_ops.fleet import DEFAULT_CONCURRENCY
 from ddtree_ops.smoke import DEFAULT_STEP_TIMEOUT_S
 
 if TYPE_CHECKING:
     from ddtree_ops.fleet import HostResult
     from ddtree_ops.inventory import HostConfig
 
-LockWaitOption = Annotated[float, typer.Option("--lock-wait", min=0, metavar="SECONDS",
-                                               help="Wait this long for another run's host lock, then fail naming its holder.")]
 AdoptOption = Annotated[bool, typer.Option("--adopt", help="Take over files that hash to neither pristine nor patched "
                                                            "(they are backed up first) instead of refusing the host.")]
-
-
-def _finish(command: str, hosts: list[HostConfig], results: list[HostResult], json_output: bool,
-            render: Any = None) -> None:
-    from ddtree_ops.output import emit_json, print_failures, print_notices
-    from ddtree_ops.release import summary
-
-    summ = summary(results)
-    if json_output:
-        emit_json({"command": command, "results": [r.to_dict() for r in results], "summary": summ})
-    elif render is not None:
-        render(hosts, results)
-    print_notices(results)
-    print_failures(results, debug=_Session.debug)
-    line = f"{command}: {summ['ok']}/{summ['hosts']} ok"
-    if summ["noop"]:
-        line += f", {len(summ['noop'])} no-op (nothing to do)"
-    if summ["failed"]:
-        line += f"; failed: {', '.join(summ['failed'])}"
-    if summ["unreachable"]:
-        line += f"; unreachable: {', '.join(summ['unreachable'])}"
-    sys.stderr.write(line + "\n")
-    raise typer.Exit(exit_code(results))
-
-
-@contextmanager
-def _terminate_like_ctrl_c() -> Iterator[None]:
-    """SIGTERM (systemd, CI cancel) unwinds like Ctrl-C: hosts in flight finish their step and
-    release their lock in `finally` instead of leaving it to expire by TTL."""
-
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _table(columns: list[str]) -> Any:
-    from rich.table import Table
-
-    table = Table()
-    for c in columns:
-        table.add_column(c)
-    return table
 
 
 def _short(h: str | None) -> str:
@@ -93,21 +46,21 @@ def _short(h: str | None) -> str:
 def _render_push(hosts: list[HostConfig], results: list[HostResult]) -> None:
     from ddtree_ops.output import stdout_console
 
-    table = _table(["host", "status", "release", "result", "files", "time"])
+    t = table(["host", "status", "release", "result", "files", "time"])
     for r in results:
         d = r.data or {}
         if not r.ok:
-            table.add_row(r.host, r.status, "-", r.error.code if r.error else "-", "-", f"{r.elapsed_s:.1f}s", style="red")
+            t.add_row(r.host, r.status, "-", r.error.code if r.error else "-", "-", f"{r.elapsed_s:.1f}s", style="red")
             continue
         if d.get("dry_run"):
             result = "would refuse" if d.get("refusals") else ("no change" if d.get("noop") else "would install")
-            table.add_row(r.host, "dry-run", d.get("release", "-"), result, str(d.get("changes", 0)), f"{r.elapsed_s:.1f}s")
+            t.add_row(r.host, "dry-run", d.get("release", "-"), result, str(d.get("changes", 0)), f"{r.elapsed_s:.1f}s")
             continue
         changed = "0" if d.get("noop") else str(len(d.get("changed", [])))
-        table.add_row(r.host, r.status, d.get("release", "-"), "already current" if d.get("noop") else "installed",
+        t.add_row(r.host, r.status, d.get("release", "-"), "already current" if d.get("noop") else "installed",
                       changed, f"{r.elapsed_s:.1f}s")
     console = stdout_console()
-    console.print(table)
+    console.print(t)
     for r in results:
         d = r.data or {}
         if r.ok and d.get("dry_run"):
@@ -148,10 +101,10 @@ def register(app: typer.Typer) -> None:
             from ddtree_ops.release import push as do_push
 
             progress = progress_for(hosts, "dry run" if dry_run else "push", json_mode=json_output)
-            with _terminate_like_ctrl_c(), progress or nullcontext():
+            with terminate_like_ctrl_c(), progress or nullcontext():
                 results = do_push(inv, hosts, bundle or default_bundle(), dry_run=dry_run, adopt=adopt,
                                   lock_wait_s=lock_wait, concurrency=concurrency, progress=progress)
-        _finish("push --dry-run" if dry_run else "push", hosts, results, json_output, _render_push)
+        finish("push --dry-run" if dry_run else "push", hosts, results, json_output, _render_push)
 
     @app.command()
     def smoke(
@@ -177,15 +130,15 @@ def register(app: typer.Typer) -> None:
                 results = do_smoke(inv, hosts, step_timeout_s=step_timeout, concurrency=concurrency, progress=progress)
 
         def render(hosts: list[HostConfig], results: list[HostResult]) -> None:
-            table = _table(["host", "status", "import", "server_args", "tree", "time"])
+            t = table(["host", "status", "import", "server_args", "tree", "time"])
             for r in results:
                 steps = {s["name"]: s for s in (r.data or {}).get("steps", [])}
                 cells = [("pass" if steps[n]["passed"] else "FAIL") + f" {steps[n]['seconds']:.0f}s" if n in steps
                          else "-" for n in ("import", "server_args", "tree")]
-                table.add_row(r.host, r.status, *cells, f"{r.elapsed_s:.1f}s", style="" if r.ok else "red")
-            stdout_console().print(table)
+                t.add_row(r.host, r.status, *cells, f"{r.elapsed_s:.1f}s", style="" if r.ok else "red")
+            stdout_console().print(t)
 
-        _finish("smoke", hosts, results, json_output, render)
+        finish("smoke", hosts, results, json_output, render)
 
     @app.command()
     def rollback(
@@ -200,32 +153,38 @@ def register(app: typer.Typer) -> None:
         json_output: JsonOption = False,
         concurrency: ConcurrencyOption = DEFAULT_CONCURRENCY,
     ) -> None:
-        """Restore files from the backups of a release, byte for byte (sha256-verified).
+        """Undo the last promote stage or release: units first, then files, then restart and health-check.
 
-        Nothing to roll back is a no-op that says so; an interrupted push is completed first and
-        then rolled back.
+        previous: the unit of the stage before the last promote (the release stays), or, with no
+        promote stage left, the release before the current one. pristine: every stage (the unit as
+        it was before ddtree-ops touched it: removed if there was none) and every release. RELEASE:
+        files of that release. Files are restored byte for byte (sha256-verified); a promoted
+        service is restarted and must answer /health_generate again. Nothing to roll back is a
+        no-op that says so; an interrupted push or promote is completed or undone first.
         """
         with reported_errors(json_output):
             inv, hosts = load_selection(inventory, limit)
             from ddtree_ops.output import progress_for, stdout_console
-            from ddtree_ops.release import rollback as do_rollback
+            from ddtree_ops.rollout import rollback as do_rollback
 
             progress = progress_for(hosts, "rollback", json_mode=json_output)
-            with _terminate_like_ctrl_c(), progress or nullcontext():
+            with terminate_like_ctrl_c(), progress or nullcontext():
                 results = do_rollback(inv, hosts, to=to, adopt=adopt, lock_wait_s=lock_wait,
                                       concurrency=concurrency, progress=progress)
 
         def render(hosts: list[HostConfig], results: list[HostResult]) -> None:
-            table = _table(["host", "status", "now", "result", "time"])
+            t = table(["host", "status", "now", "result", "time"])
             for r in results:
                 d = r.data or {}
                 now = d.get("current", d.get("release")) or "pristine"
-                table.add_row(r.host, r.status, now if r.ok else "-",
+                if "current_mode" in d:
+                    now = f"unit: {d['current_mode'] or 'pristine'}"
+                t.add_row(r.host, r.status, now if r.ok else "-",
                               d.get("message", "") if r.ok else (r.error.code if r.error else "-"),
                               f"{r.elapsed_s:.1f}s", style="" if r.ok else "red")
-            stdout_console().print(table)
+            stdout_console().print(t)
 
-        _finish("rollback", hosts, results, json_output, render)
+        finish("rollback", hosts, results, json_output, render)
 
     @app.command()
     def history(
@@ -237,7 +196,7 @@ def register(app: typer.Typer) -> None:
         json_output: JsonOption = False,
         concurrency: ConcurrencyOption = DEFAULT_CONCURRENCY,
     ) -> None:
-        """Per host: current and previous release, installed stack, and the audit log's latest entries."""
+        """Per host: current and previous release, installed stack, mode, promote stages, and the audit log's latest entries."""
         with reported_errors(json_output):
             inv, hosts = load_selection(inventory, host or limit)
             from ddtree_ops.output import stdout_console
@@ -252,12 +211,17 @@ def register(app: typer.Typer) -> None:
                     continue
                 st = r.data["state"]
                 console.print(f"[bold]{r.host}[/bold]: current {st.get('current') or 'pristine'}, "
-                              f"previous {st.get('previous') or '-'}, stack {' > '.join(st.get('stack') or []) or '-'}")
+                              f"previous {st.get('previous') or '-'}, stack {' > '.join(st.get('stack') or []) or '-'}, "
+                              f"mode {st.get('mode') or '-'}")
+                for h in r.data.get("history") or []:
+                    if str(h.get("action", "")).startswith(("promote", "unit rollback")):
+                        console.print(f"  {h.get('time')}  {h.get('operator')}  {h.get('action')}  "
+                                      f"(from {h.get('from') or '-'}): {h.get('result')}")
                 for a in r.data["audit"]:
                     console.print(f"  {a.get('time')}  {a.get('operator')}  {a.get('command')}  "
                                   f"{a.get('release') or '-'}  {a.get('result')}")
 
-        _finish("history", hosts, results, json_output, render)
+        finish("history", hosts, results, json_output, render)
 
     @app.command()
     def unlock(
@@ -301,4 +265,4 @@ def register(app: typer.Typer) -> None:
                     typer.confirm(f"Break the lock on {', '.join(h.name for h in locked)}?", abort=True, err=True)
                 results = do_unlock(inv, locked, concurrency=concurrency)
                 hosts = locked
-        _finish("unlock", hosts, results, json_output)
+        finish("unlock", hosts, results, json_output)

@@ -49,6 +49,8 @@ def render(hosts: list[LabHost]) -> dict[str, object]:
                 "server_module": SERVER_MODULE,
                 "model_path": TARGET_MODEL,
                 "draft_model_path": DRAFT_MODEL,
+                # prepare_server_args refuses a machine with no accelerator unless told CPU.
+                "extra_args": ["--device", "cpu"],
             }
         },
         "groups": groups,

@@ -49,6 +49,10 @@ def _optional_str(v: object) -> str | None:
     return None if v is None or isinstance(v, str) else "must be a string or null"
 
 
+def _object(v: object) -> str | None:
+    return None if isinstance(v, dict) else "must be an object"
+
+
 def _list_of_objects(v: object) -> str | None:
     return None if isinstance(v, list) and all(isinstance(e, dict) for e in v) else "must be a list of objects"
 
@@ -60,6 +64,7 @@ SCHEMA: dict[str, Callable[[object], str | None]] = {
     "stack": _release_list,
     "mode": _optional_str,
     "history": _list_of_objects,
+    "promotion": _object,  # promote's record (units.py): stages, passed modes, last gate result
 }
 REQUIRED = ("stack", "current", "previous")
 

@@ -232,4 +232,12 @@ def release_facts(state_dir: str, warnings: list) -> dict | None:
         warnings.append(problem)
     if not isinstance(state, dict):
         return None
-    return {"current": state.get("current"), "previous": state.get("previous"), "mode": state.get("mode")}
+    out = {"current": state.get("current"), "previous": state.get("previous"), "mode": state.get("mode")}
+    promotion = state.get("promotion")
+    if isinstance(promotion, dict):
+        # promote's record (units.py): the last stage's verdicts and accept length, for `status`.
+        last = promotion.get("last") if isinstance(promotion.get("last"), dict) else {}
+        out["promotion"] = {"last_mode": last.get("mode"), "last_result": last.get("result"),
+                            "gates": last.get("gates"), "accept_length": last.get("accept_length"),
+                            "failed_gate": last.get("failed_gate"), "time": last.get("time")}
+    return out

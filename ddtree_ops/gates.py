@@ -1,0 +1,434 @@
+"""Promote's gates: probes of the SGLang HTTP API (httpx) that return a GateVerdict — pass, fail or
+inconclusive — with the evidence they judged.
+
+Order (rollout.py runs them): ready → settings → lossless canary → liveness under mixed traffic →
+acceptance (full only). `ready` is probed on the host by the agent (the unit's state and
+/health_generate together, so a unit that dies fails at once); this module turns its answer into a
+verdict. The others talk HTTP through the SSH tunnel (tunnel.py).
+
+The canary is built to catch what short prompts miss: requests sent concurrently, one whose prompt
+ends near the server's context length, long generations, and a shared prefix sent twice (the second
+round is served from the radix cache). Its prompts are fixed when the baseline is recorded and
+replayed unchanged, so "token-identical" compares like with like.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from ddtree_ops.errors import UsageError
+
+Verdict = Literal["pass", "fail", "inconclusive"]
+DEFAULT_REQUEST_TIMEOUT_S = 300.0
+DEFAULT_LIVENESS_BOUND_S = 120.0
+
+# The default canary; sizes stay small enough for the CPU lab engine and still exercise each path.
+CONCURRENT_PROMPTS = (
+    "The quick brown fox jumps over the lazy dog. Write the next sentence of the story:",
+    "List the first ten prime numbers, separated by commas:",
+    "Explain in two sentences why the sky is blue.",
+    "Translate to French: The weather is nice today and we are going to the beach.",
+)
+SHARED_PREFIX = ("You are a careful assistant. Read the following notes and answer the question at the end. "
+                 "Notes: the warehouse opens at seven, deliveries arrive at nine, the inventory is counted "
+                 "on Fridays, and the loading dock closes at five. ") * 4
+SHARED_SUFFIXES = ("Question: when is the inventory counted?", "Question: when does the loading dock close?")
+CONCURRENT_TOKENS, LONG_TOKENS, NEAR_CONTEXT_TOKENS, SHARED_TOKENS = 48, 192, 8, 32
+LIVENESS_TOKENS = 48
+
+
+@dataclass
+class GateVerdict:
+    gate: str
+    verdict: Verdict
+    reason: str
+    seconds: float = 0.0
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict == "pass"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "seconds": round(self.seconds, 3)}
+
+    def summary(self) -> dict[str, Any]:
+        return {"gate": self.gate, "verdict": self.verdict, "reason": self.reason, "seconds": round(self.seconds, 3)}
+
+
+class ServerClient:
+    """httpx against one server (through the tunnel); counts the seconds spent waiting on it."""
+
+    def __init__(self, base_url: str, *, timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> None:
+        import httpx
+
+        # No keep-alive: a restarted server must not be talked to over a connection to its predecessor.
+        self._client = httpx.Client(base_url=base_url, timeout=timeout_s,
+                                    limits=httpx.Limits(max_keepalive_connections=0, max_connections=64))
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._busy_since = 0.0
+        self.wait_s = 0.0  # wall time with at least one request in flight (concurrent ones count once)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _timed(self, fn: Callable[[], Any]) -> Any:
+        with self._lock:
+            if self._in_flight == 0:
+                self._busy_since = time.monotonic()
+            self._in_flight += 1
+        try:
+            return fn()
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                if self._in_flight == 0:
+                    self.wait_s += time.monotonic() - self._busy_since
+
+    def get(self, path: str) -> tuple[int | None, Any]:
+        """(status, parsed JSON or text); status None when the server could not be reached."""
+        import httpx
+
+        try:
+            resp = self._timed(lambda: self._client.get(path))
+        except httpx.HTTPError as exc:
+            return None, f"{type(exc).__name__}: {exc}"
+        try:
+            return resp.status_code, resp.json()
+        except ValueError:
+            return resp.status_code, resp.text[:2000]
+
+    def generate(self, body: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        """POST /generate; raises GenerateError with the status or transport error."""
+        import httpx
+
+        try:
+            resp = self._timed(lambda: self._client.post("/generate", json=body,
+                                                         timeout=timeout_s or self._client.timeout))
+        except httpx.HTTPError as exc:
+            raise GenerateError(f"{type(exc).__name__}: {exc}") from None
+        if resp.status_code != 200:
+            raise GenerateError(f"HTTP {resp.status_code}: {resp.text[:300]}")
+        data = resp.json()
+        return data[0] if isinstance(data, list) else data
+
+
+class GenerateError(Exception):
+    pass
+
+
+# ----------------------------------------------------------------------------- server facts
+
+
+def server_info(client: ServerClient) -> dict[str, Any]:
+    """/server_info (0.5.x) and /get_server_info (older); both probed, both kept as evidence."""
+    answers = {}
+    for path in ("/server_info", "/get_server_info"):
+        status, body = client.get(path)
+        answers[path] = {"status": status, "body": body if status == 200 else str(body)[:300]}
+    chosen = next((a["body"] for a in answers.values() if a["status"] == 200 and isinstance(a["body"], dict)), None)
+    return {"info": chosen, "probes": answers}
+
+
+def ddtree_stats(info: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The payload worker's `ddtree` stats dict from internal_states[0], or None."""
+    states = (info or {}).get("internal_states")
+    if isinstance(states, list) and states and isinstance(states[0], dict):
+        stats = states[0].get("ddtree")
+        return stats if isinstance(stats, dict) else None
+    return None
+
+
+def context_limit(info: dict[str, Any] | None) -> int | None:
+    for key in ("max_req_input_len", "context_length", "context_len", "max_context_length"):
+        value = (info or {}).get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+# ----------------------------------------------------------------------------- canary
+
+
+@dataclass
+class CanaryPrompt:
+    name: str
+    phase: str  # requests of one phase are sent at once; phases run in order
+    max_new_tokens: int
+    text: str | None = None
+    input_ids: list[int] | None = None
+
+    def body(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"sampling_params": {"temperature": 0.0, "max_new_tokens": self.max_new_tokens}}
+        if self.input_ids is not None:
+            body["input_ids"] = self.input_ids
+        else:
+            body["text"] = self.text
+        return body
+
+
+def load_prompt_file(path: Path) -> list[CanaryPrompt]:
+    """Operator prompts: JSON lines {"text": ..., "max_new_tokens": N} (or "input_ids")."""
+    prompts = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise UsageError(f"cannot read prompt file {path}: {exc.strerror}", code="prompts_unreadable") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+            text, ids = item.get("text"), item.get("input_ids")
+            if not (isinstance(text, str) or (isinstance(ids, list) and all(isinstance(i, int) for i in ids))):
+                raise ValueError("needs `text` or `input_ids`")
+            prompts.append(CanaryPrompt(f"operator-{number}", "operator", int(item.get("max_new_tokens", 64)),
+                                        text if isinstance(text, str) else None, ids))
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise UsageError(f"{path}:{number}: {exc}", hint='one JSON object a line: {"text": "...", '
+                             '"max_new_tokens": 64}', code="prompts_invalid") from None
+    return prompts
+
+
+def default_prompts() -> list[CanaryPrompt]:
+    """The prompt set before it meets a server (the near-context prompt needs the server's limit)."""
+    prompts = [CanaryPrompt(f"concurrent-{i}", "concurrent", CONCURRENT_TOKENS, text)
+               for i, text in enumerate(CONCURRENT_PROMPTS)]
+    prompts.append(CanaryPrompt("long-generation", "long", LONG_TOKENS, "Write a long, detailed story about a "
+                                "lighthouse keeper who finds a message in a bottle."))
+    for round_ in (1, 2):  # round 2 is served from the radix cache filled by round 1
+        prompts += [CanaryPrompt(f"shared-prefix-{i}-round-{round_}", f"shared-{round_}", SHARED_TOKENS,
+                                 SHARED_PREFIX + suffix) for i, suffix in enumerate(SHARED_SUFFIXES)]
+    return prompts
+
+
+def near_context_prompt(limit: int | None, token_ids: Sequence[int]) -> tuple[CanaryPrompt | None, str]:
+    """A prompt that ends a few tokens before the server's context limit, made of token ids the
+    server itself produced (so they exist in its vocabulary)."""
+    if limit is None:
+        return None, "context length not reported by /server_info: near-context prompt skipped"
+    if not token_ids:
+        return None, "no token ids to build the near-context prompt from"
+    length = max(1, limit - NEAR_CONTEXT_TOKENS - 8)
+    ids = [int(token_ids[i % len(token_ids)]) for i in range(length)]
+    return CanaryPrompt("near-context", "near-context", NEAR_CONTEXT_TOKENS, input_ids=ids), f"prompt of {length} tokens"
+
+
+@dataclass
+class CanaryRun:
+    outputs: dict[str, list[int]]
+    meta: dict[str, dict[str, Any]]
+    errors: dict[str, str]
+    seconds: float
+
+    def accept_length(self) -> float | None:
+        """Mean accepted tokens per verify step over the run (weighted by verify steps)."""
+        num = den = 0.0
+        plain = []
+        for m in self.meta.values():
+            length, steps = m.get("spec_accept_length"), m.get("spec_verify_ct")
+            if isinstance(length, int | float):
+                plain.append(float(length))
+                if isinstance(steps, int | float) and steps > 0:
+                    num += float(length) * steps
+                    den += steps
+        if den:
+            return round(num / den, 4)
+        return round(sum(plain) / len(plain), 4) if plain else None
+
+
+def run_canary(client: ServerClient, prompts: Sequence[CanaryPrompt], *, timeout_s: float | None = None) -> CanaryRun:
+    started = time.monotonic()
+    outputs: dict[str, list[int]] = {}
+    meta: dict[str, dict[str, Any]] = {}
+    errors: dict[str, str] = {}
+    phases: dict[str, list[CanaryPrompt]] = {}
+    for p in prompts:
+        phases.setdefault(p.phase, []).append(p)
+    for phase in phases.values():
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(phase))) as pool:
+            futures = {p.name: pool.submit(client.generate, p.body(), timeout_s) for p in phase}
+            for name, fut in futures.items():
+                try:
+                    answer = fut.result()
+                    outputs[name] = [int(t) for t in answer.get("output_ids") or []]
+                    m = answer.get("meta_info") or {}
+                    meta[name] = {k: m.get(k) for k in ("spec_accept_length", "spec_verify_ct", "completion_tokens",
+                                                        "prompt_tokens", "finish_reason")}
+                except (GenerateError, ValueError, TypeError) as exc:
+                    errors[name] = str(exc)
+    return CanaryRun(outputs, meta, errors, time.monotonic() - started)
+
+
+def build_baseline(client: ServerClient, extra: Sequence[CanaryPrompt] = ()) -> tuple[list[CanaryPrompt], CanaryRun, dict]:
+    """Fix the prompt set against the running server and record its greedy outputs."""
+    prompts = default_prompts() + list(extra)
+    info = server_info(client)["info"]
+    first = run_canary(client, prompts)
+    seed_ids = next((ids for ids in first.outputs.values() if ids), [])
+    near, note = near_context_prompt(context_limit(info), seed_ids)
+    notes = {"near_context": note}
+    if near is not None:
+        prompts.append(near)
+        extra_run = run_canary(client, [near])
+        first.outputs.update(extra_run.outputs)
+        first.meta.update(extra_run.meta)
+        first.errors.update(extra_run.errors)
+        first.seconds += extra_run.seconds
+    return prompts, first, notes
+
+
+def prompts_to_json(prompts: Sequence[CanaryPrompt]) -> list[dict[str, Any]]:
+    return [asdict(p) for p in prompts]
+
+
+def prompts_from_json(items: Sequence[dict[str, Any]]) -> list[CanaryPrompt]:
+    return [CanaryPrompt(**item) for item in items]
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+# ----------------------------------------------------------------------------- gates
+
+
+def ready_verdict(answer: dict[str, Any]) -> GateVerdict:
+    """The agent's unit_wait answer as a verdict."""
+    evidence = {k: answer.get(k) for k in ("polls", "unit", "notes", "last_http", "last_error", "journal")
+                if answer.get(k) is not None}
+    if answer.get("ready"):
+        return GateVerdict("ready", "pass", "/health_generate answered 200 while the unit stayed active",
+                           float(answer.get("seconds") or 0), evidence)
+    return GateVerdict("ready", "fail", str(answer.get("reason")), float(answer.get("seconds") or 0), evidence)
+
+
+def settings_gate(client: ServerClient, expect: dict[str, Any]) -> GateVerdict:
+    """/server_info reports what the unit asked for: DFLASH, the DDTree mode, budget and cap."""
+    started = time.monotonic()
+    probed = server_info(client)
+    info = probed["info"]
+    evidence: dict[str, Any] = {"expected": expect, "probes": {p: a["status"] for p, a in probed["probes"].items()}}
+    if info is None:
+        return GateVerdict("settings", "inconclusive", "neither /server_info nor /get_server_info answered",
+                           time.monotonic() - started, {**evidence, "answers": probed["probes"]})
+    reported = {k: info.get(k) for k in expect}
+    stats = ddtree_stats(info)
+    evidence.update(reported=reported, ddtree=stats)
+    wrong = [f"{k}={reported[k]!r} (want {v!r})" for k, v in expect.items() if reported[k] != v]
+    if wrong:
+        return GateVerdict("settings", "fail", "server reports " + ", ".join(wrong), time.monotonic() - started,
+                           evidence)
+    mode = expect.get("speculative_ddtree_mode")
+    if mode in ("shadow-linear", "full"):
+        if stats is None:
+            return GateVerdict("settings", "inconclusive", "internal_states[0] has no `ddtree` stats: cannot tell "
+                               "that the DDTree worker runs", time.monotonic() - started, evidence)
+        if stats.get("mode") != mode:
+            return GateVerdict("settings", "fail", f"the DDTree worker runs mode {stats.get('mode')!r}, not {mode!r}",
+                               time.monotonic() - started, evidence)
+    return GateVerdict("settings", "pass", "server reports " + ", ".join(f"{k}={v!r}" for k, v in expect.items()),
+                       time.monotonic() - started, evidence)
+
+
+def compare_canary(baseline: dict[str, list[int]], run: CanaryRun) -> tuple[list[dict[str, Any]], list[str]]:
+    """Per prompt: identical or the first differing position; plus prompts that failed to run."""
+    rows, failed = [], sorted(run.errors)
+    for name, want in baseline.items():
+        got = run.outputs.get(name)
+        if got is None:
+            rows.append({"prompt": name, "identical": False, "first_difference": None,
+                         "error": run.errors.get(name, "no answer")})
+            continue
+        diff = first_difference(want, got)
+        row: dict[str, Any] = {"prompt": name, "identical": diff is None, "tokens": len(got)}
+        if diff is not None:
+            row.update(first_difference=diff, want=want[diff:diff + 4], got=got[diff:diff + 4])
+        rows.append(row)
+    return rows, failed
+
+
+def canary_gate(client: ServerClient, prompts: Sequence[CanaryPrompt], baseline: dict[str, list[int]],
+                *, timeout_s: float | None = None) -> tuple[GateVerdict, CanaryRun]:
+    """Greedy outputs token-identical to the baseline, prompt by prompt."""
+    run = run_canary(client, prompts, timeout_s=timeout_s)
+    rows, failed = compare_canary(baseline, run)
+    differing = [r for r in rows if not r["identical"]]
+    evidence = {"prompts": len(prompts), "comparison": rows, "errors": run.errors,
+                "accept_length": run.accept_length()}
+    if differing:
+        names = ", ".join(f"{r['prompt']}@{r.get('first_difference')}" for r in differing[:6])
+        reason = (f"{len(differing)} of {len(rows)} prompts differ from the baseline (first differing position: "
+                  f"{names})") if not failed else f"{len(failed)} canary requests failed: {run.errors[failed[0]]}"
+        return GateVerdict("canary", "fail", reason, run.seconds, evidence), run
+    return GateVerdict("canary", "pass", f"{len(rows)} prompts token-identical to the baseline", run.seconds,
+                       evidence), run
+
+
+def liveness_gate(client: ServerClient, *, bound_s: float = DEFAULT_LIVENESS_BOUND_S, requests: int = 3) -> GateVerdict:
+    """Greedy and sampled requests at once must all finish within bound_s (upstream DFLASH
+    0.5.13.post1 was seen to stall on exactly this mix)."""
+    bodies = []
+    for i in range(requests):
+        text = f"Count from {i * 10} upwards, one number a line:"
+        bodies.append(("greedy", {"text": text, "sampling_params": {"temperature": 0.0,
+                                                                     "max_new_tokens": LIVENESS_TOKENS}}))
+        bodies.append(("sampled", {"text": text, "sampling_params": {"temperature": 0.8, "top_p": 0.95,
+                                                                      "max_new_tokens": LIVENESS_TOKENS}}))
+    started = time.monotonic()
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(bodies))
+    futures = [pool.submit(client.generate, body, bound_s) for _, body in bodies]
+    done, not_done = concurrent.futures.wait(futures, timeout=bound_s)
+    pool.shutdown(wait=False, cancel_futures=True)
+    seconds = time.monotonic() - started
+    errors = []
+    for (kind, _), fut in zip(bodies, futures, strict=True):
+        if fut in done and fut.exception() is not None:
+            errors.append(f"{kind}: {fut.exception()}")
+    evidence = {"requests": len(bodies), "mix": "greedy + sampled (temperature 0.8)", "bound_s": bound_s,
+                "finished": len(done) - len(errors), "unfinished": len(not_done), "errors": errors[:6]}
+    if not_done or errors:
+        what = f"{len(not_done)} of {len(bodies)} requests did not finish within {bound_s:.0f}s" if not_done \
+            else f"{len(errors)} requests failed: {errors[0]}"
+        return GateVerdict("liveness", "fail", what, seconds, evidence)
+    return GateVerdict("liveness", "pass", f"{len(bodies)} mixed greedy/sampled requests finished in {seconds:.1f}s",
+                       seconds, evidence)
+
+
+def acceptance_gate(client: ServerClient, run: CanaryRun, shadow_accept: float | None, margin: float) -> GateVerdict:
+    """Full mode pays off: mean spec_accept_length over the canary ≥ shadow-linear's × (1 + margin),
+    and the payload's stats show tree steps (tree verify really ran)."""
+    started = time.monotonic()
+    info = server_info(client)["info"]
+    stats = ddtree_stats(info)
+    accept = run.accept_length()
+    evidence = {"accept_length": accept, "shadow_linear_accept_length": shadow_accept, "margin": margin,
+                "ddtree": stats, "avg_spec_accept_length": ((info or {}).get("internal_states") or [{}])[0]
+                .get("avg_spec_accept_length") if info else None}
+    seconds = time.monotonic() - started
+    if accept is None or shadow_accept is None:
+        missing = "this run's spec_accept_length" if accept is None else "the recorded shadow-linear accept length"
+        return GateVerdict("acceptance", "inconclusive", f"{missing} is missing", seconds, evidence)
+    if stats is None or not isinstance(stats.get("tree_steps"), int):
+        return GateVerdict("acceptance", "inconclusive", "no `ddtree` tree_steps in internal_states[0]", seconds,
+                           evidence)
+    if stats["tree_steps"] <= 0:
+        return GateVerdict("acceptance", "fail", f"tree verify never ran (tree_steps 0, fallback_steps "
+                           f"{stats.get('fallback_steps')})", seconds, evidence)
+    need = shadow_accept * (1 + margin)
+    if accept < need:
+        return GateVerdict("acceptance", "fail", f"accept length {accept:.3f} < shadow-linear {shadow_accept:.3f} × "
+                           f"(1 + {margin:g}) = {need:.3f}", seconds, evidence)
+    return GateVerdict("acceptance", "pass", f"accept length {accept:.3f} ≥ {need:.3f} (shadow-linear "
+                       f"{shadow_accept:.3f} × (1 + {margin:g})); {stats['tree_steps']} tree steps", seconds, evidence)

@@ -1,0 +1,99 @@
+"""Fleet order and refusals of promote that need no host: batches, the failure budget, canary first."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from ddtree_ops import gates, rollout
+from ddtree_ops.cli import app
+from ddtree_ops.errors import UsageError
+from ddtree_ops.inventory import load_inventory
+
+
+def _inv(tmp_path: Path, n: int, canary: bool = True, **vars_: object):
+    hosts = {f"h{i}": {"address": f"10.0.0.{i}"} for i in range(1, n + 1)}
+    doc: dict = {"all": {"vars": {"model_path": "/m", "draft_model_path": "/d", **vars_}}, "hosts": hosts}
+    if canary:
+        doc["groups"] = {"canary": {"hosts": ["h1"]}}
+    path = tmp_path / "inv.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return load_inventory(path)
+
+
+def names(batches) -> list[list[str]]:
+    return [[h.name for h in b] for b in batches]
+
+
+def test_serial_semantics(tmp_path: Path) -> None:
+    inv = _inv(tmp_path, 10, canary=False)
+    hosts = inv.select(None)
+    assert names(rollout.plan_batches(hosts, "1,25%,100%")) == [["h1"], ["h2", "h3"], [f"h{i}" for i in range(4, 11)]]
+    # The last size repeats.
+    assert [len(b) for b in rollout.plan_batches(hosts, "3")] == [3, 3, 3, 1]
+    assert [len(b) for b in rollout.plan_batches(hosts, "10%")] == [1] * 10
+
+
+def test_canary_group_goes_first_alone(tmp_path: Path) -> None:
+    hosts = _inv(tmp_path, 5).select(None)
+    assert names(rollout.plan_batches(hosts, "2")) == [["h1"], ["h2", "h3"], ["h4", "h5"]]
+
+
+@pytest.mark.parametrize("spec", ["0", "abc", "1,,2", "101%", "-1"])
+def test_bad_batch(spec: str) -> None:
+    with pytest.raises(UsageError):
+        rollout.parse_batches(spec)
+
+
+def test_fail_budget() -> None:
+    assert not rollout.FailBudget.parse("0").exceeded(0, 10)
+    assert rollout.FailBudget.parse("0").exceeded(1, 10)
+    assert not rollout.FailBudget.parse("2").exceeded(2, 10) and rollout.FailBudget.parse("2").exceeded(3, 10)
+    assert rollout.FailBudget.parse("20%").allowed(10) == 2 and rollout.FailBudget.parse("25%").allowed(3) == 0
+    with pytest.raises(UsageError):
+        rollout.FailBudget.parse("1.5")
+
+
+def test_hybrid_unsafe_refused_up_front(tmp_path: Path) -> None:
+    inv = _inv(tmp_path, 2, allow_hybrid_unsafe=True)
+    with pytest.raises(UsageError, match="not supported yet"):
+        rollout.promote(inv, inv.select(None), rollout.PromoteOptions(mode="full"))
+    out = CliRunner().invoke(app, ["promote", "--mode", "full", "--allow-hybrid-unsafe", "-i", str(inv.path)])
+    assert out.exit_code == 2 and "not supported yet" in out.output
+
+
+def test_promote_usage_errors(tmp_path: Path) -> None:
+    inv = _inv(tmp_path, 1)
+    for argv in (["--mode", "bushy"], ["--mode", "full", "--batch", "0"], ["--mode", "off"]):
+        out = CliRunner().invoke(app, ["promote", *argv, "-i", str(inv.path)])
+        assert out.exit_code == 2, out.output
+
+
+def test_canary_comparison() -> None:
+    assert gates.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert gates.first_difference([1, 2, 3], [1, 9, 3]) == 1
+    assert gates.first_difference([1, 2, 3], [1, 2]) == 2
+    run = gates.CanaryRun({"a": [1, 2], "b": [1, 5, 6]}, {"a": {"spec_accept_length": 2.0, "spec_verify_ct": 1},
+                                                        "b": {"spec_accept_length": 3.0, "spec_verify_ct": 3}}, {}, 0.1)
+    rows, failed = gates.compare_canary({"a": [1, 2], "b": [1, 2, 3]}, run)
+    assert [r["identical"] for r in rows] == [True, False] and rows[1]["first_difference"] == 1 and not failed
+    assert run.accept_length() == 2.75  # weighted by verify steps
+
+
+def test_near_context_prompt_fits() -> None:
+    prompt, _ = gates.near_context_prompt(100, [5, 6, 7])
+    assert prompt is not None and len(prompt.input_ids) + prompt.max_new_tokens <= 100
+    assert gates.near_context_prompt(None, [1])[0] is None
+
+
+def test_prompt_file(tmp_path: Path) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"text": "hello", "max_new_tokens": 5}\n\n{"input_ids": [1, 2]}\n')
+    got = gates.load_prompt_file(path)
+    assert [(p.text, p.input_ids, p.max_new_tokens) for p in got] == [("hello", None, 5), (None, [1, 2], 64)]
+    path.write_text('{"nope": 1}\n')
+    with pytest.raises(UsageError, match="p.jsonl:1"):
+        gates.load_prompt_file(path)
