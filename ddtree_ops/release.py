@@ -114,13 +114,26 @@ def _base_args(host: HostConfig, operator: str) -> dict[str, Any]:
 def _host_lock(ctx: HostContext, session: HostSession, *, command: str, operator: str, wait_s: float,
                ttl_s: float = DEFAULT_LOCK_TTL_S) -> Iterator[str]:
     """Hold the host lock across several agent calls; released on every exit path."""
+    from ddtree_ops.agent.remote import lock as agent_lock
+
     ctx.step("waiting for lock" if wait_s else "locking")
     # host and pid are for people reading the lock; the run id is what tells two runs apart (a control
-    # machine may share the target's host name, and its pid means nothing there).
-    answer = _call(session, "lock", {
+    # machine may share the target's host name, and its pid means nothing there). control_process lets
+    # a later run on this same machine see that this one died.
+    request = {
         **_base_args(ctx.host, operator), "who": operator, "command": command, "run_id": secrets.token_hex(8),
         "host": socket.gethostname(), "pid": os.getpid(), "ttl_s": ttl_s, "wait_s": wait_s,
-    }, timeout=STEP_TIMEOUT_S + wait_s)
+        "control_process": agent_lock.control_process(),
+    }
+    try:
+        answer = _call(session, "lock", request, timeout=STEP_TIMEOUT_S + wait_s)
+    except ReleaseError as exc:
+        holder = (exc.detail or {}).get("holder") or {} if exc.code == "locked" else {}
+        proc = holder.get("control_process")
+        if not (isinstance(proc, dict) and holder.get("run_id") and agent_lock.died_here(proc)):
+            raise
+        _break_dead_run(ctx, session, holder, operator)
+        answer = _call(session, "lock", request, timeout=STEP_TIMEOUT_S + wait_s)
     lock_id = answer["lock_id"]
     try:
         yield lock_id
@@ -129,6 +142,17 @@ def _host_lock(ctx: HostContext, session: HostSession, *, command: str, operator
         # and a failure here must not mask the error that got us here.
         with contextlib.suppress(Exception):
             _call(session, "unlock", {"state_dir": ctx.host.state_dir, "lock_id": lock_id})
+
+
+def _break_dead_run(ctx: HostContext, session: HostSession, holder: dict[str, Any], operator: str) -> None:
+    """The lock belongs to a run of this very machine that is gone (killed, crashed): break it by its
+    run id (never a lock some other run took meanwhile), then do what `unlock` does after it: finish
+    or undo an interrupted install or rollback, undo an interrupted promote stage."""
+    ctx.notice(f"the host lock is held by {holder.get('who')} ({holder.get('command')}, run {holder['run_id']}), "
+               "a run of this machine that is gone: breaking it and finishing what it left")
+    _call(session, "unlock", {"state_dir": ctx.host.state_dir, "run_id": holder["run_id"]})
+    _call(session, "recover", {**_base_args(ctx.host, operator), "repair": True})
+    _call(session, "unit_recover", _base_args(ctx.host, operator))
 
 
 def _upload(ctx: HostContext, session: HostSession, bundle: LocalBundle, operator: str) -> str:

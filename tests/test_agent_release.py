@@ -311,6 +311,35 @@ def test_stale_lock_by_ttl_is_broken(host: Host) -> None:
     assert ans["ok"] and ans["result"]["lock"]["who"] == "bob"
 
 
+def test_a_dead_control_run_is_told_apart_and_its_lock_broken_by_run_id_only(host: Host) -> None:
+    from ddtree_ops.agent.remote import lock as agent_lock
+
+    # A run of this machine that has exited (its pid gone, or reused by a process with another start).
+    child = subprocess.run([sys.executable, "-c", "import json; from ddtree_ops.agent.remote import lock; "
+                            "print(json.dumps(lock.control_process()))"], capture_output=True, text=True, check=True,
+                           cwd=Path(__file__).resolve().parents[1])
+    dead = json.loads(child.stdout)
+    alive = agent_lock.control_process()
+    assert agent_lock.died_here(dead) and not agent_lock.died_here(alive)
+    # Another machine (or boot, or pid namespace) cannot be judged from here: never called dead.
+    assert not agent_lock.died_here({**dead, "boot_id": "another-boot"})
+    assert not agent_lock.died_here({**dead, "pid_ns": "pid:[1]"})
+    assert not agent_lock.died_here({**dead, "start_ticks": None})
+
+    held = host.call("lock", who="alice", command="promote --mode full", run_id="run-a", control_process=dead)
+    assert held["ok"], held
+    refused = host.call("lock", who="bob", command="promote --mode full")
+    assert refused["error"]["code"] == "locked"
+    assert refused["error"]["holder"]["control_process"] == dead and refused["error"]["holder"]["run_id"] == "run-a"
+    # Broken by its run id only: a lock some other run took meanwhile stays.
+    assert host.call("unlock", run_id="run-b")["result"]["released"] is False
+    assert host.call("lock_status")["result"]["holder"]["run_id"] == "run-a"
+    assert host.call("unlock", run_id="run-a")["result"]["released"] is True
+    assert host.call("lock_status")["result"]["holder"] is None
+    bad = host.call("lock", who="bob", command="push", control_process={"pid": "1"})
+    assert bad["error"]["code"] == "bad_request"
+
+
 def test_force_unlock(host: Host) -> None:
     host.call("lock", who="alice", command="push", host="laptop", pid=99999)
     ans = host.call("unlock", force=True)

@@ -327,14 +327,30 @@ def test_bundle_with_altered_walk_caught_by_the_canary(lab_fleet, lab, bundle):
 
 
 def test_interrupted_promote_converges(lab_fleet, lab):
-    """The CLI killed mid-gates, or after the gates but before the record: unlock undoes the stage.
-    The agent killed mid-install (a lost connection): the next promote undoes it first, then does
-    the stage."""
+    """The CLI killed after the gates but before the record: unlock undoes the stage. The CLI killed
+    mid-gates: the next promote from this machine sees that run is gone, breaks its lock, undoes the
+    stage and does it again. The agent killed mid-install (a lost connection): the next promote undoes
+    it first, then does the stage."""
     invs, tmp = lab
     inv = invs.write({"lab-1": {"service_environment": {"PROMOTE_TEST_CHANGE": "1"}}})  # a unit that differs
     unit = sha_of(lab_fleet, "lab-1", UNIT)
     stack = state(lab_fleet, "lab-1")["promotion"]["stack"]
-    for point in ("during_gates", "before_commit"):  # before_commit: every gate passed, nothing recorded
+    killed = run_cli("promote", "-i", str(inv), "--mode", "full", "--limit", "lab-1", "--evidence-dir",
+                     str(tmp / "ev"), env={rollout.KILL_ENV: "during_gates"})
+    assert killed.returncode == -9, killed.stderr
+    assert ssh(lab_fleet, "lab-1", f"test -e {STATE_DIR}/units-journal.json").returncode == 0
+    rerun = run_cli("promote", "-i", str(inv), "--mode", "full", "--limit", "lab-1", "--json", "--evidence-dir",
+                    str(tmp / "ev"))
+    assert rerun.returncode == 0, (rerun.stdout[-2000:], rerun.stderr[-2000:])
+    assert by_host(json.loads(rerun.stdout))["lab-1"]["status"] == "ok"
+    assert "a run of this machine that is gone" in rerun.stderr + rerun.stdout
+    assert ssh(lab_fleet, "lab-1", f"test -e {STATE_DIR}/units-journal.json").returncode != 0
+    assert server_info(lab_fleet, "lab-1")["speculative_ddtree_mode"] == "full"
+    # Back to the stage before, for the next interruption.
+    assert rollout.rollback(load_inventory(inv), load_inventory(inv).select("lab-1"))[0].status == "ok"
+    unit = sha_of(lab_fleet, "lab-1", UNIT)
+    stack = state(lab_fleet, "lab-1")["promotion"]["stack"]
+    for point in ("before_commit",):  # before_commit: every gate passed, nothing recorded
         killed = run_cli("promote", "-i", str(inv), "--mode", "full", "--limit", "lab-1", "--evidence-dir",
                          str(tmp / "ev"), env={rollout.KILL_ENV: point})
         assert killed.returncode == -9, killed.stderr

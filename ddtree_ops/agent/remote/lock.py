@@ -83,6 +83,29 @@ def this_process() -> dict:
     return {"boot_id": _boot_id(), "pid": os.getpid(), "start_ticks": _start_ticks(os.getpid())}
 
 
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def control_process() -> dict:
+    """The control-side run as its own machine knows it (the pid namespace too: containers on one
+    kernel share a boot id but not their pids)."""
+    return {**this_process(), "pid_ns": _pid_namespace()}
+
+
+def died_here(proc: dict) -> bool:
+    """True only when `proc` (a `control_process()` record) ran in this boot and pid namespace and is
+    gone; False when it is alive or when this machine cannot tell (another machine, no /proc)."""
+    if proc.get("boot_id") is None or proc.get("start_ticks") is None or proc.get("pid_ns") is None:
+        return False
+    if proc["boot_id"] != _boot_id() or proc["pid_ns"] != _pid_namespace():
+        return False
+    return _start_ticks(proc["pid"]) != proc["start_ticks"]
+
+
 def _process_gone(proc: dict) -> bool:
     if proc.get("boot_id") is None or proc.get("start_ticks") is None:
         return False  # no /proc where it was taken: only the TTL can tell
@@ -98,6 +121,12 @@ OWNER_FIELDS: dict[str, tuple[type, ...]] = {
 }
 
 
+def _process_problem(proc: object) -> bool:
+    return proc is not None and not (
+        isinstance(proc, dict) and isinstance(proc.get("pid"), int) and not isinstance(proc.get("pid"), bool)
+        and isinstance(proc.get("boot_id"), (str, type(None))) and isinstance(proc.get("start_ticks"), (int, type(None))))
+
+
 def _owner_problem(owner: object) -> str | None:
     if not isinstance(owner, dict):
         return f"is a JSON {type(owner).__name__}, not an object"
@@ -106,10 +135,10 @@ def _owner_problem(owner: object) -> str | None:
             return f"lacks `{key}`"
         if not isinstance(owner[key], types) or isinstance(owner[key], bool):
             return f"`{key}` is a {type(owner[key]).__name__}"
-    proc = owner["agent_process"]
-    if proc is not None and not (isinstance(proc.get("pid"), int) and isinstance(proc.get("boot_id"), (str, type(None)))
-                                 and isinstance(proc.get("start_ticks"), (int, type(None)))):
-        return "`agent_process` is not {boot_id, pid, start_ticks}"
+    # control_process (optional: locks taken before it existed lack it) is the control-side run.
+    for key in ("agent_process", "control_process"):
+        if _process_problem(owner.get(key)):
+            return f"`{key}` is not {{boot_id, pid, start_ticks}}"
     return None
 
 
@@ -196,11 +225,13 @@ def _try_take(state_dir: Path, owner: dict) -> bool:
 
 def acquire(state_dir: str | os.PathLike[str], *, who: str, command: str, host: str | None = None,
             pid: int | None = None, run_id: str | None = None, ttl_s: float = DEFAULT_TTL_S, wait_s: float = 0.0,
-            agent_process: dict | None = None) -> dict:
+            agent_process: dict | None = None, control_process: dict | None = None) -> dict:
     """Take the lock, waiting up to wait_s; returns the owner record (its lock_id is the key).
 
     host / pid: the caller's, shown to people only. agent_process: set when this agent process
-    itself is the holder, so the lock dies with it."""
+    itself is the holder, so the lock dies with it. control_process: the control-side run's own
+    {boot_id, pid, start_ticks}, recorded so that a later run on that same machine can tell that the
+    holder died (only there does that pid mean anything); the agent never judges it."""
     state_dir = Path(state_dir)
     now = time.time()
     owner = {
@@ -208,6 +239,8 @@ def acquire(state_dir: str | os.PathLike[str], *, who: str, command: str, host: 
         "start": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)), "start_epoch": now,
         "heartbeat": now, "ttl_s": float(ttl_s), "lock_id": secrets.token_hex(8), "agent_process": agent_process,
     }
+    if control_process is not None:
+        owner["control_process"] = control_process
     deadline = time.monotonic() + max(0.0, wait_s)
     while True:
         try:
@@ -223,7 +256,8 @@ def acquire(state_dir: str | os.PathLike[str], *, who: str, command: str, host: 
                     if not current.get("damaged") else f"repair: {statefs.REPAIR_UNLOCK}")
             raise AgentError(
                 "locked", f"host is locked by {describe(current)}", hint,
-                holder={k: current.get(k) for k in ("who", "command", "host", "run_id", "start", "ttl_s", "damaged")},
+                holder={k: current.get(k) for k in ("who", "command", "host", "run_id", "start", "ttl_s", "damaged",
+                                                    "control_process")},
             )
         time.sleep(POLL_S)
 
@@ -243,14 +277,17 @@ def check(state_dir: str | os.PathLike[str], lock_id: str) -> None:
         write_json_atomic(_lock_path(state_dir) / OWNER, owner)
 
 
-def release(state_dir: str | os.PathLike[str], lock_id: str | None, *, force: bool = False) -> dict:
-    """Remove the lock if lock_id owns it (or force). Returns {"released": bool, "holder": ...}."""
+def release(state_dir: str | os.PathLike[str], lock_id: str | None, *, force: bool = False,
+            run_id: str | None = None) -> dict:
+    """Remove the lock if lock_id owns it, or if run_id is its run (a dead run's lock, broken by a
+    later run of the same control machine), or force. Returns {"released": bool, "holder": ...}."""
     state_dir = Path(state_dir)
     with _guard(state_dir):
         current = holder(state_dir)
         if current is None:
             return {"released": False, "holder": None}
-        if not force and current.get("lock_id") != lock_id:
+        mine = current.get("lock_id") == lock_id if lock_id else bool(run_id) and current.get("run_id") == run_id
+        if not force and not mine:
             return {"released": False, "holder": current}
         try:
             _break(state_dir)
@@ -278,7 +315,10 @@ def held(state_dir: str | os.PathLike[str], lock_id: str | None, *, who: str, co
 
 def op_lock(request: dict) -> dict:
     host, pid, run_id = request.get("host"), request.get("pid"), request.get("run_id")
-    owner = acquire(statefs.state_dir(request), who=str(request.get("who", "?")),
+    control = request.get("control_process")
+    if _process_problem(control):
+        raise AgentError("bad_request", "control_process must be {boot_id, pid, start_ticks}", "a ddtree-ops bug")
+    owner = acquire(statefs.state_dir(request), who=str(request.get("who", "?")), control_process=control,
                     command=str(request.get("command", "?")), host=host if isinstance(host, str) else None,
                     pid=pid if isinstance(pid, int) and not isinstance(pid, bool) else None,
                     run_id=run_id if isinstance(run_id, str) else None,
@@ -287,11 +327,13 @@ def op_lock(request: dict) -> dict:
 
 
 def op_unlock(request: dict) -> dict:
-    """Release by lock_id; with force (the `unlock` command) break it, and clear planted entries first."""
+    """Release by lock_id (or by run_id: a dead run's lock); with force (the `unlock` command) break it,
+    and clear planted entries first."""
     force = bool(request.get("force"))
     sd = statefs.state_dir(request, scan_tree=not force)
     removed = statefs.remove_planted(sd) if force else []
-    return {**release(sd, request.get("lock_id"), force=force), "removed": removed}
+    run_id = request.get("run_id") if isinstance(request.get("run_id"), str) else None
+    return {**release(sd, request.get("lock_id"), force=force, run_id=run_id), "removed": removed}
 
 
 def op_lock_status(request: dict) -> dict:
