@@ -117,6 +117,11 @@ def test_inventory_is_ready_to_use(lab_fleet):
         "service": "sglang.service",
         "state_dir": "/var/lib/ddtree-ops",
         "serve_port": 30000,
+        # The lab engine stands in for sglang.launch_server, with the models `lab up` wrote.
+        "server_module": "ddtree_lab_engine",
+        "model_path": "/opt/ddtree-lab/models/target",
+        "draft_model_path": "/opt/ddtree-lab/models/draft",
+        "extra_args": ["--device", "cpu"],
     }
     assert inventory["groups"] == {"canary": {"hosts": ["lab-1"]}, "main": {"hosts": ["lab-2", "lab-3"]}}
     assert inventory["hosts"]["lab-2"] == {"address": "10.200.0.12", "port": 22}
