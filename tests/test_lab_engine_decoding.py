@@ -136,10 +136,11 @@ def test_sampling_is_reproducible_from_the_seed(models):
         assert outputs(models, mode_spec, specs, [0, 0, 0, 0])[0] == first
     reseeded = [{**s, "choice": Choice(**{**s["choice"].__dict__, "seed": s["choice"].seed + 1})} for s in specs]
     assert outputs(models, MODES[1], reseeded, [0, 0, 0, 0])[0] != first
-    # full mode verifies a sampled batch linearly (the payload's greedy-only tree verify)
+    # full mode verifies sampled requests on the tree, like the payload's worker
     _, _, dec = outputs(models, MODES[3], specs, [0, 0, 0, 0])
     st = dec.tree_stats
-    assert st.tree_steps == 0 and st.fallback_steps == st.fallback_reasons["sampling"] > 0
+    assert st.tree_steps == st.steps > 0 and st.fallback_steps == 0 and not st.fallback_reasons
+    assert st.sampled_requests == sum(st.accepted_depth_hist.values()) and st.greedy_requests == 0
 
 
 def accept_lengths(models, max_new: int = 80, **kw) -> dict[str, float]:

@@ -160,8 +160,13 @@ def test_prepare_server_args_accepts_and_refuses(patched, tmp_path):
     full = results["full 64 cap 4"]
     assert (full["speculative_ddtree_mode"], full["speculative_ddtree_budget"], full["speculative_ddtree_topk_cap"]) == (
         "full", 64, 4)
-    assert full["disable_cuda_graph"] is True  # target-verify graphs are captured for block-size tokens
-    assert results["dflash only"]["disable_cuda_graph"] is False
+    # Full mode keeps CUDA graphs: the target's verify graphs are captured at 1 + budget tokens per
+    # request, the draft's at the block; every other mode keeps the block for both.
+    assert full["disable_cuda_graph"] is False and results["dflash only"]["disable_cuda_graph"] is False
+    widths = {name: (results[name]["target_verify_width"], results[name]["draft_verify_width"]) for name in
+              ("dflash only", "shadow default budget", "full 64 cap 4", "full budget 1")}
+    assert widths == {"dflash only": (16, 16), "shadow default budget": (16, 16), "full 64 cap 4": (65, 16),
+                      "full budget 1": (2, 16)}
     assert results["mode case-insensitive"]["speculative_ddtree_mode"] == "shadow-linear"
     # A full-mode verify writes 1 + budget slots per request: SGLang's own row-width formula must
     # hold that (a request near the context limit otherwise writes into the next request's row).

@@ -41,7 +41,8 @@ class FakeAllocator:
 
 
 class FakeReq:
-    def __init__(self, prompt: list[int], max_new: int) -> None:
+    def __init__(self, prompt: list[int], max_new: int, top_k: int = 1) -> None:
+        self.sampling_params = SimpleNamespace(top_k=top_k)
         self.origin_input_ids = prompt
         self.output_ids: list[int] = []
         self.max_new = max_new
@@ -86,7 +87,17 @@ def main() -> int:
                 seq.append(t)
         tree = build_ddtree(logits, budget, topk_cap=cap)
         max_new = [64, 64, 2][trial % 3]
-        reqs = [FakeReq(histories[i][:-1], max_new) for i in range(bs)]
+        # Every other trial samples some requests at a temperature so low that the target's peaked
+        # node logits are one-hot: the sampled walk must then emit exactly the greedy walk.
+        sampled = [trial % 2 == 1 and i % 2 == 0 for i in range(bs)]
+        reqs = [FakeReq(histories[i][:-1], max_new, top_k=(1 << 30) if sampled[i] else 1) for i in range(bs)]
+        sampling_info = SimpleNamespace(
+            temperatures=torch.tensor([0.01 if x else 1.0 for x in sampled]),
+            top_ks=torch.tensor([(1 << 30) if x else 1 for x in sampled]),
+            top_ps=torch.tensor([0.95 if x else 1.0 for x in sampled]),
+            min_ps=torch.zeros(bs), need_min_p_sampling=False, has_custom_logit_processor=False,
+            logit_bias=None, penalizer_orchestrator=SimpleNamespace(is_required=False),
+        )
         R, L = bs + 2, 512
         req_to_token = torch.full((R, L), -1, dtype=torch.int64)
         allocator = FakeAllocator(4096)
@@ -107,6 +118,7 @@ def main() -> int:
             reqs=reqs,
             input_ids=None,
             out_cache_loc=None,
+            sampling_info=sampling_info,
         )
         dw.alloc_token_slots = lambda _cache, k, allocator=allocator: allocator.alloc(k)
         dw.assign_req_to_token_pool_func = fake_assign
@@ -192,7 +204,9 @@ def main() -> int:
             failures.append(f"trial {trial}: freed {sorted(allocator.freed)} != {sorted(all_slots - kept)}")
         if off != next_hidden.shape[0]:
             failures.append(f"trial {trial}: hidden rows {next_hidden.shape[0]} != {off}")
-        if controller.widths != [n, None]:
+        if controller.stats.sampled_requests != sum(sampled) or controller.stats.greedy_requests != bs - sum(sampled):
+            failures.append(f"trial {trial}: walk counts {controller.stats.as_dict()}")
+        if controller.widths != [n]:
             failures.append(f"trial {trial}: verify width calls {controller.widths}")
     failures += guard_checks()
     failures += hook_checks()
@@ -201,7 +215,7 @@ def main() -> int:
 
 
 class TritonAttnBackend:  # same class name as SGLang's: the worker checks the backend by name
-    num_draft_tokens = 16
+    num_draft_tokens = 16  # the payload's triton_backend patch sets 1 + budget in full mode (_worker)
 
 
 class FlashInferAttnBackend:
@@ -209,9 +223,11 @@ class FlashInferAttnBackend:
 
 
 def _worker(mode="full", backend=TritonAttnBackend, hybrid_attr=None, hf=None, page_size=1, vocab=VOCAB,
-            window=None):
+            window=None, verify_width=None):
+    attn_backend = backend()
+    attn_backend.num_draft_tokens = verify_width or (65 if mode == "full" else 16)
     runner = SimpleNamespace(
-        attn_backend=backend(),
+        attn_backend=attn_backend,
         mambaish_config=None,
         hybrid_gdn_config=None,
         sliding_window_size=window,
@@ -257,6 +273,7 @@ def guard_checks() -> list[str]:
                               ("1 of 2 windowed",)),
         "flashinfer": (_worker(backend=FlashInferAttnBackend), ("FlashInferAttnBackend", "supported: triton")),
         "page size": (_worker(page_size=16), ("page-size 1",)),
+        "unpatched backend width": (_worker(verify_width=16), ("16 tokens per request", "not installed")),
     }
     for name, (worker, needles) in cases.items():
         problem = refused(worker, *needles)
@@ -275,11 +292,11 @@ def guard_checks() -> list[str]:
     if dw.DDTreeController.maybe_create(_worker(mode="off")) is not None:
         out.append("mode off created a controller")
     ctl = dw.DDTreeController.maybe_create(_worker())
-    ctl.set_verify_width(65)
+    ctl.set_verify_width(33)
     width = ctl._attn_backend.num_draft_tokens
-    ctl.set_verify_width(None)
-    if (width, ctl._attn_backend.num_draft_tokens) != (65, 16):
-        out.append(f"verify width not set/restored: {width}, {ctl._attn_backend.num_draft_tokens}")
+    ctl.set_verify_width(16)
+    if (width, ctl._attn_backend.num_draft_tokens) != (33, 16):
+        out.append(f"verify width not set: {width}, {ctl._attn_backend.num_draft_tokens}")
     state = json.loads(json.dumps(ctl.internal_state()))
     if state.get("mode") != "full" or "accepted_depth_hist" not in state:
         out.append(f"internal_state: {state}")
@@ -356,7 +373,7 @@ def hook_checks() -> list[str]:
     bonus = torch.tensor([3, 4])
     # (mode, greedy, free KV slots, tree width installed or 0 for the linear path)
     for mode, greedy, free, want_n in (("shadow-linear", True, 10_000, 0), ("full", True, 10_000, 65),
-                                       ("full", False, 10_000, 0), ("full", True, 100, 32), ("full", True, 3, 0)):
+                                       ("full", False, 10_000, 65), ("full", True, 100, 32), ("full", True, 3, 0)):
         want_tree = want_n > 0
         ctl = dw.DDTreeController.maybe_create(_worker(mode=mode))
         batch, alloc = batch_for(2, greedy, free)
@@ -382,13 +399,13 @@ def hook_checks() -> list[str]:
         else:
             if batch.spec_info != "untouched":
                 out.append(f"{label}: linear path must keep upstream's verify input")
-            if mode == "shadow-linear" and ctl.stats.nodes_sum != 2 * 65:
+            if mode == "shadow-linear" and float(ctl.stats.nodes_sum) != 2 * 65:
                 out.append(f"{label}: shadow tree not measured ({ctl.stats.nodes_sum})")
             ctl.on_verified(object(), [3, 0])
             fallback = 1 if mode == "full" else 0
             if ctl.stats.fallback_steps != fallback or ctl.stats.accepted_depth_hist != {3: 1, 0: 1}:
                 out.append(f"{label}: stats {ctl.stats.as_dict()}")
-            want_reason = {"full": "kv_pool" if free < 100 else "sampling"}.get(mode)
+            want_reason = {"full": "kv_pool"}.get(mode)
             if want_reason and dict(ctl.stats.fallback_reasons) != {want_reason: 1}:
                 out.append(f"{label}: fallback reasons {dict(ctl.stats.fallback_reasons)}")
     out += step_limit_checks(batch_for, head, draft_hidden, bonus)

@@ -41,6 +41,16 @@ def run(case: dict) -> dict:
         from sglang.srt.mem_cache.common import get_req_to_token_extra_context_len
 
         fields["req_to_token_extra"] = get_req_to_token_extra_context_len(args)
+        # The verify widths the CUDA-graph runners capture (the patched spec_info hook reads the
+        # global server args, as it does inside a model runner).
+        from sglang.srt.server_args import set_global_server_args_for_scheduler
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        set_global_server_args_for_scheduler(args)
+        algo = SpeculativeAlgorithm.from_string(args.speculative_algorithm)
+        block = args.speculative_num_draft_tokens
+        fields["target_verify_width"] = algo.get_num_tokens_per_bs_for_target_verify(block, False)
+        fields["draft_verify_width"] = algo.get_num_tokens_per_bs_for_target_verify(block, True)
     return {"name": case["name"], "ok": True, **fields}
 
 

@@ -3,9 +3,9 @@
 The tree and the walk are the host's own `sglang.srt.speculative.ddtree_utils.build_ddtree` and
 `follow_verified_tree` (passed in as `ddtree`, the imported module), so whatever `push` installed is
 what decides which tokens a full-mode step emits. The rest follows the payload's worker
-(`ddtree_worker.py`): full mode verifies the tree only when every request of the step is greedy, and
-otherwise takes the linear verify and counts a fallback step; shadow-linear builds and measures the
-tree each step and verifies linearly.
+(`ddtree_worker.py`): full mode verifies every step on the tree, greedy and sampled requests alike
+(a sampled request's choice at each node is the seeded sample of `sampling.Choice`, so the walk emits
+what plain sampling emits); shadow-linear builds and measures the tree each step and verifies linearly.
 
 Invariant of a request: its KV cache holds every token but the last (`cache.length == len(tokens)-1`);
 the last one is the next step's root (SGLang's bonus token).
@@ -75,12 +75,14 @@ class TreeStats:
     steps: int = 0
     tree_steps: int = 0
     fallback_steps: int = 0
-    # The engine never shrinks a tree (no device memory to run out of); its only fallback cause is
-    # the worker's "sampling": a step whose batch is not all plain greedy.
+    # The engine never shrinks a tree nor falls back to linear (no device memory to run out of),
+    # and has no CUDA graphs; the keys are there because the worker reports them.
     shrunk_steps: int = 0
     fallback_reasons: collections.Counter[str] = field(default_factory=collections.Counter)
     nodes_sum: int = 0
     requests_sum: int = 0
+    greedy_requests: int = 0
+    sampled_requests: int = 0
     build_ms_n: int = 0
     build_ms_first: float | None = None
     build_ms_recent: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=256))
@@ -99,12 +101,18 @@ class TreeStats:
             "mode": self.mode,
             "budget": self.budget,
             "topk_cap": self.topk_cap,
+            "verify_graph_width": None,
+            "verify_graph_max_bs": None,
             "steps": self.steps,
             "tree_steps": self.tree_steps,
             "fallback_steps": self.fallback_steps,
             "shrunk_steps": self.shrunk_steps,
             "fallback_reasons": dict(sorted(self.fallback_reasons.items())),
             "avg_tree_nodes": round(self.nodes_sum / max(1, self.requests_sum), 3),
+            "greedy_requests": self.greedy_requests,
+            "sampled_requests": self.sampled_requests,
+            "logit_adjusted_steps": 0,
+            "graph_steps": 0,
             "build_ms_median": round(_median(self.build_ms_recent), 4),
             "build_ms_max": round(max(self.build_ms_recent, default=0.0), 4),
             "build_ms_first": None if self.build_ms_first is None else round(self.build_ms_first, 3),
@@ -208,7 +216,7 @@ class Decoder:
                 self._plain(r)
             return
         draft_logits = torch.stack([self._draft_logits(r) for r in reqs])  # [bs, depth, vocab]
-        if self.mode == "full" and all(r.choice.greedy for r in reqs):
+        if self.mode == "full":
             self._tree_verify(reqs, draft_logits)
         else:
             if self.mode == "shadow-linear":
@@ -247,13 +255,13 @@ class Decoder:
             self._commit(r, out, list(range(accepted + 1)), [*tokens[1 : accepted + 1], target[accepted]])
         if self.tree_stats is not None:
             self.tree_stats.steps += 1
-            if self.mode == "full":
-                self.tree_stats.fallback_steps += 1
-                self.tree_stats.fallback_reasons["sampling"] += 1
 
     def _tree_verify(self, reqs: list[Request], draft_logits: torch.Tensor) -> None:
         tree = self._build_tree(draft_logits)
         self.tree_stats.tree_steps += 1
+        sampled = sum(1 for r in reqs if not r.choice.greedy)
+        self.tree_stats.sampled_requests += sampled
+        self.tree_stats.greedy_requests += len(reqs) - sampled
         n = tree.parents.shape[1]
         all_tokens = tree.full_token_ids(torch.tensor([r.tokens[-1] for r in reqs]))
         all_positions = tree.positions(torch.tensor([len(r.tokens) - 1 for r in reqs]))

@@ -196,12 +196,15 @@ def _check_full_mode(server_args: Any) -> None:
     current = getattr(server_args, "max_speculative_num_draft_tokens", None) or 0
     if verify_width > current:
         server_args.max_speculative_num_draft_tokens = verify_width
-    # The target-verify CUDA graphs are captured for exactly block-size tokens per request;
-    # a tree of 1 + budget tokens would replay the wrong graph, so decode graphs go.
-    if not getattr(server_args, "disable_cuda_graph", False):
-        server_args.disable_cuda_graph = True
-        logger.warning(
-            "%s full: CUDA graphs disabled (the target-verify graphs are captured for "
-            "--speculative-num-draft-tokens tokens per request; a DDTree verify has 1 + budget).",
-            FLAG_MODE,
-        )
+
+
+def target_verify_width(server_args: Any, block_size: int) -> int:
+    """Tokens per request of the *target's* verify forward: ``1 + budget`` in full mode (every tree
+    step verifies its whole node set), else the DFLASH block. The target's verify CUDA graphs are
+    captured at this width and the triton backend sizes its verify metadata by it (payload patches
+    of spec_info.py and triton_backend.py); the draft worker always runs its block."""
+    if getattr(server_args, "speculative_ddtree_mode", "off") == "full":
+        budget = getattr(server_args, "speculative_ddtree_budget", None)
+        if budget is not None:
+            return 1 + int(budget)
+    return int(block_size)

@@ -6,16 +6,20 @@ Modes (flag `--speculative-ddtree-mode`):
   record its size and build time; verification stays the linear DFlash path, untouched, so outputs
   and accept lengths equal plain DFlash.
 - `full`: build the tree, verify all `1 + budget` tree tokens in one TARGET_VERIFY pass with an
-  ancestor-only custom mask (positions = prefix length + depth), walk the tree with the target's
-  argmax, and commit the accepted path's KV slots and hidden states. Used only for greedy batches
-  without penalties, logit bias or custom logit processors; any other step falls back to the
-  linear DFlash verify, which is lossless by upstream's own construction.
+  ancestor-only custom mask (positions = prefix length + depth), walk the tree -- the target's
+  argmax for greedy requests, a sample of the target at every node for sampled ones
+  (`ddtree_sampling`) -- and commit the accepted path's KV slots and hidden states. The target's
+  verify CUDA graphs are captured at `1 + budget` tokens per request (`ddtree_args`
+  `target_verify_width`); a step that cannot use them (a smaller tree after `step_budget`, a
+  linear step when the KV pool is short) runs eagerly at its own width.
 
 Why full mode is lossless here: every tree node's KV entry is computed at position
 `prefix + depth` attending to the committed prefix, its ancestors and itself, which is exactly
 what a linear pass over `prefix + path` computes; the walk accepts a child only when its token
-equals the target's argmax at the parent, and the first mismatch yields the target's own token.
-The accepted path's slots are re-pointed (req_to_token) in path order, the rest are freed.
+is the target's own choice at the parent (argmax, or the sample drawn there), and the first
+miss yields the target's own token. The accepted path's slots are re-pointed (req_to_token) in
+path order, the rest are freed. Logit processors, penalties and logit biases are applied to every
+node's logits exactly as upstream's linear DFLASH verify applies them to every block position.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any
 
 import torch
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.layers.sampler import apply_custom_logit_processor
 from sglang.srt.managers.schedule_batch import ScheduleBatch
 from sglang.srt.mem_cache.common import alloc_token_slots, evict_from_tree_cache
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -93,11 +98,28 @@ def full_mode_refusal_at_start(model_runner: Any) -> str | None:
     return full_mode_refusal(_hf_config_dict(model_runner))
 
 
-def _plain_greedy(info: Any) -> bool:
-    if not info.is_all_greedy or info.has_custom_logit_processor or info.logit_bias is not None:
+def sampled_rows(batch: ScheduleBatch) -> list[int]:
+    """Requests whose next token is sampled (top_k > 1 after SGLang's normalisation: T = 0 sets
+    top_k 1); read per request, never from the batch's merged `is_all_greedy` flag."""
+    return [i for i, req in enumerate(batch.reqs) if int(req.sampling_params.top_k) > 1]
+
+
+def apply_logit_adjustments(logits: torch.Tensor, info: Any, tokens_per_request: int) -> bool:
+    """Custom logit processors, penalties and logit biases on every verify row, as upstream's
+    linear DFLASH verify applies them (held fixed within a step). True if anything was applied."""
+    if info is None:
         return False
+    applied = False
+    if info.has_custom_logit_processor:
+        apply_custom_logit_processor(logits, info, num_tokens_in_batch=tokens_per_request)
+        applied = True
     orchestrator = getattr(info, "penalizer_orchestrator", None)
-    return orchestrator is None or not orchestrator.is_required
+    if (orchestrator is not None and orchestrator.is_required) or info.logit_bias is not None:
+        per_request = torch.zeros((len(info), logits.shape[1]), dtype=torch.float32, device=logits.device)
+        info.apply_logits_bias(per_request)
+        logits.add_(torch.repeat_interleave(per_request, tokens_per_request, dim=0))
+        applied = True
+    return applied
 
 
 def _median(values: Any) -> float:
@@ -116,11 +138,17 @@ class DDTreeStats:
     tree_steps: int = 0
     fallback_steps: int = 0
     # Tree steps that ran a smaller budget than configured (row, logits or mask limits), and
-    # linear steps by cause: "sampling" (not plain greedy), "kv_pool", "step_limits".
+    # linear steps by cause: "kv_pool", "step_limits".
     shrunk_steps: int = 0
-    nodes_sum: int = 0
     requests_sum: int = 0
     build_ms_n: int = 0
+    # Per request and tree step: walked greedily or by sampling; steps whose logits had
+    # processors, penalties or biases applied.
+    greedy_requests: int = 0
+    sampled_requests: int = 0
+    logit_adjusted_steps: int = 0
+    # Steps whose target verify replayed a CUDA graph (the rest ran eagerly).
+    graph_steps: int = 0
 
     def __post_init__(self) -> None:
         self.accepted_depth_hist: collections.Counter[int] = collections.Counter()
@@ -129,6 +157,11 @@ class DDTreeStats:
         self.build_ms_first: float | None = None
         self.build_ms_recent: collections.deque[float] = collections.deque(maxlen=256)
         self.fallback_reasons: collections.Counter[str] = collections.Counter()
+        # Tree nodes summed on the device, read only when the stats are read (no sync per step).
+        self.nodes_sum: Any = 0
+
+    def add_nodes(self, num_nodes: torch.Tensor) -> None:
+        self.nodes_sum = num_nodes.sum() + self.nodes_sum
 
     def as_dict(self) -> dict[str, Any]:
         n_req = max(1, sum(self.accepted_depth_hist.values()))
@@ -138,7 +171,11 @@ class DDTreeStats:
             "fallback_steps": self.fallback_steps,
             "shrunk_steps": self.shrunk_steps,
             "fallback_reasons": dict(sorted(self.fallback_reasons.items())),
-            "avg_tree_nodes": round(self.nodes_sum / max(1, self.requests_sum), 3),
+            "avg_tree_nodes": round(float(self.nodes_sum) / max(1, self.requests_sum), 3),
+            "greedy_requests": self.greedy_requests,
+            "sampled_requests": self.sampled_requests,
+            "logit_adjusted_steps": self.logit_adjusted_steps,
+            "graph_steps": self.graph_steps,
             "build_ms_median": round(_median(self.build_ms_recent), 4),
             "build_ms_max": round(max(self.build_ms_recent, default=0.0), 4),
             "build_ms_first": None if self.build_ms_first is None else round(self.build_ms_first, 3),
@@ -191,8 +228,12 @@ class DDTreeController:
                 raise DDTreeRefused(
                     f"DDTree full mode refused: needs --page-size 1, got {worker.page_size}."
                 )
+            self._check_verify_width(worker)
             self.max_verify_tokens, self.max_mask_bytes = self._size_verify_memory(worker)
-        from sglang.srt.speculative import ddtree_utils  # noqa: F401  (fail at start, not mid-serve)
+        graph_runner = getattr(worker.model_runner, "graph_runner", None)
+        self.verify_graph_width = getattr(graph_runner, "num_tokens_per_bs", None)
+        self.verify_graph_max_bs = getattr(graph_runner, "max_bs", None)
+        self._warm_up_build(worker)
 
         if self.tp_rank == 0:
             logger.info(
@@ -203,6 +244,40 @@ class DDTreeController:
                 self.depth,
                 self.block_size,
             )
+
+    def _check_verify_width(self, worker: Any) -> None:
+        """The patched triton backend and CUDA-graph runner size the target verify at 1 + budget."""
+        want = self.budget + 1
+        graph_runner = getattr(worker.model_runner, "graph_runner", None)
+        widths = {"attention backend": self._backend_verify_width}
+        if graph_runner is not None:
+            widths["verify CUDA graphs"] = getattr(graph_runner, "num_tokens_per_bs", None)
+        wrong = {name: w for name, w in widths.items() if w != want}
+        if wrong:
+            raise DDTreeRefused(
+                "DDTree full mode refused: the target verify is sized at "
+                + ", ".join(f"{w} tokens per request ({name})" for name, w in wrong.items())
+                + f", not 1 + budget = {want}: the payload's triton_backend / spec_info patches are "
+                "not installed. Re-push the payload (ddtree-ops push) or use shadow-linear."
+            )
+
+    def _warm_up_build(self, worker: Any) -> None:
+        """Compile the tree builder's Triton kernels at start for the configured budget (the first
+        build in a process JIT-compiles for tens of seconds; a serving step should not)."""
+        device = worker.model_runner.device
+        if not str(device).startswith("cuda"):
+            return
+        vocab = int(worker.model_runner.model_config.vocab_size)
+        from sglang.srt.speculative.ddtree_utils import build_ddtree
+
+        t0 = time.perf_counter()
+        for bs in (1, 2):
+            # The draft logits' dtype is the target LM head's (model dtype): kernels specialise on it.
+            logits = torch.randn((bs, self.depth, vocab), device=device).to(worker.model_runner.model_config.dtype)
+            build_ddtree(logits, self.budget, topk_cap=self.topk_cap)
+        torch.cuda.synchronize(device)
+        if self.tp_rank == 0:
+            logger.info("DDTree builder warmed up in %.1f s", time.perf_counter() - t0)
 
     def _size_verify_memory(self, worker: Any) -> tuple[int, int]:
         """Verify tokens and mask bytes a step may use, sized once at start and reserved.
@@ -313,7 +388,7 @@ class DDTreeController:
     def shadow_observe(self, draft_hidden: torch.Tensor, lm_head: Any) -> None:
         """Build and measure the tree; never touches the verify input."""
         tree = self.build_tree(draft_hidden, lm_head)
-        self.stats.nodes_sum += int(tree.num_nodes.sum().item())
+        self.stats.add_nodes(tree.num_nodes)
         self.stats.requests_sum += int(draft_hidden.shape[0])
 
     # ------------------------------------------------------------------ hooks
@@ -328,7 +403,7 @@ class DDTreeController:
     ) -> bool:
         """Hook after the DFlash draft forward. True: the tree verify input is installed and
         the caller must return; False: continue with upstream's linear path."""
-        self.set_verify_width(None)
+        self.set_verify_width(self.block_size)
         budget = self.tree_budget_for(batch)
         if budget:
             self.prepare_tree_verify(
@@ -344,8 +419,13 @@ class DDTreeController:
             self.shadow_observe(draft_hidden, lm_head)
         return False
 
-    def on_verified(self, verify_input: Any, num_correct_drafts_per_req: list[int]) -> None:
-        """Hook at the end of a DFlash decode step (both verify kinds)."""
+    def on_verified(
+        self, verify_input: Any, num_correct_drafts_per_req: list[int], *, graph: bool = False
+    ) -> None:
+        """Hook at the end of a DFlash decode step (both verify kinds); `graph`: the target verify
+        replayed a CUDA graph."""
+        if graph:
+            self.stats.graph_steps += 1
         self.on_step_done(
             num_correct_drafts_per_req, linear=not isinstance(verify_input, DDTreeVerifyInput)
         )
@@ -354,11 +434,6 @@ class DDTreeController:
     def tree_budget_for(self, batch: ScheduleBatch) -> int:
         """The budget of this step's tree verify; 0: upstream's linear verify (counted by reason)."""
         if self.mode != "full":
-            return 0
-        info = batch.sampling_info
-        if info is not None and not _plain_greedy(info):
-            # Sampling, penalties, biases and custom processors are per-position and linear.
-            self.stats.fallback_reasons["sampling"] += 1
             return 0
         budget = step_budget(
             self.budget,
@@ -423,18 +498,17 @@ class DDTreeController:
         )
         verify_input.prepare_for_verify(batch, self.worker.page_size)
         self.stats.tree_steps += 1
-        self.stats.nodes_sum += int(tree.num_nodes.sum().item())
+        self.stats.add_nodes(tree.num_nodes)
         self.stats.requests_sum += bs
         batch.forward_mode = ForwardMode.TARGET_VERIFY
         batch.spec_info = verify_input
         batch.return_hidden_states = False
 
-    def set_verify_width(self, width: int | None) -> None:
-        if self._backend_verify_width is None:
-            return
-        self._attn_backend.num_draft_tokens = (
-            self._backend_verify_width if width is None else int(width)
-        )
+    def set_verify_width(self, width: int) -> None:
+        """The triton backend reads the verify width from `num_draft_tokens` when it builds a step's
+        metadata (eager or graph replay); every full-mode step sets its own before the forward."""
+        if self.mode == "full" and self._backend_verify_width is not None:
+            self._attn_backend.num_draft_tokens = int(width)
 
     # ------------------------------------------------------------------ metrics
     def on_step_done(self, num_correct_drafts_per_req: list[int], *, linear: bool) -> None:
@@ -457,7 +531,14 @@ class DDTreeController:
         string keys only, because the HTTP layer serialises with orjson."""
         stats = self.stats.as_dict()
         stats["accepted_depth_hist"] = {str(k): v for k, v in stats["accepted_depth_hist"].items()}
-        return {"mode": self.mode, "budget": self.budget, "topk_cap": self.topk_cap, **stats}
+        return {
+            "mode": self.mode,
+            "budget": self.budget,
+            "topk_cap": self.topk_cap,
+            "verify_graph_width": self.verify_graph_width,
+            "verify_graph_max_bs": self.verify_graph_max_bs,
+            **stats,
+        }
 
 
 def build_tree_custom_mask(
@@ -531,20 +612,35 @@ class DDTreeVerifyInput(DFlashVerifyInput):
         logits_output: LogitsProcessorOutput,
         page_size: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-        """Same contract as DFlashVerifyInput.verify (greedy only; see tree_budget_for)."""
-        from sglang.srt.speculative.ddtree_utils import follow_verified_tree
+        """Same contract as DFlashVerifyInput.verify, greedy and sampled requests alike."""
+        from sglang.srt.speculative.ddtree_sampling import tree_walk
 
-        self.controller.set_verify_width(None)
         if batch.forward_mode.is_idle():
             empty = torch.empty((0,), dtype=torch.int64, device=batch.device)
             return empty, empty.to(torch.int32), empty, []
 
         bs = batch.batch_size()
         n = int(self.draft_token_num)
-        device = logits_output.next_token_logits.device
+        logits = logits_output.next_token_logits
+        device = logits.device
         tokens = self.draft_token.view(bs, n)
-        target_predict = torch.argmax(logits_output.next_token_logits, dim=-1).view(bs, n)
-        accepted_nodes, accept_lens, bonus = follow_verified_tree(self.tree, target_predict)
+        info = batch.sampling_info
+        stats = self.controller.stats
+        if apply_logit_adjustments(logits, info, n):
+            stats.logit_adjusted_steps += 1
+        sampled = sampled_rows(batch) if info is not None else []
+        stats.sampled_requests += len(sampled)
+        stats.greedy_requests += bs - len(sampled)
+        accepted_nodes, accept_lens, bonus = tree_walk(
+            self.tree,
+            tokens.to(torch.int64),
+            logits.view(bs, n, -1),
+            sampled_rows=sampled,
+            temperatures=None if info is None else info.temperatures,
+            top_ks=None if info is None else info.top_ks,
+            top_ps=None if info is None else info.top_ps,
+            min_ps=None if info is None or not info.need_min_p_sampling else info.min_ps,
+        )
         accepted_nodes = accepted_nodes.to(torch.int64)  # [bs, depth + 1], root first, -1 pad
         max_path = int(accepted_nodes.shape[1])
         safe_nodes = accepted_nodes.clamp(min=0)
