@@ -113,6 +113,23 @@ if [ "${MIX:-0}" = 1 ]; then
   # Served only when dist/old/ holds the older bundle; the p set queries last, so a tight deadline cuts it first.
   if [ -z "$OLD_BUNDLE" ]; then VARIANTS=("${VARIANTS[@]/*_old|*}"); fi
 fi
+if [ "${GRAPHS:-0}" = 1 ]; then
+  # Issue 13: every server with CUDA graphs (target verify and draft), the production-mix flags.
+  KEEP=(); for c in "${COMMON[@]}"; do [ "$c" = --disable-cuda-graph ] || KEEP+=("$c"); done; COMMON=("${KEEP[@]}")
+  COMMON+=(--cuda-graph-max-bs 32 --context-length 1024 --schedule-policy fcfs)
+  FULL="DF --speculative-ddtree-mode full --speculative-ddtree-budget"
+  VARIANTS=(
+    "p_full64|/tmp/tiny_p|$FULL 64"  # first: starts alone, warms the JIT caches (verify width 65, builder)
+    "p_plain|/tmp/tiny_p|" "p_dflash|/tmp/tiny_p|DF"
+    "p_shadow|/tmp/tiny_p|DF --speculative-ddtree-mode shadow-linear --speculative-ddtree-budget 64"
+    "p_full64_bias|/tmp/tiny_p|$FULL 64 BIAS"
+    "r_plain|/tmp/tiny_r|" "r_dflash|/tmp/tiny_r|DF" "r_dflash_pristine|/tmp/tiny_r|DF PRISTINE"
+    "r_full16|/tmp/tiny_r|$FULL 16" "r_full64|/tmp/tiny_r|$FULL 64" "r_full256|/tmp/tiny_r|$FULL 256"
+  )
+  rm -rf /tmp/site_pristine && mkdir -p /tmp/site_pristine && tar -C /tmp/site_pristine -xJf .gpu/site312.tar.xz
+  ( python3 $HERE/sampling_kernels_check.py 60 > "$OUT/sampling_kernels_check.log" 2>&1; echo "rc=$?" >> "$OUT/sampling_kernels_check.log" ) &
+  SKC_PID=$!
+fi
 if [ "${TP2:-0}" = 1 ]; then  # the TP twins (token TP2 -> --tp-size 2 --nccl-port ...), queried early
   WITH_TP=()
   for v in "${VARIANTS[@]}"; do
@@ -140,6 +157,8 @@ launch() {  # TAG MODEL_DIR EXTRA...
       RT) args+=(--max-total-tokens 4096); envs+=(SGLANG_TEST_RETRACT=1 SGLANG_TEST_RETRACT_INTERVAL=25) ;;
       OLD) envs+=(PYTHONPATH=/tmp/site_old) ;;
       CAP) envs+=(SGLANG_DDTREE_MAX_VERIFY_TOKENS=1024) ;;  # steps must shrink their trees
+      PRISTINE) envs+=(PYTHONPATH=/tmp/site_pristine) ;;  # upstream 0.5.13.post1, no payload
+      BIAS) envs+=(SGLANG_DDTREE_TEST_BIASED_WALK=1) ;;  # a deliberately wrong sampled walk
       TP2) args+=(--tp-size 2 --nccl-port $(( PORT[$tag] + 5 )) "${TP2_EXTRA_ARGS[@]}") ;;
       *) args+=("$a") ;;
     esac
@@ -193,6 +212,10 @@ client() {  # TAG WAIT_S: the proof's client for this server
 }
 
 first=${TAGS[0]}; rest=("${TAGS[@]:1}")
+if [ "${GRAPHS:-0}" = 1 ]; then
+  source $HERE/graphs_phases.sh
+  exit $?
+fi
 IFS='|' read -r tag model extra <<< "$first"; launch "$tag" "$model" $extra
 client "$tag" 300
 ts "$tag (warm-up server) client rc=$?"

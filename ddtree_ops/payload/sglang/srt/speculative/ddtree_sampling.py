@@ -213,11 +213,13 @@ def tree_walk(
     min_ps: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     use_kernel: bool = True,
+    coin_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Walk every request's tree: argmax for greedy rows, the sampled walk for ``sampled_rows``.
 
     ``logits`` float ``[bs, n, vocab]`` (after any logit processors, penalties and biases);
-    sampling parameters are per request (``[bs]``), read only for the sampled rows.
+    sampling parameters are per request (``[bs]``), read only for the sampled rows. ``coin_scale`` < 1
+    biases the walk towards drafted children (a deliberate fault, to show a distribution test's power).
     Returns ``(accepted_nodes, accept_lengths, bonus_tokens)`` (see ``follow_verified_tree``).
     """
     bs, n, vocab = logits.shape
@@ -234,7 +236,7 @@ def tree_walk(
         top_ps.index_select(0, idx).repeat_interleave(n),
         None if min_ps is None else min_ps.index_select(0, idx).repeat_interleave(n),
     ).view(len(sampled_rows), n, vocab)
-    coins = torch.rand((len(sampled_rows), n), device=device, generator=generator)
+    coins = torch.rand((len(sampled_rows), n), device=device, generator=generator) * coin_scale
     final_coins = torch.rand((len(sampled_rows),), device=device, generator=generator)
     cand = candidates.index_select(0, idx)
     kernel = _kernel() if (use_kernel and probs.is_cuda) else None

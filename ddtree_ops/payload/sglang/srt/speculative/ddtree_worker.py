@@ -53,6 +53,9 @@ logger = logging.getLogger(__name__)
 
 # Log the debug metrics every this many DDTree steps (tp rank 0 only); the first step is logged too.
 LOG_EVERY = max(1, int(os.environ.get("SGLANG_DDTREE_LOG_EVERY", "64") or 64))
+# Test-only fault (bench/gpu/graphs_proof.py): halve the sampled walk's coins, which biases sampled
+# requests towards drafted tokens; the distribution test must reject it.
+TEST_BIASED_WALK = os.environ.get("SGLANG_DDTREE_TEST_BIASED_WALK", "") == "1"
 # Triton is the one backend whose target-verify metadata we can re-size per step: it reads the
 # verify width from `num_draft_tokens` on every eager forward.
 _TRITON_BACKEND_CLASS = "TritonAttnBackend"
@@ -235,6 +238,8 @@ class DDTreeController:
         self.verify_graph_max_bs = getattr(graph_runner, "max_bs", None)
         self._warm_up_build(worker)
 
+        if TEST_BIASED_WALK and self.tp_rank == 0:
+            logger.warning("DDTree: SGLANG_DDTREE_TEST_BIASED_WALK=1, sampled requests are WRONG (test fault)")
         if self.tp_rank == 0:
             logger.info(
                 "DDTree enabled: mode=%s budget=%d topk_cap=%s depth=%d block_size=%d",
@@ -640,6 +645,7 @@ class DDTreeVerifyInput(DFlashVerifyInput):
             top_ks=None if info is None else info.top_ks,
             top_ps=None if info is None else info.top_ps,
             min_ps=None if info is None or not info.need_min_p_sampling else info.min_ps,
+            coin_scale=0.5 if TEST_BIASED_WALK else 1.0,
         )
         accepted_nodes = accepted_nodes.to(torch.int64)  # [bs, depth + 1], root first, -1 pad
         max_path = int(accepted_nodes.shape[1])

@@ -1,0 +1,311 @@
+#!/usr/bin/env python3
+"""Issue 13's client: sampled requests on the tree, liveness of mixed batches, and speed with CUDA graphs.
+
+  run --port P --tag T --out F.json [--liveness] [--samples N] [--perf] [--wait S] [--pid PID]
+      liveness: 8 sampled (T 0.8, top_p 0.95) + 8 greedy requests sent together, 20 rounds in a row,
+                each round must finish within --bound seconds (upstream 0.5.13.post1 DFLASH was seen
+                to make no progress for 16-117 s on this mix).
+      samples:  N requests per prompt of max_new_tokens 3 at T 0.8 / top_p 0.95: the first 3 tokens.
+      perf:     batch 1, 8, 32 of greedy requests (64-token prompts, 128 new tokens, ignore_eos), sent
+                together; wall time, verify steps (the longest request's spec_verify_ct; plain: tokens)
+                and ms per step, mean accept length, the server's DDTree stats.
+  compare OUT_DIR --plain TAG --cand TAG [TAG...] [--biased TAG]
+      two-sample tests of the first-3-token samples (chi-square homogeneity over the 3-token tuples, rare
+      ones pooled, and total variation with its permutation null); every --cand must pass at
+      alpha = 1e-3 / prompts; --biased (a server whose walk is deliberately biased) must fail, which
+      shows the test has power. Also prints the liveness and perf tables. Exit 1 on a failed verdict.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import math
+import os
+import random
+import sys
+import time
+
+import requests
+
+SAMPLED = {"temperature": 0.8, "top_p": 0.95}
+PROMPTS = [  # fixed token-id prompts (ids < 4000 exist in the tiny models' vocab)
+    [(i * 37) % 3900 + 10 for i in range(24)],
+    [7, 42, 42, 42, 1000, 2000, 3000, 5, 6, 7, 8, 9],
+    list(range(100, 140)),
+]
+
+
+def wait_healthy(base: str, wait_s: float, pid: int | None) -> float | None:
+    t0 = time.time()
+    while time.time() - t0 < wait_s:
+        try:
+            if requests.get(base + "/health", timeout=5).status_code == 200:
+                return time.time() - t0
+        except requests.RequestException:
+            pass
+        if pid is not None:
+            try:
+                os.kill(pid, 0)
+            except OSError:
+                return None
+        time.sleep(1)
+    return None
+
+
+def post(base: str, body: dict, timeout: float) -> dict | list:
+    r = requests.post(base + "/generate", json=body, timeout=timeout)
+    r.raise_for_status()
+    return r.json()
+
+
+def ddtree_state(base: str) -> dict:
+    try:
+        info = requests.get(base + "/server_info", timeout=10).json()
+        return ((info.get("internal_states") or [{}])[0]).get("ddtree") or {}
+    except (requests.RequestException, ValueError):
+        return {}
+
+
+def liveness(base: str, rounds: int, bound: float) -> dict:
+    rng = random.Random(13)
+    out = []
+    for k in range(rounds):
+        reqs = []
+        for i in range(16):
+            prompt = [rng.randrange(10, 3900) for _ in range(rng.randint(8, 200))]
+            sp = dict(SAMPLED) if i % 2 == 0 else {"temperature": 0.0}
+            reqs.append({"input_ids": prompt, "sampling_params": {**sp, "max_new_tokens": 64, "ignore_eos": True}})
+        t0 = time.time()
+        with concurrent.futures.ThreadPoolExecutor(16) as ex:
+            futs = [ex.submit(post, base, body, bound) for body in reqs]
+            errors = []
+            for f in futs:
+                try:
+                    f.result()
+                except Exception as e:  # noqa: BLE001 - a timeout is the stall this looks for
+                    errors.append(type(e).__name__)
+        dt = time.time() - t0
+        out.append({"round": k, "s": round(dt, 3), "errors": errors})
+        print(f"[live] round {k}: {dt:.2f}s errors={errors}", flush=True)
+        if errors:
+            break  # stalled: the server may stay stuck for minutes; the verdict is in
+    ok = len(out) == rounds and all(not r["errors"] and r["s"] <= bound for r in out)
+    return {"rounds": out, "bound_s": bound, "ok": ok, "max_s": max(r["s"] for r in out)}
+
+
+def samples(base: str, n: int) -> dict:
+    res = {}
+    for p, prompt in enumerate(PROMPTS):
+        got: list[list[int]] = []
+        chunk = 250
+        bodies = [{"input_ids": [prompt] * min(chunk, n - s),
+                   "sampling_params": {**SAMPLED, "max_new_tokens": 3, "ignore_eos": True}}
+                  for s in range(0, n, chunk)]
+        with concurrent.futures.ThreadPoolExecutor(4) as ex:
+            for out in ex.map(lambda b: post(base, b, 600), bodies):
+                got += [o["output_ids"][:3] for o in out]
+        res[str(p)] = got
+    return res
+
+
+def perf(base: str) -> dict:
+    rng = random.Random(21)
+    prompts = [[rng.randrange(10, 3900) for _ in range(64)] for _ in range(32)]
+    sp = {"temperature": 0.0, "max_new_tokens": 128, "ignore_eos": True}
+    post(base, {"input_ids": prompts[0], "sampling_params": sp}, 300)  # warm
+    out = {}
+    for bs in (1, 8, 32):
+        before = ddtree_state(base)
+        t0 = time.time()
+        with concurrent.futures.ThreadPoolExecutor(bs) as ex:
+            res = list(ex.map(lambda pr: post(base, {"input_ids": pr, "sampling_params": sp}, 300), prompts[:bs]))
+        wall = time.time() - t0
+        after = ddtree_state(base)
+        metas = [r["meta_info"] for r in res]
+        tokens = sum(m["completion_tokens"] for m in metas)
+        verify = [m.get("spec_verify_ct") for m in metas]
+        steps = max(verify) if all(verify) else max(m["completion_tokens"] for m in metas)
+        out[str(bs)] = {
+            "wall_s": round(wall, 4), "tokens": tokens, "steps": steps,
+            "ms_per_step": round(1e3 * wall / steps, 3),
+            "accept_len": round(tokens / sum(verify), 3) if all(verify) else 1.0,
+            "tok_per_s": round(tokens / wall, 1),
+            "ddtree_delta": {k: after.get(k, 0) - before.get(k, 0)
+                             for k in ("steps", "tree_steps", "graph_steps", "fallback_steps", "sampled_requests")
+                             if isinstance(after.get(k), int)},
+        }
+        print(f"[perf] bs {bs}: {out[str(bs)]}", flush=True)
+    return out
+
+
+def _write(path: str, obj: object) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f)
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    base = f"http://127.0.0.1:{a.port}"
+    res: dict = {"tag": a.tag, "ready_s": wait_healthy(base, a.wait, a.pid)}
+    if res["ready_s"] is None:
+        _write(a.out, res)
+        print(f"[proof] {a.tag}: never healthy", flush=True)
+        return 2
+    if a.samples:
+        t = time.time()
+        res["samples"] = samples(base, a.samples)
+        res["samples_s"] = round(time.time() - t, 1)
+    if a.liveness:
+        res["liveness"] = liveness(base, 20, a.bound)
+    if a.perf:
+        res["perf"] = perf(base)
+    res["ddtree"] = ddtree_state(base)
+    _write(a.out, res)
+    print(f"[proof] {a.tag}: done; ddtree={json.dumps(res['ddtree'])[:600]}", flush=True)
+    return 0
+
+
+# ------------------------------------------------------------------ two-sample tests
+def _chi2_sf(stat: float, df: int) -> float:
+    """Upper tail of chi-square (Wilson-Hilferty): plenty for a verdict at 1e-3."""
+    if df <= 0:
+        return 1.0
+    z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def two_sample(a: list[tuple], b: list[tuple], perms: int = 300, seed: int = 0) -> dict:
+    cats: dict[tuple, list[int]] = {}
+    for x in a:
+        cats.setdefault(x, [0, 0])[0] += 1
+    for x in b:
+        cats.setdefault(x, [0, 0])[1] += 1
+    na, nb = len(a), len(b)
+    rows, other = [], [0, 0]
+    for ca, cb in cats.values():
+        if ca + cb < 10:
+            other[0] += ca
+            other[1] += cb
+        else:
+            rows.append([ca, cb])
+    if sum(other):
+        rows.append(other)
+    stat = 0.0
+    for ca, cb in rows:
+        tot = ca + cb
+        for obs, n in ((ca, na), (cb, nb)):
+            e = tot * n / (na + nb)
+            stat += (obs - e) ** 2 / e
+    df = len(rows) - 1
+    # Total variation over the 3-token tuples, and its null spread by permuting the pooled samples.
+    def tv(x: list[tuple], y: list[tuple]) -> float:
+        cx: dict[tuple, float] = {}
+        for t in x:
+            cx[t] = cx.get(t, 0.0) + 1 / len(x)
+        for t in y:
+            cx[t] = cx.get(t, 0.0) - 1 / len(y)
+        return 0.5 * sum(abs(v) for v in cx.values())
+
+    observed = tv(a, b)
+    rng = random.Random(seed)
+    pooled = a + b
+    null = []
+    for _ in range(perms):
+        rng.shuffle(pooled)
+        null.append(tv(pooled[:na], pooled[na:]))
+    return {"n": [na, nb], "categories": len(rows), "chi2": round(stat, 2), "df": df,
+            "chi2_p": _chi2_sf(stat, df), "tv": round(observed, 4),
+            "tv_null_p99": round(sorted(null)[int(0.99 * perms) - 1], 4),
+            "tv_p": (1 + sum(v >= observed for v in null)) / (1 + perms)}
+
+
+def cmd_compare(a: argparse.Namespace) -> int:
+    def load(tag: str) -> dict:
+        with open(os.path.join(a.out_dir, f"{tag}_proof.json")) as f:
+            return json.load(f)
+
+    ok = True
+    summary: dict = {"samples": {}, "liveness": {}, "perf": {}}
+    plain = load(a.plain)
+    alpha = 1e-3 / len(PROMPTS)
+    judged = [(t, "cand") for t in a.cand] + ([(a.biased, "biased")] if a.biased else [])
+    for tag, role in judged:
+        try:
+            cand = load(tag)
+        except FileNotFoundError:
+            print(f"{tag}: no results")
+            ok = False
+            continue
+        if "samples" not in cand or "samples" not in plain:
+            continue
+        tests = {p: two_sample([tuple(x) for x in plain["samples"][p]], [tuple(x) for x in cand["samples"][p]])
+                 for p in plain["samples"]}
+        rejected = [p for p, t in tests.items() if min(t["chi2_p"], t["tv_p"]) < alpha]
+        verdict = ("pass" if not rejected else "FAIL") if role == "cand" else ("rejected (power shown)" if rejected else "NOT rejected")
+        if (role == "cand" and rejected) or (role == "biased" and not rejected):
+            ok = False
+        summary["samples"][tag] = {"verdict": verdict, "tests": tests}
+        print(f"samples {tag} vs {a.plain}: {verdict}")
+        for p, t in tests.items():
+            print(f"  prompt {p}: n={t['n']} cats={t['categories']} chi2={t['chi2']} df={t['df']} p={t['chi2_p']:.3g} "
+                  f"tv={t['tv']} (null p99 {t['tv_null_p99']}, p={t['tv_p']:.3g})")
+    for tag in a.liveness:
+        try:
+            live = load(tag).get("liveness")
+        except FileNotFoundError:
+            live = None
+        if live is None:
+            print(f"liveness {tag}: no results")
+            continue
+        summary["liveness"][tag] = live
+        expected_stall = tag in a.expect_stall
+        good = live["ok"] != expected_stall
+        ok &= good
+        print(f"liveness {tag}: {'ok' if live['ok'] else 'STALLED'} ({len(live['rounds'])} rounds, max {live['max_s']} s, "
+              f"bound {live['bound_s']} s){' (expected: upstream before the fix)' if expected_stall else ''}")
+    for tag in a.perf:
+        try:
+            pr = load(tag).get("perf")
+        except FileNotFoundError:
+            pr = None
+        if pr:
+            summary["perf"][tag] = pr
+    if summary["perf"]:
+        print("perf: tag | bs | wall s | steps | ms/step | accept | tok/s | ddtree steps (graph)")
+        for tag, pr in summary["perf"].items():
+            for bs, r in pr.items():
+                d = r.get("ddtree_delta") or {}
+                print(f"  {tag} | {bs} | {r['wall_s']} | {r['steps']} | {r['ms_per_step']} | {r['accept_len']} | "
+                      f"{r['tok_per_s']} | {d.get('steps', '-')} ({d.get('graph_steps', '-')})")
+    with open(os.path.join(a.out_dir, "graphs_summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return 0 if ok else 1
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--port", type=int, required=True)
+    r.add_argument("--tag", required=True)
+    r.add_argument("--out", required=True)
+    r.add_argument("--wait", type=float, default=300)
+    r.add_argument("--pid", type=int)
+    r.add_argument("--liveness", action="store_true")
+    r.add_argument("--bound", type=float, default=15.0)
+    r.add_argument("--samples", type=int, default=0)
+    r.add_argument("--perf", action="store_true")
+    c = sub.add_parser("compare")
+    c.add_argument("out_dir")
+    c.add_argument("--plain", required=True)
+    c.add_argument("--cand", nargs="*", default=[])
+    c.add_argument("--biased")
+    c.add_argument("--liveness", nargs="*", default=[])
+    c.add_argument("--expect-stall", nargs="*", default=[])
+    c.add_argument("--perf", nargs="*", default=[])
+    a = ap.parse_args()
+    return cmd_run(a) if a.cmd == "run" else cmd_compare(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
