@@ -1,10 +1,21 @@
 # Sourced by run_device.sh when GRAPHS=1 (issue 13): the servers are in TAGS, the first one warms up.
-# Phase A (correctness, clients of different servers in parallel: the verdicts do not depend on timing):
+# Phase A1: the plain servers make the production-mix workloads. Phase B (speed, one server at a
+# time, the others idle): graphs_proof.py --perf on plain / DFLASH / shadow / full.
+# Phase A2 (correctness, clients of different servers in parallel: the verdicts do not depend on timing):
 #   the production mix on the r and p sets (plain makes each set's workload first), the liveness mix
 #   (8 sampled + 8 greedy, 20 rounds) and the first-3-token samples of the sampled-walk test.
-# Phase B (speed, one server at a time): graphs_proof.py --perf on plain / DFLASH / shadow / full.
 # Then production_mix.py compare and graphs_proof.py compare; the summary goes to $OUT/summary.txt.
+# Last (phase C): upstream DFLASH without the payload on the liveness mix, and the renorm kernels on
+# tied rows: a spinning kernel starves every process on the GPU, so nothing else runs beside them.
 PROOF=(python3 $HERE/graphs_proof.py)
+pack() {  # only a few files come back from the device: keep the summaries, pack the rest
+  ( cd "$OUT" && find . -maxdepth 1 -type f ! -name summary.txt ! -name graphs_summary.json ! -name run.log \
+      ! -name logs.tgz -printf '%P\n' | tar -czf /tmp/ddtree_logs.tgz -T - && mv /tmp/ddtree_logs.tgz logs.tgz \
+    && find . -maxdepth 1 -type f ! -name logs.tgz ! -name summary.txt ! -name graphs_summary.json ! -name run.log -delete )
+}
+# A watchdog: whatever is still running at the deadline, the logs come back.
+( sleep $(( DEADLINE - $(date +%s) - 10 )); ts "watchdog: packing at the deadline"; pack ) &
+WATCHDOG=$!
 IFS='|' read -r tag model extra <<< "$first"; launch "$tag" "$model" $extra
 python3 $HERE/wait_all.py 300 "${PORT[$tag]}:${PID[$tag]}"
 ts "$first up (warm-up)"
@@ -27,7 +38,12 @@ proof() {  # TAG ARGS...
   ts "$tag proof $* rc=$? $(grep -E '^\[(proof|live)\]' "$OUT/proof_$tag.log" | tail -1 | cut -c1-300)"
 }
 # A1: plain makes the workloads
-for t in p_plain r_plain; do has $t && mix $t --make & done; wait
+A1=(); for t in p_plain r_plain; do if has $t; then mix $t --make & A1+=($!); fi; done; wait "${A1[@]}"
+# B: speed, one server at a time, the others idle
+for t in p_plain p_dflash p_shadow p_full64 r_plain r_dflash r_full64; do
+  has $t && [ $(( DEADLINE - $(date +%s) )) -gt 60 ] && proof $t --perf
+done
+ts "phase B done"
 # A2: everything else at once
 JOBS=()
 for v in "${TAGS[@]}"; do
@@ -37,23 +53,23 @@ for v in "${TAGS[@]}"; do
     p_full64) ( mix $t; proof $t --samples 2000 --liveness ) & ;;
     p_full64_bias) ( proof $t --samples 2000 ) & ;;
     p_dflash|p_shadow) ( mix $t; proof $t --liveness ) & ;;
-    r_dflash_pristine) ( proof $t --liveness; kill -TERM -- "-${PID[$t]}" 2>/dev/null ) & ;;
-    r_plain) continue ;;
+    r_plain|r_dflash_pristine) continue ;;
     r_*) ( mix $t; proof $t --liveness ) & ;;
   esac
   JOBS+=($!)
 done
 wait "${JOBS[@]}"
 ts "phase A done"
-kill -TERM -- "-${PID[p_full64_bias]}" "-${PID[r_dflash_pristine]}" 2>/dev/null
-# B: speed, one server at a time, the others idle
-for t in p_plain p_dflash p_shadow p_full64 r_plain r_dflash r_full64; do
-  has $t && [ $(( DEADLINE - $(date +%s) )) -gt 60 ] && proof $t --perf
+kill -TERM -- "-${PID[p_full64_bias]}" 2>/dev/null
+for t in "${!PID[@]}"; do
+  [ "$t" = r_dflash_pristine ] || kill -TERM -- "-${PID[$t]}" 2>/dev/null
+  grep -hE "DDTree (enabled|builder|full: verify)|Traceback|Error|Capture cuda graph bs" "$OUT/server_$t.log" | head -6 | sed "s/^/[$t] /" | cut -c1-300
 done
-ts "phase B done"
-for t in "${!PID[@]}"; do grep -hE "DDTree (enabled|builder|full: verify)|Traceback|Error|Capture cuda graph bs" "$OUT/server_$t.log" | head -6 | sed "s/^/[$t] /" | cut -c1-300; done
-stop_all; trap - EXIT
 wait $SKC_PID 2>/dev/null
+# C: what stalls (bounded: 15 s per liveness request, 20 s per renorm run; stop at the first stall)
+if has r_dflash_pristine && [ $(( DEADLINE - $(date +%s) )) -gt 70 ]; then proof r_dflash_pristine --liveness; fi
+stop_all; trap - EXIT
+[ $(( DEADLINE - $(date +%s) )) -gt 60 ] && timeout 50 python3 $HERE/sampling_kernels_check.py renorm 10 >> "$OUT/sampling_kernels_check.log" 2>&1
 { echo "--- sampling kernels check"; cat "$OUT/sampling_kernels_check.log"
   MIXC=(python3 $HERE/production_mix.py compare "$OUT")
   echo "--- production mix, graphs on"
@@ -65,6 +81,5 @@ wait $SKC_PID 2>/dev/null
     --expect-stall r_dflash_pristine --perf p_plain p_dflash p_shadow p_full64 r_plain r_dflash r_full64; echo "rc=$?"
 } 2>&1 | tee "$OUT/summary.txt"
 ts "done"
-( cd "$OUT" && find . -maxdepth 1 -type f ! -name summary.txt ! -name graphs_summary.json ! -name run.log -printf '%P\n' \
-    | tar -czf /tmp/ddtree_logs.tgz -T - && mv /tmp/ddtree_logs.tgz logs.tgz \
-  && find . -maxdepth 1 -type f ! -name logs.tgz ! -name summary.txt ! -name graphs_summary.json ! -name run.log -delete )
+kill $WATCHDOG 2>/dev/null
+pack
