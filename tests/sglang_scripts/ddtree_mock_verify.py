@@ -84,7 +84,7 @@ def main() -> int:
                 if torch.rand(()) < 0.7:
                     logits[i, d, t] += 4.0
                 seq.append(t)
-        tree = build_ddtree(logits, budget, topk_cap=cap)
+        tree = build_ddtree(logits, budget, topk_cap=cap, keep_chain=budget >= depth and trial % 7 < 3)
         max_new = [64, 64, 2][trial % 3]
         reqs = [FakeReq(histories[i][:-1], max_new) for i in range(bs)]
         R, L = bs + 2, 512

@@ -168,6 +168,7 @@ class DDTreeController:
         self.depth = self.block_size - 1
         self.budget = int(sa.speculative_ddtree_budget or self.depth)
         self.topk_cap = sa.speculative_ddtree_topk_cap
+        self.keep_chain = bool(getattr(sa, "speculative_ddtree_keep_chain", False))
         self.tp_rank = worker.tp_rank
         self.stats = DDTreeStats()
         # (start, end) CUDA event pairs of builds not yet read; read at the next log line, so the
@@ -293,7 +294,8 @@ class DDTreeController:
         logits = self.draft_logits(flat, lm_head).view(bs, self.depth, -1)
         budget = self.budget if budget is None else budget
         cap = None if self.topk_cap is None else min(int(self.topk_cap), budget)
-        tree = build_ddtree(logits, budget, topk_cap=cap)
+        # A step shrunk below the draft depth cannot hold the whole chain: it builds the standard tree.
+        tree = build_ddtree(logits, budget, topk_cap=cap, keep_chain=self.keep_chain and budget >= self.depth)
         if use_events:
             end.record()
             # Read lazily at the next log line: no host sync in the serving path.
@@ -457,7 +459,8 @@ class DDTreeController:
         string keys only, because the HTTP layer serialises with orjson."""
         stats = self.stats.as_dict()
         stats["accepted_depth_hist"] = {str(k): v for k, v in stats["accepted_depth_hist"].items()}
-        return {"mode": self.mode, "budget": self.budget, "topk_cap": self.topk_cap, **stats}
+        return {"mode": self.mode, "budget": self.budget, "topk_cap": self.topk_cap,
+                "keep_chain": self.keep_chain, **stats}
 
 
 def build_tree_custom_mask(
