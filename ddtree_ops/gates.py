@@ -315,7 +315,8 @@ def ready_verdict(answer: dict[str, Any]) -> GateVerdict:
 
 
 def settings_gate(client: ServerClient, expect: dict[str, Any]) -> GateVerdict:
-    """/server_info reports what the unit asked for: DFLASH, the DDTree mode, budget and cap."""
+    """/server_info reports what the unit asked for: DFLASH, the DDTree mode, budget, cap and keep-chain
+    (the last also from the DDTree worker's own stats)."""
     started = time.monotonic()
     probed = server_info(client)
     info = probed["info"]
@@ -338,6 +339,9 @@ def settings_gate(client: ServerClient, expect: dict[str, Any]) -> GateVerdict:
         if stats.get("mode") != mode:
             return GateVerdict("settings", "fail", f"the DDTree worker runs mode {stats.get('mode')!r}, not {mode!r}",
                                time.monotonic() - started, evidence)
+        if expect.get("speculative_ddtree_keep_chain") and stats.get("keep_chain") is not True:
+            return GateVerdict("settings", "fail", f"the DDTree worker reports keep_chain={stats.get('keep_chain')!r}, "
+                               "not True", time.monotonic() - started, evidence)
     return GateVerdict("settings", "pass", "server reports " + ", ".join(f"{k}={v!r}" for k, v in expect.items()),
                        time.monotonic() - started, evidence)
 

@@ -209,6 +209,7 @@ class HostConfig(BaseModel):
     canary: bool = False
     ddtree_budget: int | None = Field(None, ge=1, le=4096)
     ddtree_topk_cap: int | None = Field(None, ge=1, le=256)
+    ddtree_keep_chain: bool = False
     allow_hybrid_unsafe: bool = False
     acceptance_margin: float = Field(0.05, ge=0, le=10)
 

@@ -178,6 +178,8 @@ def expected_settings(host: HostConfig, mode: str) -> dict[str, Any]:
         expect["speculative_ddtree_budget"] = host.ddtree_budget or host.draft_block_size - 1
         if host.ddtree_topk_cap is not None:
             expect["speculative_ddtree_topk_cap"] = host.ddtree_topk_cap
+        if host.ddtree_keep_chain:
+            expect["speculative_ddtree_keep_chain"] = True
     return expect
 
 

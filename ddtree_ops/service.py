@@ -129,7 +129,8 @@ def server_argv(host: HostConfig, mode: str) -> list[str]:
     """The launcher's argv: `PYTHON -m MODULE ARGS`, ARGS the same in production and in the lab.
 
     off: plain DFLASH (linear verify) when a draft model is set, plain decoding otherwise;
-    shadow-linear / full: DFLASH plus the DDTree flags of the mode, the inventory's budget and cap.
+    shadow-linear / full: DFLASH plus the DDTree flags of the mode, the inventory's budget, cap and
+    keep-chain.
     """
     if mode not in MODES:
         raise UsageError(f"unknown mode {mode!r}", hint=f"one of {', '.join(MODES)}", code="bad_mode")
@@ -155,6 +156,15 @@ def server_argv(host: HostConfig, mode: str) -> list[str]:
             argv += ["--speculative-ddtree-budget", str(host.ddtree_budget)]
         if host.ddtree_topk_cap is not None:
             argv += ["--speculative-ddtree-topk-cap", str(host.ddtree_topk_cap)]
+        if host.ddtree_keep_chain:
+            depth = host.draft_block_size - 1
+            if (host.ddtree_budget or depth) < depth:
+                # The payload refuses this at argument parsing: the unit would never start.
+                raise UsageError(f"{host.name}: ddtree_keep_chain needs ddtree_budget >= the draft depth {depth} "
+                                 f"(draft_block_size {host.draft_block_size} - 1), got ddtree_budget "
+                                 f"{host.ddtree_budget}", hint=f"set ddtree_budget to at least {depth} or drop "
+                                 "ddtree_keep_chain", code="keep_chain_budget")
+            argv += ["--speculative-ddtree-keep-chain"]
         for flag, value in DDTREE_SERVER_DEFAULTS:
             if not _has_flag(host.extra_args, flag):
                 argv += [flag, value]

@@ -51,9 +51,14 @@ class OracleTree:
 
 
 def oracle_logprobs(logits_row: torch.Tensor) -> list[list[float]]:
-    """float32 log-probs exactly as the builder defines them: logits - logsumexp(logits)."""
+    """float32 log-probs exactly as the builder defines them: logits - logsumexp(logits); a position
+    whose logits are all -inf has no token: -inf everywhere."""
     x = logits_row.float()
-    return (x - torch.logsumexp(x, dim=-1, keepdim=True)).tolist()
+    rows = (x - torch.logsumexp(x, dim=-1, keepdim=True)).tolist()
+    return [
+        [float("-inf")] * len(row) if all(v == float("-inf") for v in raw) else row
+        for row, raw in zip(rows, x.tolist(), strict=True)
+    ]
 
 
 def heap_oracle(logits_row: torch.Tensor, budget: int, topk_cap: int | None = None) -> OracleTree:
@@ -91,6 +96,64 @@ def heap_oracle(logits_row: torch.Tensor, budget: int, topk_cap: int | None = No
         tree.scores.append(-neg_score)
         tree.ranks.append(rank)
         tree.paths.append(tree.paths[parent] + (token,))
+        push_children(len(tree.tokens))
+    return tree
+
+
+def keep_chain_oracle(logits_row: torch.Tensor, budget: int, topk_cap: int | None = None) -> OracleTree:
+    """Keep-chain tree of one request: the whole top-1 chain, the rest of the budget best-first.
+
+    One best-first heap over all nodes with the builder's key; a popped chain node (rank 0 under a
+    chain parent, reachable) is always taken, a popped non-chain node only while fewer than
+    ``budget - reachable chain length`` of them are taken (a refused node's subtree is never pushed).
+    Nodes come out in pop order, which is the builder's order restricted to the taken nodes.
+    """
+    depth, vocab = logits_row.shape
+    if budget < depth:
+        raise ValueError("keep-chain needs budget >= depth")
+    tree = OracleTree(tokens=[], parents=[-1], depths=[0], scores=[0.0], ranks=[-1], paths=[()])
+    if depth == 0 or vocab == 0:
+        return tree
+    cap = min(budget if topk_cap is None else topk_cap, budget, vocab)
+    lp = oracle_logprobs(logits_row)
+    raw = logits_row.float().tolist()
+    ranked = [sorted(range(vocab), key=lambda v, row=row: (-row[v], v))[:cap] for row in raw]
+    chain_len, score = 0, 0.0
+    for d in range(depth):  # the chain's reachable length: its scores summed in float32
+        score = f32(score + lp[d][ranked[d][0]])
+        if score == float("-inf"):
+            break
+        chain_len += 1
+    quota = budget - chain_len
+    on_chain = [True]  # per taken node
+    heap: list[tuple[float, int, int, int]] = []
+
+    def push_children(node: int) -> None:
+        d = tree.depths[node]
+        if d >= depth:
+            return
+        for rank, token in enumerate(ranked[d]):
+            score = f32(tree.scores[node] + lp[d][token])
+            if score > float("-inf"):
+                heapq.heappush(heap, (-score, d + 1, node, rank))
+
+    push_children(0)
+    taken_off_chain = 0
+    while heap and (taken_off_chain < quota or len(tree.tokens) - taken_off_chain < chain_len):
+        neg_score, d, parent, rank = heapq.heappop(heap)
+        chain = on_chain[parent] and rank == 0
+        if not chain:
+            if taken_off_chain >= quota:
+                continue
+            taken_off_chain += 1
+        token = ranked[d - 1][rank]
+        tree.tokens.append(token)
+        tree.parents.append(parent)
+        tree.depths.append(d)
+        tree.scores.append(-neg_score)
+        tree.ranks.append(rank)
+        tree.paths.append(tree.paths[parent] + (token,))
+        on_chain.append(chain)
         push_children(len(tree.tokens))
     return tree
 
@@ -291,6 +354,7 @@ def ddtree_decode(
     gumbel: torch.Tensor | None = None,
     on_step: Callable[..., None] | None = None,
     corrupt_mask: bool = False,
+    keep_chain: bool = False,
 ) -> tuple[list[int], list[int]]:
     """DDTree decoding; returns (generated tokens, accept length per step)."""
     du = load_ddtree_utils()
@@ -298,7 +362,7 @@ def ddtree_decode(
     accepts = []
     while len(seq) - len(prompt) < n_new:
         draft_logits = drafter(model, seq)
-        tree = du.build_ddtree(draft_logits[None].float(), budget, topk_cap)
+        tree = du.build_ddtree(draft_logits[None].float(), budget, topk_cap, keep_chain=keep_chain)
         logits = tree_forward(model, [seq], tree, corrupt_mask=corrupt_mask)  # [1, n, V]
         if temperature == 0.0:
             target = logits.argmax(-1)

@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from ddtree_oracle import f32, heap_oracle, heap_oracle_lazy, load_ddtree_utils, oracle_logprobs
+from ddtree_oracle import (
+    f32,
+    heap_oracle,
+    heap_oracle_lazy,
+    keep_chain_oracle,
+    load_ddtree_utils,
+    oracle_logprobs,
+)
 
 du = load_ddtree_utils()
 
@@ -467,3 +474,241 @@ def test_selection_is_prefix_closed_even_for_log_probs_above_zero() -> None:
                 assert 0 <= p < i and int(tree.depths[b, i]) == int(tree.depths[b, p]) + 1, (b, i, p)
             scores = tree.scores[b, :m].tolist()
             assert all(scores[i] <= scores[int(tree.parents[b, i])] for i in range(1, m))
+
+
+# -------------------------------- keep-chain ----------------------------------------------------------
+
+KC_DEPTHS = [1, 2, 3, 5, 15]
+
+
+def kc_logits(rng: random.Random, batch: int, depth: int, vocab: int) -> torch.Tensor:
+    """random_logits, sometimes with whole positions of -inf logits (no reachable token there)."""
+    x = random_logits(rng, batch, depth, vocab)
+    if rng.random() < 0.15:
+        x = x.float().clone()
+        for _ in range(rng.choice([1, 2])):
+            x[rng.randrange(batch), rng.randrange(depth)] = float("-inf")
+    return x
+
+
+def kc_budget(rng: random.Random, depth: int) -> int:
+    return rng.choice([depth, depth, depth + 1, depth + 2, 2 * depth, depth + 7, 16, 40, 63])
+
+
+def chain_of(logits_row: torch.Tensor) -> list[int]:
+    """The top-1 chain written independently: per position the smallest id among the largest float32
+    logits, cut before the first position with no finite logit."""
+    chain = []
+    for row in logits_row.float().tolist():
+        best = max(row)
+        if best == float("-inf"):
+            break
+        chain.append(min(v for v, x in enumerate(row) if x == best))
+    return chain
+
+
+def assert_keep_chain_matches_oracle(logits: torch.Tensor, budget: int, cap: int | None) -> None:
+    tree = du.build_ddtree(logits, budget, cap, keep_chain=True)
+    n = budget + 1
+    assert tree.token_ids.shape == (logits.shape[0], budget) and tree.parents.shape == (logits.shape[0], n)
+    for b in range(logits.shape[0]):
+        ref = keep_chain_oracle(logits[b], budget, cap)
+        m = len(ref.parents)
+        ctx = f"b={b} budget={budget} cap={cap} shape={tuple(logits.shape)}"
+        assert int(tree.num_nodes[b]) == m, ctx
+        assert tree.token_ids[b, : m - 1].tolist() == ref.tokens, ctx
+        assert tree.parents[b, :m].tolist() == ref.parents, ctx
+        assert tree.depths[b, :m].tolist() == ref.depths, ctx
+        assert tree.token_ranks[b, :m].tolist() == ref.ranks, ctx
+        assert tree.scores[b, :m].tolist() == ref.scores, ctx
+        assert (tree.token_ids[b, m - 1 :] == du.PAD_TOKEN_ID).all(), ctx
+        assert (tree.parents[b, m:] == -1).all() and (tree.depths[b, m:] == 0).all(), ctx
+        assert (tree.token_ranks[b, m:] == -1).all() and (tree.scores[b, m:] == float("-inf")).all(), ctx
+        # the chain is in the tree: from the root, follow the child carrying the next chain token
+        chain, node = chain_of(logits[b]), 0
+        for d, token in enumerate(chain, 1):
+            kids = [i for i in range(1, m) if ref.parents[i] == node and ref.tokens[i - 1] == token]
+            assert len(kids) == 1 and ref.depths[kids[0]] == d and ref.ranks[kids[0]] == 0, (ctx, d)
+            node = kids[0]
+        # the budget is used up unless fewer nodes are reachable than the standard tree would hold
+        standard = heap_oracle(logits[b], budget, cap)
+        assert m == len(standard.parents) or m == n, ctx
+        if set(standard.paths) >= {tuple(chain[:d]) for d in range(len(chain) + 1)}:
+            assert ref.paths == standard.paths, ctx  # the chain was there already: the same tree
+
+
+@pytest.mark.parametrize("cap", CAPS)
+def test_keep_chain_equals_its_oracle(cap: int | None) -> None:
+    rng = random.Random(4242 + (cap or 0))
+    for _ in range(160):
+        depth = rng.choice(KC_DEPTHS)
+        budget = kc_budget(rng, depth)
+        vocab = rng.choice([1, 2, 3, 5, 12, 40] + ([300] if budget <= 63 or cap else []))
+        assert_keep_chain_matches_oracle(kc_logits(rng, rng.choice(BATCHES), depth, vocab), budget, cap)
+
+
+def test_keep_chain_oracle_is_not_the_standard_tree() -> None:
+    """The equality above is not vacuous: most small-budget random cases change the tree."""
+    rng = random.Random(9)
+    differ = 0
+    for _ in range(100):
+        depth = rng.choice([3, 5, 15])
+        logits = torch.randn(1, depth, 40) * rng.choice([0.5, 2.0])
+        budget = depth + rng.choice([0, 1, 3])
+        if keep_chain_oracle(logits[0], budget).paths != heap_oracle(logits[0], budget).paths:
+            differ += 1
+    assert differ > 50, differ
+
+
+def test_keep_chain_structure() -> None:
+    """Prefix-closed, parents first, the builder's order (scores never rise along the node order), mask
+    and retrive_* consistent: the same checks as the standard tree."""
+    rng = random.Random(77)
+    for _ in range(150):
+        depth = rng.choice(KC_DEPTHS)
+        budget, cap = kc_budget(rng, depth), rng.choice(CAPS)
+        logits = kc_logits(rng, rng.choice(BATCHES), depth, rng.choice([2, 5, 12, 40]))
+        check_structure(du.build_ddtree(logits, budget, cap, keep_chain=True), logits, cap)
+
+
+def test_keep_chain_batch_rows_are_independent() -> None:
+    rng = random.Random(31)
+    for _ in range(10):
+        logits = kc_logits(rng, 5, 15, 40)
+        whole = du.build_ddtree(logits, 20, 4, keep_chain=True)
+        for b in range(5):
+            single = du.build_ddtree(logits[b : b + 1], 20, 4, keep_chain=True)
+            for name in (
+                "token_ids",
+                "parents",
+                "depths",
+                "num_nodes",
+                "tree_mask",
+                "scores",
+                "token_ranks",
+                "retrive_next_token",
+                "retrive_next_sibling",
+            ):
+                assert torch.equal(getattr(whole, name)[b], getattr(single, name)[0]), name
+
+
+def node_paths(tree, b: int) -> list[tuple[int, ...]]:
+    paths: list[tuple[int, ...]] = [()]
+    for i in range(1, int(tree.num_nodes[b])):
+        paths.append(paths[int(tree.parents[b, i])] + (int(tree.token_ids[b, i - 1]),))
+    return paths
+
+
+def test_keep_chain_never_accepts_less_than_linear_dflash() -> None:
+    """For any target: the walk over a keep-chain tree accepts at least what linear DFLASH accepts on
+    the same draft. A target is a function of the token path (memoised, shared by both trees): it
+    follows the chain for a while, then often picks one of the draft's top tokens, else any token.
+    The standard tree does not promise this (counted, so the check can fail)."""
+    rng = random.Random(2024)
+    standard_worse = kept_better = cases = 0
+    for _ in range(400):
+        depth = rng.choice([2, 3, 5, 15])
+        budget, cap = kc_budget(rng, depth), rng.choice(CAPS)
+        batch, vocab = rng.choice(BATCHES), rng.choice([3, 12, 40])
+        logits = random_logits(rng, batch, depth, vocab)  # every position has a finite logit
+        keep = du.build_ddtree(logits, budget, cap, keep_chain=True)
+        std = du.build_ddtree(logits, budget, cap)
+        for b in range(batch):
+            chain = chain_of(logits[b])
+            assert len(chain) == depth
+            follow = rng.choice([0, 1, 2, depth // 2, depth - 1, depth])
+            top = logits[b].float().topk(min(3, vocab), dim=-1).indices.tolist()
+            memo: dict[tuple[int, ...], int] = {}
+
+            def target(
+                path: tuple[int, ...],
+                chain=chain,
+                follow=follow,
+                top=top,
+                memo=memo,
+                depth=depth,
+                vocab=vocab,
+            ) -> int:
+                if path not in memo:
+                    d = len(path)
+                    if d < follow and path == tuple(chain[:d]):
+                        memo[path] = chain[d]
+                    elif d < depth and rng.random() < 0.6:
+                        memo[path] = rng.choice(top[d])
+                    else:
+                        memo[path] = rng.randrange(vocab)
+                return memo[path]
+
+            linear = 0  # DFLASH: accept while the target's token after chain[:d] is chain[d]
+            while linear < depth and target(tuple(chain[:linear])) == chain[linear]:
+                linear += 1
+            for tree, name in ((keep, "keep"), (std, "standard")):
+                targets = torch.zeros((batch, budget + 1), dtype=torch.int64)
+                for i, path in enumerate(node_paths(tree, b)):
+                    targets[b, i] = target(path)
+                got = int(du.follow_verified_tree(tree, targets)[1][b])
+                if name == "keep":
+                    assert got >= linear, (got, linear, depth, budget, cap)
+                    kept_better += got > linear
+                    cases += 1
+                else:
+                    standard_worse += got < linear
+    assert cases >= 400 and standard_worse > 0 and kept_better > 0, (cases, standard_worse, kept_better)
+
+
+def test_keep_chain_edges() -> None:
+    logits = torch.randn(2, 4, 10)
+    for budget in (0, 1, 3):
+        with pytest.raises(ValueError, match="budget >= depth"):
+            du.build_ddtree(logits, budget, keep_chain=True)
+    # budget == depth: exactly the chain, whatever the cap
+    for cap in (1, 2, None):
+        t = du.build_ddtree(logits, 4, cap, keep_chain=True)
+        for b in range(2):
+            assert t.token_ids[b].tolist() == chain_of(logits[b]) and t.parents[b].tolist() == [
+                -1,
+                0,
+                1,
+                2,
+                3,
+            ]
+            assert t.token_ranks[b].tolist() == [-1, 0, 0, 0, 0]
+    # depth 0 / vocab 0: root only, no error
+    assert du.build_ddtree(torch.zeros(1, 0, 5), 0, keep_chain=True).num_nodes.tolist() == [1]
+    assert du.build_ddtree(torch.zeros(1, 2, 0), 3, keep_chain=True).num_nodes.tolist() == [1]
+    # a chain node the standard tree lacks: (0) .50, (1) .45 beat (0,0) .20 at budget 2
+    two = torch.tensor([[[0.50, 0.45, 0.04, 0.01], [0.40, 0.30, 0.20, 0.10]]]).log()
+    assert du.build_ddtree(two, 2).token_ids[0].tolist() == [0, 1]
+    t = du.build_ddtree(two, 2, keep_chain=True)
+    assert t.token_ids[0].tolist() == [0, 0] and t.parents[0].tolist() == [-1, 0, 1]
+    lp = oracle_logprobs(two[0])
+    assert (
+        t.scores[0, 2].item() == f32(lp[0][0] + lp[1][0])
+        and abs(t.scores[0, 2].item() - math.log(0.2)) < 1e-6
+    )
+    assert t.token_ranks[0].tolist() == [-1, 0, 0]
+    t = du.build_ddtree(two, 3, keep_chain=True)  # (0), (1), then the appended chain node (0,0), last
+    assert t.token_ids[0].tolist() == [0, 1, 0] and t.parents[0].tolist() == [-1, 0, 0, 1]
+
+
+def test_keep_chain_with_a_position_of_only_minus_inf_logits() -> None:
+    """A position without a finite logit has no token: its log-probs are -inf (not NaN), it and every
+    deeper position are unreachable, the chain stops before it, and the budget left goes best-first."""
+    logits = torch.randn(1, 4, 6)
+    logits[0, 2] = float("-inf")
+    topv, _ = du.topk_logprobs(logits, 3)
+    assert (topv[0, 2] == float("-inf")).all() and not topv.isnan().any()
+    chain = chain_of(logits[0])
+    assert len(chain) == 2
+    for budget in (4, 8, 50):  # 6 + 36 nodes are reachable, at depths 1 and 2
+        for keep in (False, True):
+            t = du.build_ddtree(logits, budget, keep_chain=keep)
+            m = int(t.num_nodes[0])
+            assert m == 1 + min(budget, 42) and t.depths[0, :m].max() <= 2, (budget, keep)
+            assert t.scores[0, 1:m].isfinite().all()
+            paths = node_paths(t, 0)
+            assert not keep or {(chain[0],), tuple(chain)} <= set(paths), (budget, paths)
+    whole = torch.full((2, 3, 5), float("-inf"))
+    whole[1] = torch.randn(3, 5)
+    t = du.build_ddtree(whole, 3, keep_chain=True)
+    assert t.num_nodes.tolist() == [1, 4] and t.token_ids[1].tolist() == chain_of(whole[1])

@@ -229,3 +229,42 @@ def test_accept_length_grows_with_budget() -> None:
     means = {k: sum(v) / len(v) for k, v in per_budget.items()}
     assert means["b4"] <= means["b16"] <= means["b64"]
     assert means["b64"] > means["cap1"] + 0.3, means
+
+
+def test_keep_chain_is_lossless_and_never_accepts_less_than_linear_dflash() -> None:
+    """Keep-chain trees on the tiny LM: greedy outputs equal AR, and at every step the walk accepts at
+    least DFLASH's rule on the draft's argmax chain (the target's own greedy continuation decides).
+    The standard tree of the same budget, on the same states, sometimes accepts less."""
+    depth, steps, standard_worse = 6, 0, 0
+    for seed in range(3):
+        model = TinyLM(seed=50 + seed)
+        prompt = prompt_for(seed, model.vocab)
+        for budget, cap in [(depth, None), (depth + 2, 2), (12, 1)]:
+            drafter = make_drafter("noisy_oracle", seed, depth, noise=1.0)
+
+            def on_step(
+                seq,
+                tree,
+                logits,
+                target,
+                accept_len,
+                bonus,
+                draft_logits,
+                model=model,
+                budget=budget,
+                cap=cap,
+            ):
+                nonlocal steps, standard_worse
+                chain = draft_logits.argmax(-1)
+                candidates = torch.cat([torch.tensor([seq[-1]]), chain])[None]
+                causal = model.causal_logits(seq + chain.tolist())[len(seq) - 1 :].argmax(-1)[None]
+                linear = int(dflash_linear_rule(candidates, causal)[0][0])
+                assert accept_len >= linear, (accept_len, linear)
+                standard = du.build_ddtree(draft_logits[None].float(), budget, cap)
+                target_std = tree_forward(model, [seq], standard).argmax(-1)
+                standard_worse += int(du.follow_verified_tree(standard, target_std)[1][0]) < linear
+                steps += 1
+
+            got, _ = ddtree_decode(model, prompt, 16, drafter, budget, cap, on_step=on_step, keep_chain=True)
+            assert got == greedy_ar(model, prompt, 16), (seed, budget, cap)
+    assert steps >= 25 and standard_worse > 0, (steps, standard_worse)

@@ -26,17 +26,21 @@ assert dk is not None, "kernels did not load"
 device = sys.argv[2]
 cases = int(sys.argv[3])
 rng = random.Random(0)
+keep_chains = 0
 fields = ["token_ids", "parents", "depths", "num_nodes", "tree_mask", "scores", "token_ranks",
           "retrive_index", "retrive_next_token", "retrive_next_sibling"]
 for case in range(cases):
     batch, depth = rng.choice([1, 3]), rng.choice([1, 3, 5])
     vocab, budget, cap = rng.choice([5, 70, 300, 2000]), rng.choice([1, 2, 7, 16, 40]), rng.choice([1, 2, 4, None])
     k = du._effective_cap(budget, vocab, cap)
-    kind = rng.choice(["gauss", "ties", "inf"])
+    kind = rng.choice(["gauss", "ties", "inf", "inf_row"])
     if kind == "gauss":
         x = torch.randn(batch, depth, vocab) * 3
     elif kind == "ties":
         x = torch.randint(0, 3, (batch, depth, vocab)).float()
+    elif kind == "inf_row":  # a whole position without a finite logit: it and every deeper one unreachable
+        x = torch.randint(0, 3, (batch, depth, vocab)).float()
+        x[rng.randrange(batch), rng.randrange(depth)] = float("-inf")
     else:
         x = torch.randn(batch, depth, vocab).masked_fill(torch.rand(batch, depth, vocab) < 0.9, float("-inf"))
         x[..., 0] = 0.3
@@ -46,12 +50,28 @@ for case in range(cases):
     got_v, got_i = dk.topk_logprobs_triton(du, x, k)
     assert torch.equal(ref_i, got_i), ctx
     assert torch.equal(torch.isfinite(ref_v), torch.isfinite(got_v)), ctx
+    assert not got_v.isnan().any() and torch.equal(ref_v == float("-inf"), got_v == float("-inf")), ctx
     fin = torch.isfinite(ref_v)
     assert torch.allclose(ref_v[fin], got_v[fin], atol=1e-5, rtol=1e-5), ctx
     ref = du.select_tree_from_topk(ref_v, ref_i, budget)
     got = dk.select_tree_triton(du, ref_v, ref_i, budget)
     bad = [f for f in fields if not torch.equal(getattr(ref, f), getattr(got, f))]
     assert not bad, (ctx, bad)
+    # Keep-chain post-processes either selection of the same top-K with the same torch code.
+    if budget >= depth:
+        ref_kc, got_kc = du.keep_top1_chain(ref, ref_v, ref_i), du.keep_top1_chain(got, ref_v, ref_i)
+        bad = [f for f in fields if not torch.equal(getattr(ref_kc, f), getattr(got_kc, f))]
+        assert not bad, (ctx, "keep_chain", bad)
+        keep_chains += 1
+    if device == "cuda":  # build_ddtree's own route (Triton), on the Triton top-K (scores may differ
+        # from the torch top-K's in the last bit)
+        for keep in (False, True) if budget >= depth else (False,):
+            fast = du.build_ddtree(x, budget, cap, keep_chain=keep)
+            slow = du.select_tree_from_topk(got_v, got_i, budget)
+            slow = du.keep_top1_chain(slow, got_v, got_i) if keep else slow
+            bad = [f for f in fields if not torch.equal(getattr(slow, f), getattr(fast, f))]
+            assert not bad, (ctx, "build_ddtree", keep, bad)
+assert keep_chains >= cases // 4, keep_chains
 print("ok", cases)
 """
 

@@ -36,11 +36,11 @@ def models(tmp_path_factory):
     return SimpleNamespace(root=root, target=TinyLM.load(root / "target"), draft=DraftModel.load(root / "draft"))
 
 
-def decoder(models, speculative: bool, mode: str, *, budget=None, topk_cap=None, draft=None, ddtree=du,
-            corruption=None) -> Decoder:
+def decoder(models, speculative: bool, mode: str, *, budget=None, topk_cap=None, keep_chain=False, draft=None,
+            ddtree=du, corruption=None) -> Decoder:
     return Decoder(models.target, capacity=CONTEXT + 64, draft=(draft or models.draft) if speculative else None,
-                   mode=mode, budget=budget, topk_cap=topk_cap, ddtree=ddtree if mode != "off" else None,
-                   corruption=corruption)
+                   mode=mode, budget=budget, topk_cap=topk_cap, keep_chain=keep_chain,
+                   ddtree=ddtree if mode != "off" else None, corruption=corruption)
 
 
 def make_requests(specs) -> list[Request]:
@@ -158,6 +158,19 @@ def test_accept_length_full_beats_linear_which_beats_one(models):
     assert al["full"] > al["dflash"] * 1.1 and al["dflash"] > 1.5, al
 
 
+def test_keep_chain_outputs_identical_and_accepts_at_least_linear(models):
+    # A small budget with a narrow cap is where the standard tree can lose the top-1 chain.
+    al = accept_lengths(models, budget=15, topk_cap=4, keep_chain=True)
+    assert al["shadow-linear"] == al["dflash"] and al["full"] >= al["dflash"], al
+    rng = random.Random(21)
+    specs = random_specs(rng, 5)
+    want, want_finish, _ = outputs(models, MODES[0], specs, [0] * 5)
+    got, finish, dec = outputs(models, MODES[3], specs, [0, 1, 0, 3, 2], budget=15, topk_cap=2, keep_chain=True)
+    assert got == want and finish == want_finish
+    st = dec.tree_stats.internal_state()
+    assert st["keep_chain"] is True and st["tree_steps"] > 0
+
+
 def test_low_acceptance_draft_accepts_nothing(models):
     low = DraftModel(**{**models.draft.__dict__, "low_acceptance": True})
     al = accept_lengths(models, max_new=20, draft=low)
@@ -194,4 +207,4 @@ def test_tree_stats_have_the_worker_keys(models):
     st = dec.tree_stats.internal_state()
     assert st["mode"] == "full" and st["budget"] == 15 and st["steps"] == st["tree_steps"] == dec.spec.forward_ct
     assert sum(st["accepted_depth_hist"].values()) == st["steps"] and st["build_samples"] == st["steps"]
-    assert st["avg_tree_nodes"] == 16.0
+    assert st["avg_tree_nodes"] == 16.0 and st["keep_chain"] is False

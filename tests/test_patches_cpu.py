@@ -97,6 +97,10 @@ def _cases(models: Path) -> tuple[list[dict], dict[str, object]]:
         "full edges": [*full, "--speculative-ddtree-budget", "512", "--speculative-ddtree-topk-cap", "512"],
         "full budget 1": [*full, "--speculative-ddtree-budget", "1", "--speculative-ddtree-topk-cap", "1"],
         "mode case-insensitive": [*df, "--speculative-ddtree-mode", "Shadow-Linear"],
+        "keep chain default budget": [*df, "--speculative-ddtree-mode", "shadow-linear",
+                                      "--speculative-ddtree-keep-chain"],
+        "full keep chain 64": [*full, "--speculative-ddtree-budget", "64", "--speculative-ddtree-keep-chain"],
+        "keep chain budget = depth": [*full, "--speculative-ddtree-budget", "15", "--speculative-ddtree-keep-chain"],
     }
     bad = {
         "mode without DFLASH": ([*base, "--speculative-ddtree-mode", "full"],
@@ -125,6 +129,15 @@ def _cases(models: Path) -> tuple[list[dict], dict[str, object]]:
         "full on flashinfer": ([*df, "--speculative-ddtree-mode", "full", "--attention-backend", "flashinfer"],
                                "supported: triton; got --attention-backend flashinfer"),
         "full on paged KV": ([*full, "--page-size", "16"], "--speculative-ddtree-mode full needs --page-size 1"),
+        "keep chain without DFLASH": ([*base, "--speculative-ddtree-keep-chain"],
+                                      "--speculative-ddtree-keep-chain requires --speculative-algorithm DFLASH"),
+        "keep chain with mode off": ([*df, "--speculative-ddtree-keep-chain"],
+                                     "--speculative-ddtree-keep-chain has no effect with --speculative-ddtree-mode off"),
+        "keep chain budget below depth": ([*full, "--speculative-ddtree-budget", "14", "--speculative-ddtree-keep-chain"],
+                                          "--speculative-ddtree-keep-chain needs --speculative-ddtree-budget >= the "
+                                          "draft depth 15 (block size 16 - 1: the whole top-1 chain is in the tree), "
+                                          "got --speculative-ddtree-budget 14"),
+        "keep chain with a value": ([*full, "--speculative-ddtree-keep-chain", "true"], "unrecognized arguments: true"),
     }
     cases = [{"name": k, "argv": v} for k, v in good.items()]
     cases += [{"name": k, "argv": v} for k, (v, _) in bad.items()]
@@ -133,6 +146,11 @@ def _cases(models: Path) -> tuple[list[dict], dict[str, object]]:
                                                          "speculative_ddtree_mode": "fast"}})
     expect: dict[str, object] = {k: "ok" for k in good} | {k: msg for k, (_, msg) in bad.items()}
     expect["kwargs bad mode"] = "--speculative-ddtree-mode must be one of off, shadow-linear, full; got 'fast'"
+    cases.append({"name": "kwargs keep chain not a bool", "kwargs": {
+        "model_path": str(models / "target"), "device": "cpu", "speculative_algorithm": "DFLASH",
+        "speculative_draft_model_path": str(models / "draft"), "speculative_num_draft_tokens": 16,
+        "speculative_ddtree_mode": "shadow-linear", "speculative_ddtree_keep_chain": "no"}})
+    expect["kwargs keep chain not a bool"] = "--speculative-ddtree-keep-chain must be a boolean (true or false), got 'no'"
     return cases, expect
 
 
@@ -168,6 +186,10 @@ def test_prepare_server_args_accepts_and_refuses(patched, tmp_path):
     assert widths == {"dflash only": (16, 16), "shadow default budget": (16, 16), "full 64 cap 4": (65, 16),
                       "full budget 1": (2, 16)}
     assert results["mode case-insensitive"]["speculative_ddtree_mode"] == "shadow-linear"
+    assert [results[k]["speculative_ddtree_keep_chain"] for k in ("full 64 cap 4", "keep chain default budget",
+                                                                 "full keep chain 64", "keep chain budget = depth")] == [
+        False, True, True, True]
+    assert results["keep chain default budget"]["speculative_ddtree_budget"] == 15
     # A full-mode verify writes 1 + budget slots per request: SGLang's own row-width formula must
     # hold that (a request near the context limit otherwise writes into the next request's row).
     extra = {name: results[name]["req_to_token_extra"] for name in

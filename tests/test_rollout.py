@@ -97,3 +97,33 @@ def test_prompt_file(tmp_path: Path) -> None:
     path.write_text('{"nope": 1}\n')
     with pytest.raises(UsageError, match="p.jsonl:1"):
         gates.load_prompt_file(path)
+
+
+class _InfoClient:
+    """A ServerClient stand-in: /server_info answers `info`."""
+
+    def __init__(self, info: dict) -> None:
+        self.info = info
+
+    def get(self, path: str):
+        return (200, self.info) if path == "/server_info" else (404, "not found")
+
+
+def test_keep_chain_settings_expected_and_gated(tmp_path: Path) -> None:
+    host = _inv(tmp_path, 1, ddtree_budget=20, ddtree_keep_chain=True).hosts["h1"]
+    expect = rollout.expected_settings(host, "full")
+    assert expect["speculative_ddtree_keep_chain"] is True and expect["speculative_ddtree_budget"] == 20
+    plain = _inv(tmp_path, 1).hosts["h1"]
+    assert "speculative_ddtree_keep_chain" not in rollout.expected_settings(plain, "full")
+
+    def info(server_flag, worker_flag):
+        stats = {"mode": "full", "budget": 20, "topk_cap": None, "keep_chain": worker_flag}
+        return {"speculative_algorithm": "DFLASH", "speculative_ddtree_mode": "full",
+                "speculative_ddtree_budget": 20, "speculative_ddtree_keep_chain": server_flag,
+                "internal_states": [{"ddtree": stats}]}
+
+    assert gates.settings_gate(_InfoClient(info(True, True)), expect).verdict == "pass"
+    refused = gates.settings_gate(_InfoClient(info(False, False)), expect)
+    assert refused.verdict == "fail" and "speculative_ddtree_keep_chain=False (want True)" in refused.reason
+    worker = gates.settings_gate(_InfoClient(info(True, None)), expect)
+    assert worker.verdict == "fail" and "keep_chain=None" in worker.reason

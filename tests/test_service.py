@@ -46,6 +46,18 @@ def test_server_argv_per_mode(tmp_path: Path) -> None:
     assert service.server_argv(own, "full").count("--attention-backend") == 0
 
 
+def test_server_argv_keep_chain(tmp_path: Path) -> None:
+    assert "--speculative-ddtree-keep-chain" not in service.server_argv(_host(tmp_path), "full")
+    keep = service.server_argv(_host(tmp_path, ddtree_keep_chain=True), "shadow-linear")  # default budget 15
+    assert keep.count("--speculative-ddtree-keep-chain") == 1
+    assert "--speculative-ddtree-keep-chain" not in service.server_argv(_host(tmp_path, ddtree_keep_chain=True), "off")
+    with pytest.raises(UsageError, match="ddtree_keep_chain needs ddtree_budget >= the draft depth 15") as err:
+        service.server_argv(_host(tmp_path, ddtree_keep_chain=True, ddtree_budget=14), "full")
+    assert err.value.code == "keep_chain_budget"
+    small = _host(tmp_path, ddtree_keep_chain=True, ddtree_budget=7, draft_block_size=8)
+    assert "--speculative-ddtree-keep-chain" in service.server_argv(small, "full")
+
+
 def test_unit_has_the_required_settings(tmp_path: Path) -> None:
     unit = service.render_unit(_host(tmp_path, start_timeout_s=1200, stop_timeout_s=90), "full", secrets={})
     lines = unit.text.splitlines()

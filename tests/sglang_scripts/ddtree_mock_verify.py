@@ -85,7 +85,7 @@ def main() -> int:
                 if torch.rand(()) < 0.7:
                     logits[i, d, t] += 4.0
                 seq.append(t)
-        tree = build_ddtree(logits, budget, topk_cap=cap)
+        tree = build_ddtree(logits, budget, topk_cap=cap, keep_chain=budget >= depth and trial % 7 < 3)
         max_new = [64, 64, 2][trial % 3]
         # Every other trial samples some requests at a temperature so low that the target's peaked
         # node logits are one-hot: the sampled walk must then emit exactly the greedy walk.

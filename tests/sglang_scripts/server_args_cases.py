@@ -20,6 +20,7 @@ FIELDS = (
     "speculative_ddtree_mode",
     "speculative_ddtree_budget",
     "speculative_ddtree_topk_cap",
+    "speculative_ddtree_keep_chain",
     "speculative_ddtree_allow_hybrid_unsafe",
     "max_speculative_num_draft_tokens",
     "disable_cuda_graph",

@@ -80,6 +80,10 @@ valid = [
     ("full, triton, budget 64, topk-cap 8", dflash + ["--speculative-ddtree-mode", "full", "--attention-backend",
      "triton", "--page-size", "1", "--speculative-ddtree-budget", "64", "--speculative-ddtree-topk-cap", "8"],
      {"speculative_ddtree_mode": "full", "speculative_ddtree_budget": 64, "speculative_ddtree_topk_cap": 8}),
+    ("shadow-linear, keep-chain", dflash + ["--speculative-ddtree-mode", "shadow-linear",
+     "--speculative-ddtree-keep-chain"],
+     {"speculative_ddtree_mode": "shadow-linear", "speculative_ddtree_budget": 15,
+      "speculative_ddtree_keep_chain": True}),
 ]
 invalid = [
     ("ddtree without DFLASH", ["--speculative-ddtree-mode", "shadow-linear"], "--speculative-algorithm DFLASH"),
@@ -96,6 +100,8 @@ invalid = [
      "not supported yet"),
     ("full on flashinfer", dflash + ["--speculative-ddtree-mode", "full", "--attention-backend", "flashinfer"],
      "--attention-backend"),
+    ("keep-chain with budget below the depth", dflash + ["--speculative-ddtree-mode", "shadow-linear",
+     "--speculative-ddtree-budget", "8", "--speculative-ddtree-keep-chain"], "--speculative-ddtree-keep-chain"),
 ]
 cases, ok = [], True
 for name, extra, want in valid:
@@ -121,6 +127,8 @@ sys.exit(0 if ok else 1)
 # budget 4 -> nodes 1:(1) 2:(1,0) 3:(1,3) 4:(2), i.e. tokens [1,0,3,2], parents [-1,0,1,1,0],
 # depths [0,1,2,2,1]; node 3 sees {0,1,3}; first children 0->1, 1->2; siblings 1->4, 2->3.
 # budget 2 -> tokens [1,0]. topk_cap 1 with budget 4 -> only (1), (1,0): 3 nodes in all.
+# Keep-chain: position 1 .50/.45/.04/.01, position 2 .40/.30/.20/.10: budget 2 takes (0), (1) (.50,
+# .45); with keep_chain the top-1 chain (0), (0,0) (.50, .20) instead: tokens [0,0], parents [-1,0,1].
 TREE_CODE = PRELUDE + r"""
 import math
 import torch
@@ -145,6 +153,12 @@ check("budget2 token_ids", t2.token_ids[0].tolist()[:2], [1, 0])
 t3 = build_ddtree(logits, 4, topk_cap=1)
 check("topk_cap1 num_nodes", int(t3.num_nodes[0]), 3)
 check("topk_cap1 token_ids", t3.token_ids[0].tolist()[:2], [1, 0])
+chain = torch.tensor([[[.50, .45, .04, .01], [.40, .30, .20, .10]]], dtype=torch.float32).log()
+check("chain case budget2 token_ids", build_ddtree(chain, 2).token_ids[0].tolist(), [0, 1])
+t4 = build_ddtree(chain, 2, keep_chain=True)
+check("keep_chain token_ids", t4.token_ids[0].tolist(), [0, 0])
+check("keep_chain parents", t4.parents[0].tolist(), [-1, 0, 1])
+check("keep_chain score", abs(float(t4.scores[0, 2]) - math.log(.2)) < 1e-5, True)
 print("DDTREE-SMOKE-RESULT " + json.dumps(checks))
 sys.exit(0 if all(c["ok"] for c in checks) else 1)
 """

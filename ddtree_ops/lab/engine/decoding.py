@@ -72,6 +72,7 @@ class TreeStats:
     mode: str
     budget: int
     topk_cap: int | None
+    keep_chain: bool = False
     steps: int = 0
     tree_steps: int = 0
     fallback_steps: int = 0
@@ -103,6 +104,7 @@ class TreeStats:
             "topk_cap": self.topk_cap,
             "verify_graph_width": None,
             "verify_graph_max_bs": None,
+            "keep_chain": self.keep_chain,
             "steps": self.steps,
             "tree_steps": self.tree_steps,
             "fallback_steps": self.fallback_steps,
@@ -168,6 +170,7 @@ class Decoder:
         mode: str = "off",
         budget: int | None = None,
         topk_cap: int | None = None,
+        keep_chain: bool = False,
         ddtree: ModuleType | None = None,
         corruption: Corruption | None = None,
     ) -> None:
@@ -181,9 +184,10 @@ class Decoder:
         self.mode = mode
         self.budget = int(budget or self.depth)
         self.topk_cap = topk_cap
+        self.keep_chain = keep_chain
         self.ddtree = ddtree
         self.corruption = corruption or Corruption()
-        self.tree_stats = TreeStats(mode, self.budget, topk_cap) if mode != "off" else None
+        self.tree_stats = TreeStats(mode, self.budget, topk_cap, keep_chain) if mode != "off" else None
         self.spec = SpecTotals()
 
     @property
@@ -235,7 +239,9 @@ class Decoder:
 
     def _build_tree(self, draft_logits: torch.Tensor) -> Any:
         t0 = time.perf_counter()
-        tree = self.ddtree.build_ddtree(draft_logits, self.budget, topk_cap=self.topk_cap)
+        tree = self.ddtree.build_ddtree(
+            draft_logits, self.budget, topk_cap=self.topk_cap, keep_chain=self.keep_chain
+        )
         self.tree_stats.record_build((time.perf_counter() - t0) * 1e3)
         self.tree_stats.nodes_sum += int(tree.num_nodes.sum())
         self.tree_stats.requests_sum += int(draft_logits.shape[0])

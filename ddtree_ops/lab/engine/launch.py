@@ -81,6 +81,7 @@ def build(server_args: Any, faults: Faults, ddtree: ModuleType | None) -> tuple[
         mode=getattr(server_args, "speculative_ddtree_mode", "off") or "off",
         budget=budget,
         topk_cap=getattr(server_args, "speculative_ddtree_topk_cap", None),
+        keep_chain=bool(getattr(server_args, "speculative_ddtree_keep_chain", False)),
         ddtree=ddtree,
         corruption=Corruption(faults.wrong_tokens_after if ddtree is not None else None),
     )

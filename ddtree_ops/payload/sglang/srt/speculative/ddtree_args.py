@@ -31,6 +31,7 @@ DDTREE_FULL_ATTENTION_BACKENDS = ("triton",)
 FLAG_MODE = "--speculative-ddtree-mode"
 FLAG_BUDGET = "--speculative-ddtree-budget"
 FLAG_TOPK_CAP = "--speculative-ddtree-topk-cap"
+FLAG_KEEP_CHAIN = "--speculative-ddtree-keep-chain"
 FLAG_ALLOW_HYBRID = "--speculative-ddtree-allow-hybrid-unsafe"
 
 
@@ -63,6 +64,14 @@ def add_ddtree_cli_args(parser: argparse.ArgumentParser) -> None:
         help="DFLASH + DDTree. Candidate tokens per tree depth (1..budget); default: the budget.",
     )
     parser.add_argument(
+        FLAG_KEEP_CHAIN,
+        action="store_true",
+        default=False,
+        help="DFLASH + DDTree. Always keep the draft's top-1 chain (what linear DFLASH verifies) in the "
+        "tree and fill the rest of the budget best-first, so a tree never accepts fewer tokens than "
+        "linear DFLASH on the same draft. Needs a budget of at least block size - 1.",
+    )
+    parser.add_argument(
         FLAG_ALLOW_HYBRID,
         action="store_true",
         default=False,
@@ -80,6 +89,8 @@ def _ddtree_flags_given(server_args: Any) -> list[str]:
         given.append(FLAG_BUDGET)
     if getattr(server_args, "speculative_ddtree_topk_cap", None) is not None:
         given.append(FLAG_TOPK_CAP)
+    if getattr(server_args, "speculative_ddtree_keep_chain", False):
+        given.append(FLAG_KEEP_CHAIN)
     if getattr(server_args, "speculative_ddtree_allow_hybrid_unsafe", False):
         given.append(FLAG_ALLOW_HYBRID)
     return given
@@ -151,6 +162,16 @@ def handle_ddtree_server_args(server_args: Any) -> None:
                 f"(1..{FLAG_BUDGET}), got {cap}."
             )
         server_args.speculative_ddtree_topk_cap = cap
+
+    keep_chain = getattr(server_args, "speculative_ddtree_keep_chain", False)
+    if not isinstance(keep_chain, bool):
+        raise DDTreeConfigError(f"{FLAG_KEEP_CHAIN} must be a boolean (true or false), got {keep_chain!r}.")
+    if keep_chain and budget < block_size - 1:
+        raise DDTreeConfigError(
+            f"{FLAG_KEEP_CHAIN} needs {FLAG_BUDGET} >= the draft depth {block_size - 1} (block size "
+            f"{block_size} - 1: the whole top-1 chain is in the tree), got {FLAG_BUDGET} {budget}. "
+            f"Raise {FLAG_BUDGET} or drop {FLAG_KEEP_CHAIN}."
+        )
 
     if server_args.speculative_ddtree_allow_hybrid_unsafe:
         # Hybrid targets get SGLang's HybridLinearAttnBackend and an upstream linear Mamba-state

@@ -308,7 +308,9 @@ def _row_topk_kernel(
 
     keys = tl.load(key_scratch_ptr + row * BLOCK_K + offs_k, mask=offs_k < K, other=-9223372036854775807)
     value, token = _unpack(tl.sort(keys, descending=True))
-    tl.store(topv_ptr + row * K + offs_k, tl.minimum(value - lse, 0.0), mask=offs_k < K)
+    # A row of only -inf logits has no token: -inf log-probs (as the torch path), not -inf - -inf.
+    logprob = tl.where(lse > float("-inf"), tl.minimum(value - lse, 0.0), float("-inf"))
+    tl.store(topv_ptr + row * K + offs_k, logprob, mask=offs_k < K)
     tl.store(topi_ptr + row * K + offs_k, token.to(tl.int64), mask=offs_k < K)
 
 
@@ -405,7 +407,8 @@ def topk_logprobs_triton_glue(du, draft_logits: torch.Tensor, k: int) -> tuple[t
     values = torch.where(inside, logits.gather(1, cols).float(), float("-inf"))
     keys = torch.topk(du._sort_keys(values, cols), k, dim=1).values
     top_logits, top_ids = du._decode_keys(keys)
-    return (top_logits - lse).clamp_(max=0.0).view(batch, depth, k), top_ids.view(batch, depth, k)
+    values = torch.where(lse > float("-inf"), top_logits - lse, float("-inf")).clamp_(max=0.0)
+    return values.view(batch, depth, k), top_ids.view(batch, depth, k)
 
 
 def select_tree_triton(du, topv: torch.Tensor, topi: torch.Tensor, budget: int):

@@ -31,10 +31,30 @@ A best-first heap keyed ``(-score, depth, pop index of parent, token rank)`` pop
 order, which is how the tests' oracle reproduces it. Nodes scoring ``-inf`` (a token with ``-inf``
 logit anywhere on the path) are unreachable and never selected, so a tree may hold fewer than
 ``1 + budget`` nodes; ``num_nodes`` says how many, and the rest is padding (see ``DDTree``).
-Logits must be finite or ``-inf``; NaN or ``+inf`` give undefined trees.
+Logits must be finite or ``-inf``; NaN or ``+inf`` give undefined trees. A position whose logits are all
+``-inf`` has no token (log-probs ``-inf``): it and every deeper position are unreachable.
 
 Node numbering: node 0 is the root (the previous bonus token, not in the budget), nodes
 ``1 .. num_nodes-1`` follow the order above, so parents precede children; padding comes last.
+
+Keep-chain (``keep_chain=True``, ``--speculative-ddtree-keep-chain``)
+-------------------------------------------------------------------
+The chain is the draft's top-1 path: at every depth the rank-0 token (logit desc, token id asc) --
+what linear DFLASH verifies. A keep-chain tree holds the whole chain (``depth`` nodes, so it needs
+``budget >= depth``) and fills the rest of the budget best-first: the chain plus the best
+``budget - depth`` non-chain nodes in the order above. Every node on the chain is in the tree, so the
+verify walk accepts at least as many tokens as linear DFLASH on the same draft, for any target.
+Prefix-closed: a non-chain node's parent is on the chain or a non-chain node ranked above it.
+Derived from the standard tree, which holds a prefix of ``c`` chain nodes (scores do not increase
+along a path, parents rank before children) and, ranked first among its non-chain nodes, the best
+non-chain ones: keep the chain prefix and the first ``budget - depth`` non-chain nodes, then append
+the ``depth - c`` missing chain nodes by depth (``keep_top1_chain``, plain torch, batched, no
+host-device sync; the Triton path's tree is post-processed by the same code). The appended nodes
+come last among the valid nodes; each ranks below every node of the standard tree, so the node
+order is still the order above restricted to the kept nodes. Their ``scores`` are their cumulative
+log-probs, their ``token_ranks`` 0. Unreachable chain nodes (a chain score of ``-inf``: only where a
+whole logits row is ``-inf``, which makes that depth and every deeper one unreachable) are not added;
+the budget left by them is filled best-first too (which is nothing deeper than that row).
 """
 
 from __future__ import annotations
@@ -53,6 +73,7 @@ __all__ = [
     "follow_verified_tree",
     "full_mode_refusal",
     "is_hybrid_model",
+    "keep_top1_chain",
     "uses_windowed_attention",
     "select_tree_from_topk",
     "topk_logprobs",
@@ -185,8 +206,10 @@ def topk_logprobs(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, tor
     keys = torch.topk(_sort_keys(logits, vocab_index), k, dim=-1, sorted=True).values
     top_logits, top_ids = _decode_keys(keys)
     # Clamped: float32 rounding of the log-sum-exp can put a near-certain token a hair above 0, and
-    # prefix-closure of the selection rests on every log-prob being <= 0.
-    return (top_logits - lse).clamp_(max=0.0), top_ids
+    # prefix-closure of the selection rests on every log-prob being <= 0. A row of only -inf logits
+    # has no token (-inf log-probs, not -inf - -inf = NaN).
+    values = torch.where(lse > float("-inf"), top_logits - lse, float("-inf"))
+    return values.clamp_(max=0.0), top_ids
 
 
 def _pair_table(budget: int, cap: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,6 +294,88 @@ def select_tree_from_topk(topv: torch.Tensor, topi: torch.Tensor, budget: int) -
     )
     token_ranks = torch.cat([minus_one, torch.where(valid, sel_rank, -1)], 1)
     return _finish_tree(token_ids, parents, depths, num_nodes, scores_out, token_ranks, budget, depth)
+
+
+def keep_top1_chain(tree: DDTree, topv: torch.Tensor, topi: torch.Tensor) -> DDTree:
+    """The keep-chain tree from the standard tree of the same ``topv`` / ``topi`` (see the module
+    docstring): the whole top-1 chain plus the best ``budget - depth`` non-chain nodes.
+
+    ``tree``: ``select_tree_from_topk(topv, topi, budget)`` or the Triton selection of the same
+    inputs, ``budget >= depth``. Plain torch on the tree's device, batched, no host-device sync.
+    Kept nodes keep their order (and token, depth, score, rank); the missing chain nodes follow them
+    by depth, then padding.
+    """
+    batch, n = tree.parents.shape
+    budget, depth = tree.budget, tree.max_depth
+    if depth == 0 or budget == 0:
+        return tree
+    if budget < depth:
+        raise ValueError(f"keep_chain needs budget >= depth, got budget {budget} < depth {depth}")
+    device = tree.parents.device
+    i64 = torch.int64
+    slots = torch.arange(n, device=device).expand(batch, -1)
+    valid = tree.valid
+
+    # The chain: rank-0 tokens, scores summed left to right in float32 as the selection sums them.
+    chain_tokens = topi[:, :, 0].to(i64)  # [batch, depth]
+    chain_lp = topv[:, :, 0].float().clamp(max=0.0)
+    sums, acc = [], torch.zeros((batch,), dtype=torch.float32, device=device)
+    for d in range(depth):
+        acc = acc + chain_lp[:, d]
+        sums.append(acc)
+    chain_scores = torch.stack(sums, 1)
+    chain_len = (chain_scores > float("-inf")).sum(-1)  # reachable chain nodes (NaN counts as not)
+
+    # Chain nodes already in the tree: rank 0 under a chain parent (parents precede children).
+    on_chain = slots == 0
+    parent_slot = tree.parents.clamp(min=0)
+    rank0 = valid & (tree.token_ranks == 0)
+    for d in range(1, depth + 1):
+        on_chain = on_chain | (rank0 & (tree.depths == d) & on_chain.gather(1, parent_slot))
+    in_tree = on_chain.sum(-1) - 1  # c: the tree's chain prefix length, <= chain_len
+
+    # Keep the chain prefix and the first budget - chain_len non-chain nodes.
+    off_chain = valid & ~on_chain
+    kept = on_chain | (off_chain & (off_chain.cumsum(-1) <= (budget - chain_len)[:, None]))
+    new_of_old = torch.where(kept, kept.cumsum(-1) - 1, -1)  # old slot -> new slot
+    n_kept = kept.sum(-1)
+    num_nodes = n_kept + (chain_len - in_tree)
+    # old_of_new[j]: the old slot moved to j (kept slots), -1 for appended chain nodes and padding.
+    old_of_new = torch.full((batch, n + 1), -1, dtype=i64, device=device)
+    old_of_new.scatter_(1, torch.where(kept, new_of_old, n), slots)
+    old_of_new = old_of_new[:, :n]
+
+    # New slot of the chain node at each depth 0..depth (-1 where unreachable).
+    levels = torch.arange(depth + 1, device=device).expand(batch, -1)
+    chain_old = torch.full((batch, depth + 2), -1, dtype=i64, device=device)
+    chain_old.scatter_(1, torch.where(on_chain & valid, tree.depths, depth + 1), slots)
+    chain_old = chain_old[:, : depth + 1]
+    appended_slot = n_kept[:, None] + levels - in_tree[:, None] - 1
+    chain_new = torch.where(
+        levels <= in_tree[:, None],
+        new_of_old.gather(1, chain_old.clamp(min=0)),
+        torch.where(levels <= chain_len[:, None], appended_slot, -1),
+    )
+
+    is_kept = old_of_new >= 0
+    is_appended = ~is_kept & (slots < num_nodes[:, None])
+    src = old_of_new.clamp(min=0)
+    # Appended slot j holds the chain node at depth in_tree + 1 + (j - n_kept).
+    app_depth = (slots - n_kept[:, None] + in_tree[:, None] + 1).clamp(1, depth)
+    old_parent = tree.parents.gather(1, src)
+    kept_parent = torch.where(old_parent >= 0, new_of_old.gather(1, old_parent.clamp(min=0)), -1)
+    root_pad = torch.full((batch, 1), PAD_TOKEN_ID, dtype=i64, device=device)
+    node_tokens = torch.cat([root_pad, tree.token_ids], 1)
+
+    def pick(old: torch.Tensor, appended: torch.Tensor, pad: float | int) -> torch.Tensor:
+        return torch.where(is_kept, old, torch.where(is_appended, appended, pad))
+
+    tokens = pick(node_tokens.gather(1, src), chain_tokens.gather(1, app_depth - 1), PAD_TOKEN_ID)
+    parents = pick(kept_parent, chain_new.gather(1, app_depth - 1), -1)
+    depths = pick(tree.depths.gather(1, src), app_depth, 0)
+    scores = pick(tree.scores.gather(1, src), chain_scores.gather(1, app_depth - 1), float("-inf"))
+    ranks = pick(tree.token_ranks.gather(1, src), torch.zeros_like(src), -1)
+    return _finish_tree(tokens[:, 1:].contiguous(), parents, depths, num_nodes, scores, ranks, budget, depth)
 
 
 def _root_only_tree(batch: int, budget: int, depth: int, device: torch.device) -> DDTree:
@@ -387,12 +492,16 @@ def _use_triton(draft_logits: torch.Tensor) -> bool:
     return _kernels() is not None
 
 
-def build_ddtree(draft_logits: torch.Tensor, budget: int, topk_cap: int | None = None) -> DDTree:
+def build_ddtree(
+    draft_logits: torch.Tensor, budget: int, topk_cap: int | None = None, keep_chain: bool = False
+) -> DDTree:
     """Select, per request, the ``budget`` draft-tree nodes with the highest cumulative log-prob.
 
     ``draft_logits``: ``[batch, depth, vocab]`` any float dtype (depth = block size - 1 positions
     after the bonus token). ``budget``: non-root nodes (``>= 0``; 0 gives a root-only tree).
     ``topk_cap``: at most this many candidate tokens per position (``None`` = ``min(budget, vocab)``).
+    ``keep_chain``: the draft's top-1 chain is always in the tree and the rest of the budget is
+    filled best-first (module docstring, "Keep-chain"); needs ``budget >= depth`` (``ValueError``).
     Returns a ``DDTree`` on the logits' device. Exactly the best-first heap's result, with the
     deterministic tie order of the module docstring. No host-device synchronisation.
 
@@ -406,13 +515,21 @@ def build_ddtree(draft_logits: torch.Tensor, budget: int, topk_cap: int | None =
     if budget < 0:
         raise ValueError(f"budget must be >= 0, got {budget}")
     batch, depth, vocab = draft_logits.shape
+    if keep_chain and budget < depth:
+        raise ValueError(
+            f"keep_chain needs budget >= depth (the whole top-1 chain), got budget {budget} < depth {depth}"
+        )
     if budget == 0 or depth == 0 or vocab == 0:
         return _root_only_tree(batch, budget, depth, draft_logits.device)
     cap = _effective_cap(budget, vocab, topk_cap)
     if _use_triton(draft_logits):
-        return _kernels().build_ddtree_triton(sys.modules[__name__], draft_logits, budget, cap)
-    topv, topi = topk_logprobs(draft_logits, cap)
-    return select_tree_from_topk(topv, topi, budget)
+        kernels, du = _kernels(), sys.modules[__name__]
+        topv, topi = kernels.topk_logprobs_triton(du, draft_logits, cap)
+        tree = kernels.select_tree_triton(du, topv, topi, budget)
+    else:
+        topv, topi = topk_logprobs(draft_logits, cap)
+        tree = select_tree_from_topk(topv, topi, budget)
+    return keep_top1_chain(tree, topv, topi) if keep_chain else tree
 
 
 def follow_verified_tree(

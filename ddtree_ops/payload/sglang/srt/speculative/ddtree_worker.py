@@ -2,7 +2,8 @@
 by the ddtree-ops payload; upstream `dflash_worker.py` only carries three short hooks).
 
 Modes (flag `--speculative-ddtree-mode`):
-- `shadow-linear`: after DFlash drafts its block, build the DDTree from the same draft logits and
+- `shadow-linear`: after DFlash drafts its block, build the DDTree from the same draft logits (one step
+  in `SGLANG_DDTREE_SHADOW_EVERY`, default 4) and
   record its size and build time; verification stays the linear DFlash path, untouched, so outputs
   and accept lengths equal plain DFlash.
 - `full`: build the tree, verify all `1 + budget` tree tokens in one TARGET_VERIFY pass with an
@@ -53,6 +54,9 @@ logger = logging.getLogger(__name__)
 
 # Log the debug metrics every this many DDTree steps (tp rank 0 only); the first step is logged too.
 LOG_EVERY = max(1, int(os.environ.get("SGLANG_DDTREE_LOG_EVERY", "64") or 64))
+# Shadow-linear builds and measures the tree on one step in this many (the first included): enough to
+# report tree sizes and build times, at a quarter of the per-step cost on top of linear DFLASH.
+SHADOW_EVERY = max(1, int(os.environ.get("SGLANG_DDTREE_SHADOW_EVERY", "4") or 4))
 # Test-only fault (bench/gpu/graphs_proof.py): halve the sampled walk's coins, which biases sampled
 # requests towards drafted tokens; the distribution test must reject it.
 TEST_BIASED_WALK = os.environ.get("SGLANG_DDTREE_TEST_BIASED_WALK", "") == "1"
@@ -208,6 +212,7 @@ class DDTreeController:
         self.depth = self.block_size - 1
         self.budget = int(sa.speculative_ddtree_budget or self.depth)
         self.topk_cap = sa.speculative_ddtree_topk_cap
+        self.keep_chain = bool(getattr(sa, "speculative_ddtree_keep_chain", False))
         self.tp_rank = worker.tp_rank
         self.stats = DDTreeStats()
         # (start, end) CUDA event pairs of builds not yet read; read at the next log line, so the
@@ -279,7 +284,7 @@ class DDTreeController:
         for bs in (1, 2):
             # The draft logits' dtype is the target LM head's (model dtype): kernels specialise on it.
             logits = torch.randn((bs, self.depth, vocab), device=device).to(worker.model_runner.model_config.dtype)
-            build_ddtree(logits, self.budget, topk_cap=self.topk_cap)
+            build_ddtree(logits, self.budget, topk_cap=self.topk_cap, keep_chain=self.keep_chain)
         torch.cuda.synchronize(device)
         if self.tp_rank == 0:
             logger.info("DDTree builder warmed up in %.1f s", time.perf_counter() - t0)
@@ -373,7 +378,8 @@ class DDTreeController:
         logits = self.draft_logits(flat, lm_head).view(bs, self.depth, -1)
         budget = self.budget if budget is None else budget
         cap = None if self.topk_cap is None else min(int(self.topk_cap), budget)
-        tree = build_ddtree(logits, budget, topk_cap=cap)
+        # A step shrunk below the draft depth cannot hold the whole chain: it builds the standard tree.
+        tree = build_ddtree(logits, budget, topk_cap=cap, keep_chain=self.keep_chain and budget >= self.depth)
         if use_events:
             end.record()
             # Read lazily at the next log line: no host sync in the serving path.
@@ -420,7 +426,7 @@ class DDTreeController:
                 lm_head=lm_head,
             )
             return True
-        if self.mode == "shadow-linear":
+        if self.mode == "shadow-linear" and self.stats.steps % SHADOW_EVERY == 0:
             self.shadow_observe(draft_hidden, lm_head)
         return False
 
@@ -540,6 +546,7 @@ class DDTreeController:
             "mode": self.mode,
             "budget": self.budget,
             "topk_cap": self.topk_cap,
+            "keep_chain": self.keep_chain,
             "verify_graph_width": self.verify_graph_width,
             "verify_graph_max_bs": self.verify_graph_max_bs,
             **stats,
