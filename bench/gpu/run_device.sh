@@ -123,11 +123,19 @@ if [ "${GRAPHS:-0}" = 1 ]; then
     "p_plain|/tmp/tiny_p|" "p_dflash|/tmp/tiny_p|DF"
     "p_shadow|/tmp/tiny_p|DF --speculative-ddtree-mode shadow-linear --speculative-ddtree-budget 64"
     "p_full64_bias|/tmp/tiny_p|$FULL 64 BIAS"
+    # float32 twins for the sampled-walk test: bf16 logits near 40 move a probability by ~30 % per
+    # rounding step, which any change of kernel (decode vs verify) shows in 2000 samples
+    "p_plain_f32|/tmp/tiny_p|F32" "p_full64_f32|/tmp/tiny_p|$FULL 64 F32" "p_full64_bias_f32|/tmp/tiny_p|$FULL 64 BIAS F32"
     "r_plain|/tmp/tiny_r|" "r_dflash|/tmp/tiny_r|DF" "r_dflash_pristine|/tmp/tiny_r|DF PRISTINE"  # queried last
     "r_full16|/tmp/tiny_r|$FULL 16" "r_full64|/tmp/tiny_r|$FULL 64" "r_full256|/tmp/tiny_r|$FULL 256"
   )
+  # GRAPHS_SET="p" serves only the p set (the second call of RESULTS.md: the r set's mix already passed)
+  if [ "${GRAPHS_SET:-}" = p ]; then VARIANTS=("${VARIANTS[@]/r_*}"); fi
   rm -rf /tmp/site_pristine && mkdir -p /tmp/site_pristine && tar -C /tmp/site_pristine -xJf .gpu/site312.tar.xz
-  ( python3 $HERE/sampling_kernels_check.py walk > "$OUT/sampling_kernels_check.log" 2>&1; echo "rc=$?" >> "$OUT/sampling_kernels_check.log" ) &
+  ( python3 $HERE/sampling_kernels_check.py walk > "$OUT/sampling_kernels_check.log" 2>&1; echo "rc=$?" >> "$OUT/sampling_kernels_check.log"
+    # the builder's Triton-vs-torch tests (skipped on CPU CI), with pytest carried in .gpu/pytest_site
+    if [ -d .gpu/pytest_site ]; then PYTHONPATH=/tmp/site:$PWD/.gpu/pytest_site timeout 150 python3 -m pytest -q -p no:cacheprovider \
+      tests/test_ddtree_triton.py > "$OUT/triton_tests.log" 2>&1; echo "rc=$?" >> "$OUT/triton_tests.log"; fi ) &
   SKC_PID=$!
 fi
 if [ "${TP2:-0}" = 1 ]; then  # the TP twins (token TP2 -> --tp-size 2 --nccl-port ...), queried early
@@ -159,6 +167,7 @@ launch() {  # TAG MODEL_DIR EXTRA...
       CAP) envs+=(SGLANG_DDTREE_MAX_VERIFY_TOKENS=1024) ;;  # steps must shrink their trees
       PRISTINE) envs+=(PYTHONPATH=/tmp/site_pristine) ;;  # upstream 0.5.13.post1, no payload
       BIAS) envs+=(SGLANG_DDTREE_TEST_BIASED_WALK=1) ;;  # a deliberately wrong sampled walk
+      F32) args+=(--dtype float32) ;;
       TP2) args+=(--tp-size 2 --nccl-port $(( PORT[$tag] + 5 )) "${TP2_EXTRA_ARGS[@]}") ;;
       *) args+=("$a") ;;
     esac

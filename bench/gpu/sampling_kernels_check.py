@@ -23,7 +23,11 @@ from sgl_kernel import top_k_renorm_prob, top_p_renorm_prob
 kind, rows, vocab = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 g = torch.Generator(device="cuda").manual_seed(0)
 # bf16 logits of a near-uniform (random-weight) model: many exact ties, the top one included
-if sys.argv[4] == "ties":
+if sys.argv[4] == "one-column":
+    # what the stuck batch ran: a greedy-only batch with a stale is_all_greedy, top_k 1 -> a one-column
+    # top-k whose probabilities are all 1, then top_p_renorm_prob on it
+    logits = torch.zeros(rows, 1, device="cuda")
+elif sys.argv[4] == "ties":
     # bf16 logits of a near-uniform (random-weight) model: many exact ties, the top one included
     logits = (torch.randn(rows, vocab, device="cuda", generator=g) * 0.05).to(torch.bfloat16).float()
     logits[:, 1] = logits.max(-1).values
@@ -73,7 +77,7 @@ def renorm_check(timeout: float) -> list[dict]:
     """Controls first; a tied input that spins is left running only until the timeout (the caller
     runs this last: a spinning kernel starves every other process on the GPU)."""
     out = []
-    for inputs in ("control", "ties"):
+    for inputs in ("control", "one-column", "ties"):
         for kind in ("top_k1", "top_p"):
             rows, vocab = 64, 4096
             t = time.time()
