@@ -1,0 +1,718 @@
+#!/usr/bin/env python3
+"""Train a small Qwen3 target and a DFlash drafter against it (issue 14 item 1), reproducibly.
+
+    python bench/gpu/train_pair.py OUT_DIR [--seconds N] [--tiny] [--device cuda|cpu] \
+        [--report OUT_DIR/train_report.json]
+
+Writes, in the layout bench/gpu/make_tiny_models.py writes (so SGLang 0.5.13.post1 serves them with
+the same flags as today's random pair):
+  OUT_DIR/target   Qwen3ForCausalLM (make_tiny_models.target_config: hidden 256, 4 layers, vocab 4096,
+                   untied lm_head), bf16 safetensors + config + tokenizer (make_tiny_models.build_tokenizer,
+                   trained on the training split only, plus one special token <|MASK|>)
+  OUT_DIR/draft    DFlashDraftModel config + bf16 safetensors (make_tiny_models.draft_config /
+                   draft_weight_specs: target_layer_ids [1, 2], block 16, mask_token_id = <|MASK|>)
+  OUT_DIR/heldout_prompts.json   prompts cut from held-out files (never trained on), for benchmarks
+  --report (default OUT_DIR/train_report.json)   seeds, steps, wall times, losses, evaluation
+
+Corpus: the .py files of the running Python's standard library (site-packages / dist-packages left
+out) plus every .py under each --extra-corpus DIR, read as UTF-8 (undecodable or > 1 MB files
+skipped). Each file goes to the held-out split when sha256(label) % 1000 < 10 * --heldout-pct, its
+label being "stdlib/<relative path>" or "extraN/<relative path>": a deterministic split, the same on
+every machine for the same files.
+
+Target: transformers' own Qwen3ForCausalLM (the class that saves the checkpoint), AdamW, bf16 autocast
+on CUDA (fp32 on CPU), seeded, random windows of the training token stream.
+Drafter: a torch re-implementation of SGLang's srt/models/dflash.py + speculative/dflash_worker.py
+(`DFlashDraft` below; bench/gpu/check_pair_sglang.py compares it with SGLang's own DFlashDraftModel):
+  * context features: the target's residual stream after layers `target_layer_ids` (SGLang captures
+    "before layer k+1", i.e. hidden + residual, not normed), concatenated in layer order, for every
+    committed token 0..L-1; projected once, ctx = hidden_norm(fc(features)), and used as the K/V input
+    of EVERY draft layer (k_proj/v_proj only, no input_layernorm; k_norm; RoPE at the context
+    positions 0..L-1);
+  * the block: [bonus token, 15 x mask token] embedded with the TARGET's embedding, positions
+    L..L+15; each layer is Qwen3 pre-norm (input_layernorm -> attention -> residual ->
+    post_attention_layernorm -> SwiGLU MLP -> residual); block queries attend, non-causally, to all
+    context keys and all 16 block keys; final norm; the TARGET's lm_head on block positions 1..15
+    gives the predictions of the tokens at positions L+1..L+15.
+  * labels (distillation, default): the target's own greedy continuation. For a context x[0..L-1] the
+    (bf16) target decodes greedily g0..g15 (KV cache); g0 is the bonus token and g1..g15 the labels,
+    exactly what the server's greedy verify compares the draft with. --draft-labels text uses the
+    corpus text instead. Loss: cross-entropy at positions 1..15, weighted exp(-(k-1)/7) (DFlash's
+    loss decay for block 16). L is drawn per step, uniform in [8, seq_len - 16].
+
+Evaluation (report["eval"]), with the checkpoints as saved (bf16; computed in bf16 on CUDA, in fp32
+on CPU): target held-out (and train) next-token top-1 and loss; drafter per-position (1..15) top-1 /
+top-4 / top-8 accuracy on held-out contexts against the target's greedy continuation, and the mean
+accept length a linear DFLASH chain gets there (1 + the number of leading positions whose draft top-1
+equals the target's greedy token: the server's greedy accept length per step, bonus included).
+
+Deterministic given --seed and the step counts (the report records them: --target-steps /
+--draft-steps reproduce a time-budgeted run's schedule). With --seconds the step counts come from
+the measured speed of the first steps (so they differ between machines / runs), the learning-rate
+schedule is then a function of the step alone. On CUDA, bf16 GEMM and attention kernels (and their
+backward passes) are not guaranteed bitwise reproducible; torch.use_deterministic_algorithms is set
+with warn_only=True, so what remains nondeterministic is reported as warnings, not refused.
+
+TRAIN_SECONDS (env) is the default of --seconds (180 on CUDA: target 55 %, drafter 45 %).
+--tiny: a few steps on a few files at a small batch, for CPU tests (< 1 min).
+Needs torch, transformers, tokenizers, safetensors (no network).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import make_tiny_models as mtm  # noqa: E402
+
+MASK_TOKEN = "<|MASK|>"
+BLOCK = mtm.BLOCK_SIZE
+LOSS_DECAY_GAMMA = 7.0
+TOPKS = (1, 4, 8)
+MAX_FILE_BYTES = 1_000_000
+
+
+# --------------------------------------------------------------------------------------------- corpus
+
+
+def corpus_files(extra_dirs: list[str], limit: int | None = None) -> list[tuple[str, str]]:
+    """[(label, path)], sorted by label: the stdlib's .py files, then each extra dir's."""
+    roots = [("stdlib", os.path.dirname(os.__file__))] + [(f"extra{i}", d) for i, d in enumerate(extra_dirs)]
+    out = []
+    for tag, root in roots:
+        for p in glob.glob(os.path.join(root, "**", "*.py"), recursive=True):
+            rel = os.path.relpath(p, root)
+            parts = rel.split(os.sep)
+            if tag == "stdlib" and parts[0] in ("site-packages", "dist-packages"):
+                continue
+            if any(x == "__pycache__" for x in parts) or not os.path.isfile(p):
+                continue
+            out.append((f"{tag}/{'/'.join(parts)}", p))
+    out.sort()
+    if limit is not None:  # --tiny: the top-level stdlib modules only, first `limit`
+        out = [x for x in out if x[0].count("/") == 1][:limit]
+    return out
+
+
+def is_heldout(label: str, heldout_pct: float) -> bool:
+    return int(hashlib.sha256(label.encode()).hexdigest(), 16) % 1000 < int(round(10 * heldout_pct))
+
+
+def read_texts(files: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    texts = []
+    for label, path in files:
+        try:
+            if os.path.getsize(path) > MAX_FILE_BYTES:
+                continue
+            with open(path, encoding="utf-8") as f:
+                t = f.read()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if t.strip():
+            texts.append((label, t))
+    return texts
+
+
+def corpus_digest(texts: list[tuple[str, str]]) -> str:
+    h = hashlib.sha256()
+    for label, t in texts:
+        h.update(label.encode() + b"\0" + hashlib.sha256(t.encode()).digest())
+    return h.hexdigest()[:16]
+
+
+def encode_all(tok, texts: list[tuple[str, str]], eos: int) -> tuple[torch.Tensor, list[list[int]]]:
+    """(one stream: every file's tokens followed by eos, per-file token lists)."""
+    encs = tok.encode_batch([t for _, t in texts], add_special_tokens=False)
+    per_file = [e.ids for e in encs]
+    flat = []
+    for ids in per_file:
+        flat.extend(ids)
+        flat.append(eos)
+    return torch.tensor(flat, dtype=torch.long), per_file
+
+
+def heldout_prompts(tok, texts: list[tuple[str, str]], n: int, gen: torch.Generator,
+                    lo: int = 64, hi: int = 256) -> list[dict]:
+    """n prompts of lo..hi tokens, whole lines cut from held-out files (one per file while files last)."""
+    prompts = []
+    order = torch.randperm(len(texts), generator=gen).tolist()
+    i = 0
+    while len(prompts) < n and order and i < 4 * n + len(order):
+        label, text = texts[order[i % len(order)]]
+        i += 1
+        lines = text.splitlines(keepends=True)
+        if len(lines) < 4:
+            continue
+        want = int(torch.randint(lo, hi + 1, (1,), generator=gen))
+        start = int(torch.randint(0, max(1, len(lines) - 4), (1,), generator=gen))
+        chunk, n_tok = "", 0
+        for j in range(start, len(lines)):
+            nxt = chunk + lines[j]
+            n_nxt = len(tok.encode(nxt, add_special_tokens=False).ids)
+            if n_nxt > hi:
+                break
+            chunk, n_tok = nxt, n_nxt
+            if n_tok >= want:
+                break
+        if n_tok < lo:
+            continue
+        ids = tok.encode(chunk, add_special_tokens=False).ids
+        prompts.append({"file": label, "line": start + 1, "n_tokens": len(ids), "text": chunk, "input_ids": ids})
+    return prompts
+
+
+# ---------------------------------------------------------------------------------------------- draft
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, n: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.eps = eps
+
+    def forward(self, x):
+        dt = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dt)
+
+
+class _Attn(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        h, d = cfg["hidden_size"], cfg["head_dim"]
+        self.nh, self.nkv, self.d = cfg["num_attention_heads"], cfg["num_key_value_heads"], d
+        self.q_proj = nn.Linear(h, self.nh * d, bias=False)
+        self.k_proj = nn.Linear(h, self.nkv * d, bias=False)
+        self.v_proj = nn.Linear(h, self.nkv * d, bias=False)
+        self.o_proj = nn.Linear(self.nh * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg["rms_norm_eps"])
+        self.k_norm = RMSNorm(d, cfg["rms_norm_eps"])
+
+
+class _MLP(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        h, i = cfg["hidden_size"], cfg["intermediate_size"]
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _Layer(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.self_attn = _Attn(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.mlp = _MLP(cfg)
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Neox-style RoPE (HF Qwen3 / SGLang is_neox_style=True). x [B, S, H, D], pos [B, S] or [S]."""
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    f = pos.to(torch.float32)[..., None] * inv  # [(B,) S, D/2]
+    if f.dim() == 2:
+        f = f[None]
+    cos, sin = f.cos()[:, :, None, :], f.sin()[:, :, None, :]
+    x1, x2 = x[..., : d // 2].float(), x[..., d // 2:].float()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
+
+
+def rope_theta(cfg: dict) -> float:
+    if "rope_theta" in cfg:
+        return float(cfg["rope_theta"])
+    return float((cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+
+
+class DFlashDraft(nn.Module):
+    """SGLang's DFlashDraftModel + the worker's drafting step, in plain torch. Parameter names are
+    the checkpoint's (make_tiny_models.draft_weight_specs)."""
+
+    def __init__(self, cfg: dict):
+        super().__init__()
+        self.cfg = cfg
+        h = cfg["hidden_size"]
+        k = len(cfg["dflash_config"]["target_layer_ids"])
+        self.layers = nn.ModuleList([_Layer(cfg) for _ in range(cfg["num_hidden_layers"])])
+        self.fc = nn.Linear(k * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, cfg["rms_norm_eps"])
+        self.norm = RMSNorm(h, cfg["rms_norm_eps"])
+        self.theta = rope_theta(cfg)
+
+    def project_target_hidden(self, feats):
+        return self.hidden_norm(self.fc(feats))
+
+    def forward(self, ctx_feats, ctx_pos, block_emb, block_pos, ctx_valid=None):
+        """ctx_feats [B, L, K*H] (target features of the committed tokens), ctx_pos [L] or [B, L],
+        block_emb [B, S, H] (target embeddings of [bonus, mask...]), block_pos [S] or [B, S];
+        ctx_valid [B, L] bool (optional key mask). Returns the normed hidden states [B, S, H]."""
+        ctx = self.project_target_hidden(ctx_feats)
+        b, s, _ = block_emb.shape
+        nl = ctx.shape[1]
+        h = block_emb
+        mask = None
+        if ctx_valid is not None:
+            ones = torch.ones(b, s, dtype=torch.bool, device=h.device)
+            mask = torch.cat([ctx_valid, ones], 1)[:, None, None, :]
+        for layer in self.layers:
+            a = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = a.q_norm(a.q_proj(x).view(b, s, a.nh, a.d))
+            kb = a.k_norm(a.k_proj(x).view(b, s, a.nkv, a.d))
+            vb = a.v_proj(x).view(b, s, a.nkv, a.d)
+            kc = a.k_norm(a.k_proj(ctx).view(b, nl, a.nkv, a.d))
+            vc = a.v_proj(ctx).view(b, nl, a.nkv, a.d)
+            q, kb, kc = rope(q, block_pos, self.theta), rope(kb, block_pos, self.theta), rope(kc, ctx_pos, self.theta)
+            k = torch.cat([kc, kb], 1).transpose(1, 2)
+            v = torch.cat([vc, vb], 1).transpose(1, 2)
+            g = a.nh // a.nkv
+            k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, is_causal=False,
+                                               scale=a.d ** -0.5)
+            h = h + a.o_proj(o.transpose(1, 2).reshape(b, s, a.nh * a.d))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
+
+def init_draft(cfg: dict, seed: int) -> DFlashDraft:
+    """make_tiny_models' init: N(0, 0.02) matrices, ones for norms (seeded)."""
+    m = DFlashDraft(cfg)
+    g = torch.Generator().manual_seed(seed)
+    specs = mtm.draft_weight_specs(cfg["num_hidden_layers"], len(cfg["dflash_config"]["target_layer_ids"]))
+    params = dict(m.named_parameters())
+    assert sorted(params) == sorted(n for n, _, _ in specs), "draft parameter names differ from the checkpoint's"
+    with torch.no_grad():
+        for name, shape, init in specs:
+            p = params[name]
+            assert tuple(p.shape) == tuple(shape), (name, p.shape, shape)
+            p.copy_(torch.randn(*shape, generator=g) * 0.02 if init == "randn" else torch.ones(*shape))
+    return m
+
+
+def load_draft(draft_dir: str | Path) -> DFlashDraft:
+    from safetensors.torch import load_file
+
+    cfg = json.loads((Path(draft_dir) / "config.json").read_text())
+    m = DFlashDraft(cfg)
+    sd = load_file(str(Path(draft_dir) / "model.safetensors"))
+    m.load_state_dict({k: v.float() for k, v in sd.items()}, strict=True)
+    return m
+
+
+# --------------------------------------------------------------------------------------------- target
+
+
+class FeatureTap:
+    """Captures the output of target layers `layer_ids` (the residual stream after them, = SGLang's
+    aux hidden state captured before layer id+1), concatenated in layer order."""
+
+    def __init__(self, model, layer_ids):
+        self.ids = sorted(layer_ids)
+        self.on = False
+        self.out: dict[int, torch.Tensor] = {}
+        self.handles = [model.model.layers[i].register_forward_hook(self._hook(i)) for i in self.ids]
+
+    def _hook(self, i):
+        def f(_mod, _inp, out):
+            if self.on:
+                self.out[i] = out[0] if isinstance(out, tuple) else out
+        return f
+
+    def features(self) -> torch.Tensor:
+        return torch.cat([self.out[i] for i in self.ids], -1)
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+@torch.no_grad()
+def greedy_block(target, tap: FeatureTap, ctx_ids: torch.Tensor, n: int = BLOCK):
+    """Context features [B, L, K*H] of ctx_ids and the target's greedy continuation [B, n] (g0 = bonus)."""
+    tap.on = True
+    out = target(input_ids=ctx_ids, use_cache=True, logits_to_keep=1)
+    tap.on = False
+    feats = tap.features()
+    tok = out.logits[:, -1].float().argmax(-1)
+    cont = [tok]
+    past = out.past_key_values
+    for _ in range(n - 1):
+        out = target(input_ids=tok[:, None], past_key_values=past, use_cache=True, logits_to_keep=1)
+        past = out.past_key_values
+        tok = out.logits[:, -1].float().argmax(-1)
+        cont.append(tok)
+    return feats, torch.stack(cont, 1)
+
+
+def lr_at(step: int, total: int, warmup: int, peak: float) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    t = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def param_groups(model, wd: float, no_decay_names=("embed_tokens",)):
+    decay, no = [], []
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no if p.dim() < 2 or any(x in n for x in no_decay_names) else decay).append(p)
+    return [{"params": decay, "weight_decay": wd}, {"params": no, "weight_decay": 0.0}]
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def train_loop(name, step_fn, opt, *, steps, seconds, warmup, peak_lr, device, log_every, probe=20):
+    """Runs step_fn(step) -> loss tensor; fixed `steps`, or sized from `seconds` after `probe` steps."""
+    total = steps if steps else None
+    losses, t0, t_probe = [], time.perf_counter(), None
+    step = 0
+    while total is None or step < total:
+        lr = lr_at(step, total if total else 10**9, warmup, peak_lr)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss = step_fn(step)
+        losses.append(float(loss))
+        step += 1
+        if total is None:
+            if step == 5:
+                sync(device)
+                t_probe = time.perf_counter()
+            elif step == probe:
+                sync(device)
+                per = (time.perf_counter() - t_probe) / (probe - 5)
+                total = max(probe, int((seconds - (time.perf_counter() - t0)) / per) + probe)
+                print(f"[{name}] {per * 1e3:.1f} ms/step -> {total} steps in ~{seconds:.0f} s", flush=True)
+        if step % log_every == 0 or step == total:
+            print(f"[{name}] step {step}/{total or '?'} loss {losses[-1]:.4f} lr {lr:.2e} "
+                  f"t {time.perf_counter() - t0:.1f}s", flush=True)
+    sync(device)
+    return losses, step, time.perf_counter() - t0
+
+
+def summarize_losses(losses, n=None):
+    n = n or max(1, min(50, len(losses) // 10))
+    curve_every = max(1, len(losses) // 50)
+    return {
+        "first": sum(losses[:n]) / n, "last": sum(losses[-n:]) / n, "window": n,
+        "curve_every": curve_every, "curve": [round(x, 4) for x in losses[::curve_every]],
+    }
+
+
+def dir_bytes(d) -> dict:
+    return {p.name: p.stat().st_size for p in sorted(Path(d).iterdir()) if p.is_file()}
+
+
+# ------------------------------------------------------------------------------------------------ eval
+
+
+@torch.no_grad()
+def eval_target(model, stream, n, seq, gen, device, batch):
+    starts = torch.randint(0, len(stream) - seq - 1, (n,), generator=gen)
+    correct, loss_sum, count = 0, 0.0, 0
+    for i in range(0, n, batch):
+        idx = starts[i:i + batch, None] + torch.arange(seq + 1)
+        w = stream[idx].to(device)
+        logits = model(input_ids=w[:, :-1]).logits.float()
+        y = w[:, 1:]
+        loss_sum += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum"))
+        correct += int((logits.argmax(-1) == y).sum())
+        count += y.numel()
+    return {"top1": correct / count, "loss": loss_sum / count, "tokens": count, "windows": n, "seq_len": seq}
+
+
+@torch.no_grad()
+def eval_draft(target, tap, draft, stream, ctx_lens, n_per, gen, device, batch, mask_id, dtype):
+    """Per-position top-k accuracy of the draft against the target's greedy continuation, plus the
+    ground-truth text's top-1 and the linear chain's accept length, over held-out contexts."""
+    emb, head = target.get_input_embeddings(), target.get_output_embeddings()
+    hits = {k: torch.zeros(BLOCK - 1) for k in TOPKS}
+    text_hits = torch.zeros(BLOCK - 1)
+    accept, by_len = [], {}
+    for L in ctx_lens:
+        acc_l = []
+        starts = torch.randint(0, len(stream) - L - BLOCK, (n_per,), generator=gen)
+        for i in range(0, n_per, batch):
+            idx = starts[i:i + batch, None] + torch.arange(L + BLOCK)
+            w = stream[idx].to(device)
+            feats, cont = greedy_block(target, tap, w[:, :L])
+            blk = torch.full_like(cont, mask_id)
+            blk[:, 0] = cont[:, 0]
+            hid = draft(feats.to(dtype), torch.arange(L, device=device), emb(blk).to(dtype),
+                        L + torch.arange(BLOCK, device=device))
+            logits = head(hid[:, 1:].to(head.weight.dtype)).float()  # [b, 15, V]
+            top = logits.topk(max(TOPKS), -1).indices
+            want = cont[:, 1:]
+            for k in TOPKS:
+                hits[k] += (top[..., :k] == want[..., None]).any(-1).float().sum(0).cpu()
+            text_hits += (top[..., 0] == w[:, L + 1:L + BLOCK]).float().sum(0).cpu()
+            match = (top[..., 0] == want).long()
+            acc = 1 + match.cumprod(1).sum(1)
+            acc_l += acc.tolist()
+        by_len[str(L)] = {"mean_accept_length": sum(acc_l) / len(acc_l), "blocks": len(acc_l)}
+        accept += acc_l
+    n = len(accept)
+    hist = [0] * (BLOCK + 1)
+    for a in accept:
+        hist[a] += 1
+    return {
+        "labels": "target greedy continuation (bonus = the target's greedy token after the context)",
+        "blocks": n, "context_lengths": list(ctx_lens),
+        **{f"per_position_top{k}": [round(float(x) / n, 4) for x in hits[k]] for k in TOPKS},
+        "per_position_top1_vs_text": [round(float(x) / n, 4) for x in text_hits],
+        "mean_accept_length": sum(accept) / n,
+        "accept_length_hist": hist,
+        "by_context_length": by_len,
+    }
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out_dir")
+    ap.add_argument("--seconds", type=float, default=None,
+                    help="training time budget, target + drafter (default $TRAIN_SECONDS or 180; --tiny: steps)")
+    ap.add_argument("--tiny", action="store_true", help="a few steps on a few files (CPU tests)")
+    ap.add_argument("--device", default=None, help="cuda | cpu (default: cuda if available)")
+    ap.add_argument("--report", default=None, help="report JSON (default OUT_DIR/train_report.json)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--target-steps", type=int, default=None, help="fixed step count (overrides --seconds)")
+    ap.add_argument("--draft-steps", type=int, default=None, help="fixed step count (overrides --seconds)")
+    ap.add_argument("--target-share", type=float, default=0.55, help="share of --seconds for the target")
+    ap.add_argument("--draft-layers", type=int, default=mtm.DRAFT_LAYERS)
+    ap.add_argument("--draft-labels", choices=("greedy", "text"), default="greedy")
+    ap.add_argument("--extra-corpus", action="append", default=[], help="another dir of .py files")
+    ap.add_argument("--heldout-pct", type=float, default=5.0)
+    ap.add_argument("--prompts", type=int, default=None, help="held-out prompts to write (64; tiny 8)")
+    a = ap.parse_args(argv)
+
+    t_start = time.perf_counter()
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = device.type == "cuda"
+    if cuda:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    tiny = a.tiny
+    seconds = a.seconds if a.seconds is not None else float(os.environ.get("TRAIN_SECONDS", "180"))
+    hp = {  # hyper-parameters; --tiny shrinks the batch and fixes small step counts
+        "t_batch": 4 if tiny else 128, "t_seq": 32 if tiny else 512, "t_lr": 3e-3, "t_warmup": 3 if tiny else 200,
+        "d_batch": 4 if tiny else 512, "d_seq": 40 if tiny else 512, "d_lr": 3e-3, "d_warmup": 3 if tiny else 100,
+        "wd": 0.1, "clip": 1.0, "betas": (0.9, 0.95),
+    }
+    t_steps = a.target_steps or (25 if tiny else None)
+    d_steps = a.draft_steps or (15 if tiny else None)
+    out = Path(a.out_dir)
+    tdir, ddir = out / "target", out / "draft"
+    tdir.mkdir(parents=True, exist_ok=True)
+    ddir.mkdir(parents=True, exist_ok=True)
+    report_path = Path(a.report) if a.report else out / "train_report.json"
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+
+    # ---- corpus, split, tokenizer
+    t0 = time.perf_counter()
+    files = corpus_files(a.extra_corpus, limit=40 if tiny else None)
+    texts = read_texts(files)
+    train = [x for x in texts if not is_heldout(x[0], a.heldout_pct)]
+    held = [x for x in texts if is_heldout(x[0], a.heldout_pct)]
+    if tiny and not held:  # a handful of files may all hash to train: hold out the last one
+        held, train = train[-1:], train[:-1]
+    label_to_path = dict(files)
+    tok_files = [label_to_path[lb] for lb, _ in train if lb.startswith("stdlib/") and lb.count("/") == 1][:200]
+    n_vocab, eos = mtm.build_tokenizer(str(tdir), files=tok_files, extra_specials=[MASK_TOKEN])
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tdir / "tokenizer.json"))
+    mask_id = tok.token_to_id(MASK_TOKEN)
+    assert mask_id is not None and mask_id < mtm.VOCAB
+    train_stream, _ = encode_all(tok, train, eos)
+    held_stream, _ = encode_all(tok, held, eos)
+    prompts = heldout_prompts(tok, held, a.prompts or (8 if tiny else 64), torch.Generator().manual_seed(a.seed + 7))
+    (out / "heldout_prompts.json").write_text(json.dumps({
+        "about": "prompts cut (whole lines, 64..256 tokens) from held-out files that neither the target, the "
+                 "drafter nor the tokenizer were trained on; input_ids = the target tokenizer's encoding of text",
+        "tokenizer": "target (beside this file)", "seed": a.seed, "prompts": prompts}, indent=1))
+    corpus = {
+        "roots": {"stdlib": os.path.dirname(os.__file__), **{f"extra{i}": d for i, d in enumerate(a.extra_corpus)}},
+        "files_train": len(train), "files_heldout": len(held), "tokens_train": len(train_stream),
+        "tokens_heldout": len(held_stream), "digest": corpus_digest(texts), "heldout_pct": a.heldout_pct,
+        "tokenizer_files": len(tok_files), "tokenizer_vocab": n_vocab, "eos_token_id": eos,
+        "mask_token": MASK_TOKEN, "mask_token_id": mask_id, "prompts": len(prompts), "wall_s": time.perf_counter() - t0,
+    }
+    print(f"corpus: {json.dumps({k: v for k, v in corpus.items() if k != 'roots'})}", flush=True)
+    train_stream_d = train_stream.to(device)
+
+    # ---- target
+    from transformers import Qwen3ForCausalLM
+
+    cfg = mtm.target_config(eos)
+    torch.manual_seed(a.seed)
+    target = Qwen3ForCausalLM(cfg).to(device)
+    target.train()
+    opt = torch.optim.AdamW(param_groups(target, hp["wd"]), lr=hp["t_lr"], betas=hp["betas"],
+                            **({"fused": True} if cuda else {}))
+    tb, ts = hp["t_batch"], hp["t_seq"]
+    t_gen = torch.Generator().manual_seed(a.seed + 1)
+
+    def target_step(_step):
+        starts = torch.randint(0, len(train_stream) - ts - 1, (tb,), generator=t_gen)
+        w = train_stream_d[(starts[:, None] + torch.arange(ts + 1)).to(device)]
+        with amp:
+            logits = target(input_ids=w[:, :-1]).logits
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(target.parameters(), hp["clip"])
+        opt.step()
+        return loss.detach()
+
+    t_losses, t_done, t_wall = train_loop(
+        "target", target_step, opt, steps=t_steps, seconds=seconds * a.target_share, warmup=hp["t_warmup"],
+        peak_lr=hp["t_lr"], device=device, log_every=10 if tiny else 500)
+    target = target.to(torch.bfloat16)
+    target.save_pretrained(str(tdir), safe_serialization=True)
+    # the saved checkpoint, as SGLang / HF load it
+    target = Qwen3ForCausalLM.from_pretrained(str(tdir), dtype=torch.bfloat16).to(device).eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    if not cuda:
+        target = target.float()  # bf16 weights, fp32 arithmetic on CPU
+    dtype = torch.bfloat16 if cuda else torch.float32
+
+    # ---- drafter
+    dcfg = mtm.draft_config(mask_id, num_layers=a.draft_layers)
+    draft = init_draft(dcfg, a.seed + 2).to(device)
+    tap = FeatureTap(target, dcfg["dflash_config"]["target_layer_ids"])
+    emb, head = target.get_input_embeddings(), target.get_output_embeddings()
+    dopt = torch.optim.AdamW(param_groups(draft, hp["wd"]), lr=hp["d_lr"], betas=hp["betas"],
+                             **({"fused": True} if cuda else {}))
+    db, dseq = hp["d_batch"], hp["d_seq"]
+    d_gen = torch.Generator().manual_seed(a.seed + 3)
+    wpos = torch.exp(-torch.arange(BLOCK - 1, dtype=torch.float32) / LOSS_DECAY_GAMMA).to(device)
+    wpos = wpos / wpos.sum()
+    bpos = torch.arange(BLOCK, device=device)
+
+    def draft_step(_step):
+        L = int(torch.randint(8, dseq - BLOCK + 1, (1,), generator=d_gen))
+        starts = torch.randint(0, len(train_stream) - L - BLOCK, (db,), generator=d_gen)
+        w = train_stream_d[(starts[:, None] + torch.arange(L + BLOCK)).to(device)]
+        with torch.no_grad():
+            feats, cont = greedy_block(target, tap, w[:, :L])
+            if a.draft_labels == "text":
+                cont = w[:, L:L + BLOCK]
+            blk = torch.full_like(cont, mask_id)
+            blk[:, 0] = cont[:, 0]
+            bemb = emb(blk)
+        with amp:
+            hid = draft(feats, torch.arange(L, device=device), bemb, L + bpos)
+            logits = head(hid[:, 1:])
+        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), cont[:, 1:].reshape(-1),
+                             reduction="none").view(db, BLOCK - 1)
+        loss = (ce.mean(0) * wpos).sum()
+        dopt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), hp["clip"])
+        dopt.step()
+        return loss.detach()
+
+    draft.train()
+    d_losses, d_done, d_wall = train_loop(
+        "draft", draft_step, dopt, steps=d_steps, seconds=seconds * (1 - a.target_share), warmup=hp["d_warmup"],
+        peak_lr=hp["d_lr"], device=device, log_every=10 if tiny else 200)
+    from safetensors.torch import save_file
+
+    sd = {k: v.detach().to(torch.bfloat16).cpu().contiguous() for k, v in draft.state_dict().items()}
+    order = [n for n, _, _ in mtm.draft_weight_specs(a.draft_layers, len(dcfg["dflash_config"]["target_layer_ids"]))]
+    save_file({k: sd[k] for k in order}, str(ddir / "model.safetensors"), metadata={"format": "pt"})
+    (ddir / "config.json").write_text(json.dumps(dcfg, indent=2))
+
+    # ---- evaluation, on the checkpoints as saved
+    t0 = time.perf_counter()
+    draft = load_draft(ddir).to(device=device, dtype=dtype).eval()
+    def e_gen(k):  # one generator per evaluation: adding one never moves another's samples
+        return torch.Generator().manual_seed(a.seed + 100 + k)
+
+    ev_n, ev_seq, ev_b = (4, 32, 4) if tiny else (512, 512, 64)
+    ev_target_held = eval_target(target, held_stream, ev_n, ev_seq, e_gen(0), device, ev_b)
+    ev_target_train = eval_target(target, train_stream, ev_n, ev_seq, e_gen(1), device, ev_b)
+    ev_by_root = {}  # held-out files of each corpus root apart (site-packages code repeats itself more)
+    for root in corpus["roots"]:
+        part = [x for x in held if x[0].split("/", 1)[0] == root]
+        stream_r = encode_all(tok, part, eos)[0] if part else torch.zeros(0, dtype=torch.long)
+        if len(stream_r) > 4 * ev_seq:
+            ev_by_root[root] = eval_target(target, stream_r, ev_n, ev_seq, e_gen(3), device, ev_b)
+    ctx_lens = (8, 24) if tiny else (32, 128, 256, 480)
+    ev_draft = eval_draft(target, tap, draft, held_stream, ctx_lens, 4 if tiny else 512, e_gen(2), device,
+                          4 if tiny else 256, mask_id, dtype)
+    ev_wall = time.perf_counter() - t0
+    tap.remove()
+
+    report = {
+        "script": "bench/gpu/train_pair.py", "argv": sys.argv[1:] if argv is None else list(argv),
+        "seed": a.seed, "tiny": tiny, "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": __import__("transformers").__version__},
+        "deterministic": "given --seed and the step counts; CUDA bf16 kernels may differ in the last bits "
+                         "between runs (use_deterministic_algorithms(warn_only=True))",
+        "seconds_budget": None if (t_steps and d_steps) else seconds,
+        "hyperparameters": {**hp, "betas": list(hp["betas"]), "loss_decay_gamma": LOSS_DECAY_GAMMA,
+                            "draft_labels": a.draft_labels, "draft_context_len": [8, dseq - BLOCK]},
+        "corpus": corpus,
+        "target": {
+            "dir": str(tdir), "steps": t_done, "wall_s": t_wall, "tokens_seen": t_done * tb * ts,
+            "params": sum(p.numel() for p in target.parameters()), "loss": summarize_losses(t_losses),
+            "checkpoint_bytes": dir_bytes(tdir),
+            "config": {k: cfg.to_dict().get(k) for k in ("hidden_size", "num_hidden_layers", "vocab_size",
+                                                         "intermediate_size", "tie_word_embeddings")},
+        },
+        "draft": {
+            "dir": str(ddir), "steps": d_done, "wall_s": d_wall, "blocks_seen": d_done * db,
+            "params": sum(p.numel() for p in draft.parameters()), "loss": summarize_losses(d_losses),
+            "checkpoint_bytes": dir_bytes(ddir), "num_hidden_layers": a.draft_layers,
+            "target_layer_ids": dcfg["dflash_config"]["target_layer_ids"], "block_size": BLOCK,
+            "mask_token_id": mask_id,
+        },
+        "eval": {"target_heldout": ev_target_held, "target_train": ev_target_train,
+                 "target_heldout_by_root": ev_by_root, "draft_heldout": ev_draft,
+                 "dtype": str(dtype), "wall_s": ev_wall},
+        "reproduce": f"python bench/gpu/train_pair.py OUT --seed {a.seed} --target-steps {t_done} "
+                     f"--draft-steps {d_done}" + (" --tiny" if tiny else "")
+                     + (f" --draft-layers {a.draft_layers}" if a.draft_layers != mtm.DRAFT_LAYERS else "")
+                     + "".join(f" --extra-corpus {d}" for d in a.extra_corpus),
+        "wall_s": time.perf_counter() - t_start,
+    }
+    report_path.parent.mkdir(parents=True, exist_ok=True)
+    report_path.write_text(json.dumps(report, indent=1))
+    e = report["eval"]
+    print(f"target held-out top1 {e['target_heldout']['top1']:.4f} loss {e['target_heldout']['loss']:.4f} | "
+          f"draft top1@1 {ev_draft['per_position_top1'][0]:.4f} accept {ev_draft['mean_accept_length']:.3f} | "
+          f"wall {report['wall_s']:.1f}s -> {report_path}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+#!/bin/bash
+# Train the target + DFlash drafter pair ON THE GPU MACHINE (nvidia-h200), from the repo root, with `.gpu`
+# (bench/gpu/build_carry.sh: the carried site-packages, for the same transformers 5.8.1 that
+# make_tiny_models and SGLang use) in the run's carry:
+#   set -o pipefail; bash bench/gpu/train_pair_device.sh 2>&1 | tee $OUT/run.log
+# 1) unpack the carry to /tmp/site (PYTHONPATH)
+# 2) train_pair.py /tmp/pair --device cuda (TRAIN_SECONDS, default 180, of training), corpus: this Python's
+#    stdlib + EXTRA (default /tmp/site/sglang: the carried SGLang sources, the same bytes on every machine;
+#    EXTRA= for the stdlib alone)
+# 3) check_pair_sglang.py on the trained pair, on the CPU (CUDA_VISIBLE_DEVICES=): our drafter = SGLang's
+# Env: TRAIN_SECONDS (default 180), EXTRA, TRAIN_ARGS (more train_pair.py flags), PAIR (/tmp/pair), DEVICE (cuda).
+# Back in $OUT: run.log (tee), train.log, train_report.json, heldout_prompts.json, check_sglang.json and
+# pair.tar (target/ + draft/, ~12 MB: unpack it into .gpu/pair/ here to carry it into later proof calls).
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+HERE=$(cd "$(dirname "$0")" && pwd)
+T0=$(date +%s)
+ts() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if ! ldconfig -p 2>/dev/null | grep -q 'libnuma.so.1 '; then export LD_LIBRARY_PATH=$PWD/.gpu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}; fi
+PAIR=${PAIR:-/tmp/pair}
+ts "start"; nvidia-smi -L 2>/dev/null || echo "no nvidia-smi"; python3 -V
+if [ -f .gpu/site312.tar.xz ]; then
+  rm -rf /tmp/site && mkdir -p /tmp/site && tar -C /tmp/site -xJf .gpu/site312.tar.xz || { echo "extract failed"; exit 1; }
+  export PYTHONPATH=/tmp/site
+else
+  echo "no .gpu/site312.tar.xz: the image's own transformers is used"
+fi
+EXTRA=${EXTRA-/tmp/site/sglang}
+EXTRA_ARGS=()
+if [ -n "$EXTRA" ] && [ -d "$EXTRA" ]; then EXTRA_ARGS=(--extra-corpus "$EXTRA"); fi
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+ts "site extracted"
+rm -rf "$PAIR"
+python3 "$HERE/train_pair.py" "$PAIR" --device "${DEVICE:-cuda}" "${EXTRA_ARGS[@]}" --report "$OUT/train_report.json" \
+  ${TRAIN_ARGS:-} > "$OUT/train.log" 2>&1
+RC=$?
+grep -v -i "warn\|Writing model\|Loading weights" "$OUT/train.log" | tail -40
+ts "train_pair rc=$RC"
+[ "$RC" = 0 ] || exit "$RC"
+cp "$PAIR/heldout_prompts.json" "$OUT/"
+tar -C "$PAIR" -cf "$OUT/pair.tar" target draft
+CUDA_VISIBLE_DEVICES= timeout 240 python3 "$HERE/check_pair_sglang.py" "$PAIR" --out "$OUT/check_sglang.json" \
+  > "$OUT/check_sglang.log" 2>&1
+CRC=$?
+tail -c 1500 "$OUT/check_sglang.log"
+ts "check_pair_sglang rc=$CRC"
+ls -la "$OUT"
+exit "$CRC"
