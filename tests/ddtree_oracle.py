@@ -396,3 +396,53 @@ def dflash_linear_rule(
     correct_len = matches.to(torch.int64).cumprod(1).sum(1)
     bonus = target_predict.gather(1, correct_len.view(-1, 1)).view(-1)
     return correct_len, bonus
+
+
+def tree_sampling_reference(
+    *, predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
+    retrive_next_sibling, uniform_samples, uniform_samples_for_final_sampling, target_probs, draft_probs,
+    threshold_single=1.0, threshold_acc=1.0, deterministic=True,
+) -> None:
+    """sgl_kernel's ``tree_speculative_sampling_target_only``, one request at a time in Python loops
+    (the kernel's rule: siblings in order, accept the first whose running target mass reaches the
+    node's coin; otherwise draw the bonus from the target minus the rejected siblings' mass)."""
+    bs, n = candidates.shape
+    steps = accept_index.shape[1]
+    vocab = target_probs.shape[-1]
+    for b in range(bs):
+        last = int(retrive_index[b, 0])
+        accept_index[b, 0] = last
+        accepted, cur, prob_offset = 0, 0, (b, 0)
+        coin = float(uniform_samples[b, 0])
+        for _ in range(1, steps):
+            cur = int(retrive_next_token[b, cur])
+            acc = 0.0
+            while cur != -1:
+                token = int(candidates[b, cur])
+                q = float(target_probs[prob_offset][token])
+                acc += q
+                if coin <= acc / threshold_acc or q >= threshold_single:
+                    prob_offset = (b, cur)
+                    coin = float(uniform_samples[b, cur])
+                    predicts[last] = token
+                    accepted += 1
+                    accept_index[b, accepted] = int(retrive_index[b, cur])
+                    last = int(retrive_index[b, cur])
+                    break
+                draft_probs[prob_offset][token] = target_probs[prob_offset][token]
+                cur = int(retrive_next_sibling[b, cur])
+            if cur == -1:
+                break
+        accept_token_num[b] = accepted
+        residual = [max(0.0, float(target_probs[prob_offset][v]) - float(draft_probs[prob_offset][v]))
+                    for v in range(vocab)]
+        total = sum(residual)
+        u = float(uniform_samples_for_final_sampling[b]) * total
+        run, pick = 0.0, max(range(vocab), key=lambda v: float(target_probs[prob_offset][v]))
+        if total > 0:
+            for v in range(vocab):
+                run += residual[v]
+                if run > u:
+                    pick = v
+                    break
+        predicts[last] = pick

@@ -226,3 +226,23 @@ def test_greedy_rows_walk_the_argmax_and_mixed_batches_keep_them() -> None:
                         generator=torch.Generator().manual_seed(2), **kw)
     for a, b in zip(du.follow_verified_tree(tree, logits.argmax(-1)), cold, strict=True):
         assert torch.equal(a, b)
+
+
+def test_the_torch_walk_is_the_kernel_rule() -> None:
+    """sample_tree_walk and the payload's kernel adapter (`_kernel_walk`, fed the Python-loop kernel
+    reference) agree exactly: same trees, distributions and coins, so the CUDA path and the CPU path
+    are one rule (on the GPU the real kernel matched too: bench/gpu/sampling_kernels_check.py)."""
+    from ddtree_oracle import tree_sampling_reference
+
+    for seed in range(12):
+        g = torch.Generator().manual_seed(seed)
+        bs, depth, vocab, budget = 5, 4, 7, [3, 9, 20][seed % 3]
+        tree = du.build_ddtree(torch.randn(bs, depth, vocab, generator=g) * 2, budget)
+        n = budget + 1
+        probs = torch.softmax(torch.randn(bs, n, vocab, generator=g) * 2, -1)
+        cand = tree.full_token_ids(torch.randint(0, vocab, (bs,), generator=g))
+        coins, final = torch.rand((bs, n), generator=g), torch.rand((bs,), generator=g)
+        want = ds._kernel_walk(tree_sampling_reference, tree, cand, probs, coins, final)
+        got = ds.sample_tree_walk(tree, cand, probs, coins, final)
+        for a, b in zip(want, got, strict=True):
+            assert torch.equal(a, b), seed

@@ -209,6 +209,7 @@ def main() -> int:
         if controller.widths != [n]:
             failures.append(f"trial {trial}: verify width calls {controller.widths}")
     failures += guard_checks()
+    failures += dflash_sampling_checks()
     failures += hook_checks()
     print(json.dumps({"ok": not failures, "steps": steps, "failures": failures[:10]}))
     return 0 if not failures else 1
@@ -459,6 +460,58 @@ def step_limit_checks(batch_for, head, draft_hidden, bonus) -> list[str]:
     except RuntimeError as e:
         if "does not fit a req_to_token row of 256" not in str(e):
             out.append(f"row bound check message: {e}")
+    return out
+
+
+
+
+def dflash_sampling_checks() -> list[str]:
+    """Upstream's sampled DFLASH verify as patched (dflash_utils.patch): a mixed batch and a greedy-only
+    batch left with is_all_greedy False (the stalled case) never reach sgl_kernel's renorm kernels, and
+    greedy rows get exactly the greedy rule. The tree-sampling kernel is the tests' Python reference."""
+    from pathlib import Path
+
+    import sglang.srt.speculative.dflash_utils as up
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from ddtree_oracle import tree_sampling_reference
+
+    out: list[str] = []
+    called: list[str] = []
+
+    def renorm(*_a, **_k):
+        called.append("renorm")
+        raise RuntimeError("renorm kernel called (it spins on top_k-1 rows on GPU)")
+
+    up._DFLASH_SAMPLING_VERIFY_AVAILABLE = True
+    up.top_k_renorm_prob = up.top_p_renorm_prob = renorm
+    up.tree_speculative_sampling_target_only = tree_sampling_reference
+    torch.manual_seed(3)
+    bs, block, vocab = 4, 5, VOCAB
+    for label, top_ks in (("mixed", [1, 1 << 30, 1, 3]), ("greedy only, stale flag", [1, 1, 1, 1])):
+        info = SimpleNamespace(
+            temperatures=torch.tensor([[1.0], [0.8], [1.0], [0.7]]),
+            top_ks=torch.tensor(top_ks, dtype=torch.int32),
+            top_ps=torch.tensor([1.0, 0.95, 1.0, 0.9]),
+            need_top_k_sampling=True, need_top_p_sampling=True,
+        )
+        candidates = torch.randint(0, vocab, (bs, block))
+        logits = torch.randn(bs * block, vocab) * 3
+        try:
+            correct, bonus = up.compute_dflash_sampling_correct_drafts_and_bonus(
+                candidates=candidates, next_token_logits=logits, sampling_info=info,
+                threshold_single=1.0, threshold_acc=1.0)
+        except Exception as e:  # noqa: BLE001 - reported as a failure
+            out.append(f"dflash sampled verify ({label}): {type(e).__name__}: {e}")
+            continue
+        want_c, want_b = up.compute_dflash_correct_drafts_and_bonus(
+            candidates=candidates, target_predict=logits.argmax(-1).view(bs, block))
+        greedy = [i for i, k in enumerate(top_ks) if k == 1]
+        if correct[greedy].tolist() != want_c[greedy].tolist() or bonus[greedy].tolist() != want_b[greedy].tolist():
+            out.append(f"dflash sampled verify ({label}): greedy rows {correct.tolist()} {bonus.tolist()} "
+                       f"!= greedy rule {want_c.tolist()} {want_b.tolist()}")
+    if called:
+        out.append(f"dflash sampled verify reached the renorm kernels {len(called)} times")
     return out
 
 
