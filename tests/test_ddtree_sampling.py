@@ -124,14 +124,19 @@ def exact_law(tree, probs, *, forget_rejected: bool = False) -> dict[tuple[int, 
     return law
 
 
-def walk_samples(tree, probs, candidates, n: int, seed: int) -> list[tuple[int, int]]:
-    g = torch.Generator().manual_seed(seed)
-    bs = n
-    big = type(tree)(**{
+def _repeat_tree(tree, bs: int):
+    """A one-request tree repeated ``bs`` times (independent walks over the same tree)."""
+    return type(tree)(**{
         f: (getattr(tree, f).expand(bs, *getattr(tree, f).shape[1:]).contiguous()
             if isinstance(getattr(tree, f), torch.Tensor) else getattr(tree, f))
         for f in tree.__dataclass_fields__
     })
+
+
+def walk_samples(tree, probs, candidates, n: int, seed: int) -> list[tuple[int, int]]:
+    g = torch.Generator().manual_seed(seed)
+    bs = n
+    big = _repeat_tree(tree, bs)
     nodes, lengths, bonus = ds.sample_tree_walk(
         big, candidates.expand(bs, -1), probs.expand(bs, -1, -1),
         torch.rand((bs, candidates.shape[1]), generator=g), torch.rand((bs,), generator=g),
@@ -183,11 +188,7 @@ def test_the_walk_accepts_what_it_emits_and_stays_on_the_tree() -> None:
         tree, probs, candidates = _random_case(seed, vocab=5, depth=4, budget=12)
         g = torch.Generator().manual_seed(seed)
         bs = 64
-        big = type(tree)(**{
-            f: (getattr(tree, f).expand(bs, *getattr(tree, f).shape[1:]).contiguous()
-                if isinstance(getattr(tree, f), torch.Tensor) else getattr(tree, f))
-            for f in tree.__dataclass_fields__
-        })
+        big = _repeat_tree(tree, bs)
         nodes, lengths, bonus = ds.sample_tree_walk(
             big, candidates.expand(bs, -1), probs.expand(bs, -1, -1),
             torch.rand((bs, candidates.shape[1]), generator=g), torch.rand((bs,), generator=g))

@@ -27,6 +27,7 @@ import sys
 import time
 
 import requests
+from production_mix import wait_healthy  # same folder: the scripts run by path
 
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 PROMPTS = [  # fixed token-id prompts (ids < 4000 exist in the tiny models' vocab)
@@ -34,23 +35,6 @@ PROMPTS = [  # fixed token-id prompts (ids < 4000 exist in the tiny models' voca
     [7, 42, 42, 42, 1000, 2000, 3000, 5, 6, 7, 8, 9],
     list(range(100, 140)),
 ]
-
-
-def wait_healthy(base: str, wait_s: float, pid: int | None) -> float | None:
-    t0 = time.time()
-    while time.time() - t0 < wait_s:
-        try:
-            if requests.get(base + "/health", timeout=5).status_code == 200:
-                return time.time() - t0
-        except requests.RequestException:
-            pass
-        if pid is not None:
-            try:
-                os.kill(pid, 0)
-            except OSError:
-                return None
-        time.sleep(1)
-    return None
 
 
 def post(base: str, body: dict, timeout: float) -> dict | list:
