@@ -247,3 +247,22 @@ def test_the_torch_walk_is_the_kernel_rule() -> None:
         got = ds.sample_tree_walk(tree, cand, probs, coins, final)
         for a, b in zip(want, got, strict=True):
             assert torch.equal(a, b), seed
+
+
+def test_chunked_sampled_rows_walk_exactly_as_one_chunk() -> None:
+    """Bounding the distributions' memory (max_elements) changes nothing but the peak: same coins,
+    same paths, same bonus tokens."""
+    g = torch.Generator().manual_seed(11)
+    bs, depth, vocab, budget = 7, 4, 13, 9
+    tree = du.build_ddtree(torch.randn(bs, depth, vocab, generator=g), budget)
+    n = budget + 1
+    logits = torch.randn(bs, n, vocab, generator=g) * 2
+    candidates = tree.full_token_ids(torch.arange(bs))
+    kw = dict(sampled_rows=[0, 2, 3, 5, 6], temperatures=torch.full((bs,), 0.9), top_ks=torch.full((bs,), 5),
+              top_ps=torch.full((bs,), 0.9), min_ps=None)
+    one = ds.tree_walk(tree, candidates, logits, generator=torch.Generator().manual_seed(5), **kw)
+    for limit in (1, n * vocab, 2 * n * vocab + 1):
+        chunked = ds.tree_walk(tree, candidates, logits, generator=torch.Generator().manual_seed(5),
+                               max_elements=limit, **kw)
+        for a, b in zip(one, chunked, strict=True):
+            assert torch.equal(a, b), limit

@@ -214,12 +214,15 @@ def tree_walk(
     generator: torch.Generator | None = None,
     use_kernel: bool = True,
     coin_scale: float = 1.0,
+    max_elements: int = 1 << 25,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Walk every request's tree: argmax for greedy rows, the sampled walk for ``sampled_rows``.
 
     ``logits`` float ``[bs, n, vocab]`` (after any logit processors, penalties and biases);
     sampling parameters are per request (``[bs]``), read only for the sampled rows. ``coin_scale`` < 1
     biases the walk towards drafted children (a deliberate fault, to show a distribution test's power).
+    ``max_elements`` bounds the ``[requests * n, vocab]`` distributions built at once (2^25: 128 MiB
+    per float32 copy; at a 152k vocabulary and n = 65, 3 requests per chunk).
     Returns ``(accepted_nodes, accept_lengths, bonus_tokens)`` (see ``follow_verified_tree``).
     """
     bs, n, vocab = logits.shape
@@ -227,26 +230,33 @@ def tree_walk(
     if not sampled_rows:
         return accepted, lengths, bonus
     device = logits.device
-    idx = torch.tensor(sampled_rows, dtype=torch.int64, device=device)
-    sub = _tree_rows(tree, idx)
-    probs = target_probs(
-        logits.index_select(0, idx).reshape(-1, vocab),
-        temperatures.index_select(0, idx).repeat_interleave(n),
-        top_ks.index_select(0, idx).repeat_interleave(n),
-        top_ps.index_select(0, idx).repeat_interleave(n),
-        None if min_ps is None else min_ps.index_select(0, idx).repeat_interleave(n),
-    ).view(len(sampled_rows), n, vocab)
-    coins = torch.rand((len(sampled_rows), n), device=device, generator=generator) * coin_scale
-    final_coins = torch.rand((len(sampled_rows),), device=device, generator=generator)
-    cand = candidates.index_select(0, idx)
-    kernel = _kernel() if (use_kernel and probs.is_cuda) else None
-    if kernel is not None:
-        acc_s, len_s, bonus_s = _kernel_walk(kernel, sub, cand, probs, coins, final_coins)
-    else:
-        acc_s, len_s, bonus_s = sample_tree_walk(sub, cand, probs, coins, final_coins)
-    accepted = accepted.index_copy(0, idx, acc_s)
-    lengths = lengths.index_copy(0, idx, len_s)
-    bonus = bonus.index_copy(0, idx, bonus_s)
+    k = len(sampled_rows)
+    # Every coin up front, so the draw does not depend on how the rows are chunked below.
+    coins = torch.rand((k, n), device=device, generator=generator) * coin_scale
+    final_coins = torch.rand((k,), device=device, generator=generator)
+    kernel = _kernel() if (use_kernel and logits.is_cuda) else None
+    # The distributions take ~10 float32 copies of [requests * n, vocab] (softmax, sort values and
+    # ids, cumsum, the kernel's draft buffer): chunk the requests so one chunk holds max_elements.
+    per_chunk = max(1, max_elements // (n * vocab))
+    for lo in range(0, k, per_chunk):
+        rows = sampled_rows[lo : lo + per_chunk]
+        idx = torch.tensor(rows, dtype=torch.int64, device=device)
+        probs = target_probs(
+            logits.index_select(0, idx).reshape(-1, vocab),
+            temperatures.index_select(0, idx).repeat_interleave(n),
+            top_ks.index_select(0, idx).repeat_interleave(n),
+            top_ps.index_select(0, idx).repeat_interleave(n),
+            None if min_ps is None else min_ps.index_select(0, idx).repeat_interleave(n),
+        ).view(len(rows), n, vocab)
+        walk = (lambda *a: _kernel_walk(kernel, *a)) if kernel is not None else sample_tree_walk
+        acc_s, len_s, bonus_s = walk(
+            _tree_rows(tree, idx), candidates.index_select(0, idx), probs,
+            coins[lo : lo + len(rows)], final_coins[lo : lo + len(rows)],
+        )
+        del probs
+        accepted = accepted.index_copy(0, idx, acc_s)
+        lengths = lengths.index_copy(0, idx, len_s)
+        bonus = bonus.index_copy(0, idx, bonus_s)
     return accepted, lengths, bonus
 
 
