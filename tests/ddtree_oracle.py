@@ -23,16 +23,21 @@ _MODULE_PATH = (
 )
 
 
-def load_ddtree_utils():
-    """Import the payload module by path, as a host would see it: a standalone torch-only file."""
-    name = "ddtree_utils_under_test"
+def load_payload_module(stem: str = "ddtree_utils"):
+    """Import a payload module (`ddtree_utils`, `ddtree_sampling`, ...) by path, as a host would see it:
+    a standalone torch-only file beside the others."""
+    name = f"{stem}_under_test"
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, _MODULE_PATH)
+    spec = importlib.util.spec_from_file_location(name, _MODULE_PATH.with_name(f"{stem}.py"))
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def load_ddtree_utils():
+    return load_payload_module("ddtree_utils")
 
 
 def f32(x: float) -> float:

@@ -48,24 +48,29 @@ def random_logits(rng: random.Random, batch: int, depth: int, vocab: int) -> tor
     return x
 
 
+def assert_row_equals_oracle(tree, b: int, ref, ctx: str) -> int:
+    """Request b of the built tree is the oracle's node list, then padding; returns its node count."""
+    m = len(ref.parents)
+    assert int(tree.num_nodes[b]) == m, ctx
+    assert tree.token_ids[b, : m - 1].tolist() == ref.tokens, ctx
+    assert tree.parents[b, :m].tolist() == ref.parents, ctx
+    assert tree.depths[b, :m].tolist() == ref.depths, ctx
+    assert tree.token_ranks[b, :m].tolist() == ref.ranks, ctx
+    assert tree.scores[b, :m].tolist() == ref.scores, ctx
+    # padding
+    assert (tree.token_ids[b, m - 1 :] == du.PAD_TOKEN_ID).all(), ctx
+    assert (tree.parents[b, m:] == -1).all() and (tree.depths[b, m:] == 0).all(), ctx
+    return m
+
+
 def assert_matches_oracle(logits: torch.Tensor, budget: int, cap: int | None) -> None:
     tree = du.build_ddtree(logits, budget, cap)
     n = budget + 1
     assert tree.token_ids.shape == (logits.shape[0], budget)
     assert tree.parents.shape == tree.depths.shape == tree.tree_mask.shape[:2] == (logits.shape[0], n)
     for b in range(logits.shape[0]):
-        ref = heap_oracle(logits[b], budget, cap)
-        m = len(ref.parents)
         ctx = f"b={b} budget={budget} cap={cap} shape={tuple(logits.shape)}"
-        assert int(tree.num_nodes[b]) == m, ctx
-        assert tree.token_ids[b, : m - 1].tolist() == ref.tokens, ctx
-        assert tree.parents[b, :m].tolist() == ref.parents, ctx
-        assert tree.depths[b, :m].tolist() == ref.depths, ctx
-        assert tree.token_ranks[b, :m].tolist() == ref.ranks, ctx
-        assert tree.scores[b, :m].tolist() == ref.scores, ctx
-        # padding
-        assert (tree.token_ids[b, m - 1 :] == du.PAD_TOKEN_ID).all(), ctx
-        assert (tree.parents[b, m:] == -1).all() and (tree.depths[b, m:] == 0).all(), ctx
+        assert_row_equals_oracle(tree, b, heap_oracle(logits[b], budget, cap), ctx)
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
@@ -513,16 +518,8 @@ def assert_keep_chain_matches_oracle(logits: torch.Tensor, budget: int, cap: int
     assert tree.token_ids.shape == (logits.shape[0], budget) and tree.parents.shape == (logits.shape[0], n)
     for b in range(logits.shape[0]):
         ref = keep_chain_oracle(logits[b], budget, cap)
-        m = len(ref.parents)
         ctx = f"b={b} budget={budget} cap={cap} shape={tuple(logits.shape)}"
-        assert int(tree.num_nodes[b]) == m, ctx
-        assert tree.token_ids[b, : m - 1].tolist() == ref.tokens, ctx
-        assert tree.parents[b, :m].tolist() == ref.parents, ctx
-        assert tree.depths[b, :m].tolist() == ref.depths, ctx
-        assert tree.token_ranks[b, :m].tolist() == ref.ranks, ctx
-        assert tree.scores[b, :m].tolist() == ref.scores, ctx
-        assert (tree.token_ids[b, m - 1 :] == du.PAD_TOKEN_ID).all(), ctx
-        assert (tree.parents[b, m:] == -1).all() and (tree.depths[b, m:] == 0).all(), ctx
+        m = assert_row_equals_oracle(tree, b, ref, ctx)
         assert (tree.token_ranks[b, m:] == -1).all() and (tree.scores[b, m:] == float("-inf")).all(), ctx
         # the chain is in the tree: from the root, follow the child carrying the next chain token
         chain, node = chain_of(logits[b]), 0

@@ -9,31 +9,15 @@ forgets to remove rejected children from the bonus draw (the test has power).
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from ddtree_oracle import load_ddtree_utils
+from ddtree_oracle import load_ddtree_utils, load_payload_module
 
 du = load_ddtree_utils()
-_PATH = Path(__file__).resolve().parents[1] / "ddtree_ops/payload/sglang/srt/speculative/ddtree_sampling.py"
-
-
-def _load_sampling():
-    name = "ddtree_sampling_under_test"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, _PATH)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-ds = _load_sampling()
+ds = load_payload_module("ddtree_sampling")
 TOP_K_ALL = 1 << 30
 
 

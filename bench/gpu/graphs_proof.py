@@ -27,7 +27,7 @@ import sys
 import time
 
 import requests
-from production_mix import wait_healthy  # same folder: the scripts run by path
+from production_mix import _write, wait_healthy  # same folder: the scripts run by path
 
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 PROMPTS = [  # fixed token-id prompts (ids < 4000 exist in the tiny models' vocab)
@@ -123,11 +123,6 @@ def perf(base: str) -> dict:
         }
         print(f"[perf] bs {bs}: {out[str(bs)]}", flush=True)
     return out
-
-
-def _write(path: str, obj: object) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f)
 
 
 def cmd_run(a: argparse.Namespace) -> int:
@@ -239,11 +234,14 @@ def cmd_compare(a: argparse.Namespace) -> int:
         for p, t in tests.items():
             print(f"  prompt {p}: n={t['n']} cats={t['categories']} chi2={t['chi2']} df={t['df']} p={t['chi2_p']:.3g} "
                   f"tv={t['tv']} (null p99 {t['tv_null_p99']}, p={t['tv_p']:.3g})")
-    for tag in a.liveness:
+    def part(tag: str, key: str) -> dict | None:
         try:
-            live = load(tag).get("liveness")
+            return load(tag).get(key)
         except FileNotFoundError:
-            live = None
+            return None
+
+    for tag in a.liveness:
+        live = part(tag, "liveness")
         if live is None:
             print(f"liveness {tag}: no results")
             continue
@@ -254,10 +252,7 @@ def cmd_compare(a: argparse.Namespace) -> int:
         print(f"liveness {tag}: {'ok' if live['ok'] else 'STALLED'} ({len(live['rounds'])} rounds, max {live['max_s']} s, "
               f"bound {live['bound_s']} s){' (expected: upstream before the fix)' if expected_stall else ''}")
     for tag in a.perf:
-        try:
-            pr = load(tag).get("perf")
-        except FileNotFoundError:
-            pr = None
+        pr = part(tag, "perf")
         if pr:
             summary["perf"][tag] = pr
     if summary["perf"]:

@@ -235,6 +235,7 @@ def tree_walk(
     coins = torch.rand((k, n), device=device, generator=generator) * coin_scale
     final_coins = torch.rand((k,), device=device, generator=generator)
     kernel = _kernel() if (use_kernel and logits.is_cuda) else None
+    walk = (lambda *args: _kernel_walk(kernel, *args)) if kernel is not None else sample_tree_walk
     # The distributions take ~10 float32 copies of [requests * n, vocab] (softmax, sort values and
     # ids, cumsum, the kernel's draft buffer): chunk the requests so one chunk holds max_elements.
     per_chunk = max(1, max_elements // (n * vocab))
@@ -248,7 +249,6 @@ def tree_walk(
             top_ps.index_select(0, idx).repeat_interleave(n),
             None if min_ps is None else min_ps.index_select(0, idx).repeat_interleave(n),
         ).view(len(rows), n, vocab)
-        walk = (lambda *a: _kernel_walk(kernel, *a)) if kernel is not None else sample_tree_walk
         acc_s, len_s, bonus_s = walk(
             _tree_rows(tree, idx), candidates.index_select(0, idx), probs,
             coins[lo : lo + len(rows)], final_coins[lo : lo + len(rows)],

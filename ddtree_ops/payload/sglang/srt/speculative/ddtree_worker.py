@@ -220,6 +220,9 @@ class DDTreeController:
         self._pending_build_events: list[tuple[Any, Any]] = []
         self._attn_backend = worker.model_runner.attn_backend
         self._backend_verify_width = getattr(self._attn_backend, "num_draft_tokens", None)
+        graph_runner = getattr(worker.model_runner, "graph_runner", None)
+        self.verify_graph_width = getattr(graph_runner, "num_tokens_per_bs", None)
+        self.verify_graph_max_bs = getattr(graph_runner, "max_bs", None)
 
         if mode == "full":
             refusal = full_mode_refusal_at_start(worker.model_runner)
@@ -236,11 +239,8 @@ class DDTreeController:
                 raise DDTreeRefused(
                     f"DDTree full mode refused: needs --page-size 1, got {worker.page_size}."
                 )
-            self._check_verify_width(worker)
+            self._check_verify_width()
             self.max_verify_tokens, self.max_mask_bytes = self._size_verify_memory(worker)
-        graph_runner = getattr(worker.model_runner, "graph_runner", None)
-        self.verify_graph_width = getattr(graph_runner, "num_tokens_per_bs", None)
-        self.verify_graph_max_bs = getattr(graph_runner, "max_bs", None)
         self._warm_up_build(worker)
 
         if TEST_BIASED_WALK and self.tp_rank == 0:
@@ -255,13 +255,13 @@ class DDTreeController:
                 self.block_size,
             )
 
-    def _check_verify_width(self, worker: Any) -> None:
-        """The patched triton backend and CUDA-graph runner size the target verify at 1 + budget."""
+    def _check_verify_width(self) -> None:
+        """The patched triton backend and CUDA-graph runner size the target verify at 1 + budget
+        (no graph runner: graphs off, nothing to check there)."""
         want = self.budget + 1
-        graph_runner = getattr(worker.model_runner, "graph_runner", None)
         widths = {"attention backend": self._backend_verify_width}
-        if graph_runner is not None:
-            widths["verify CUDA graphs"] = getattr(graph_runner, "num_tokens_per_bs", None)
+        if self.verify_graph_width is not None:
+            widths["verify CUDA graphs"] = self.verify_graph_width
         wrong = {name: w for name, w in widths.items() if w != want}
         if wrong:
             raise DDTreeRefused(
