@@ -75,13 +75,14 @@ def test_target_layout_is_make_tiny_models(pair, tmp_path):
 
 
 def test_draft_layout_is_make_tiny_models(pair):
-    mtm = _mod("make_tiny_models")
+    mtm, tp = _mod("make_tiny_models"), _mod("train_pair")
     dcfg = json.loads((pair / "draft" / "config.json").read_text())
     mask = dcfg["dflash_config"]["mask_token_id"]
-    assert dcfg == mtm.draft_config(mask)  # same keys and values as make_tiny_models, bar the mask id
+    # same keys and values as make_tiny_models, bar the mask id and the layer count
+    assert dcfg == mtm.draft_config(mask, num_layers=tp.DRAFT_LAYERS)
     assert dcfg["architectures"] == ["DFlashDraftModel"] and dcfg["dflash_config"]["block_size"] == 16
     assert dcfg["dflash_config"]["target_layer_ids"] == [1, 2]
-    want = {n: (tuple(s), "BF16") for n, s, _ in mtm.draft_weight_specs()}
+    want = {n: (tuple(s), "BF16") for n, s, _ in mtm.draft_weight_specs(tp.DRAFT_LAYERS)}
     assert _safetensors_layout(pair / "draft" / "model.safetensors") == want
 
 
@@ -146,6 +147,31 @@ def test_greedy_block_and_features_match_hf(pair):
         hs = m(input_ids=ctx, output_hidden_states=True).hidden_states
     assert torch.equal(cont, gen[:, 20:])
     assert torch.equal(feats, torch.cat([hs[2], hs[3]], -1))
+    tap.remove()
+
+
+def test_greedy_trajectories_are_greedy_continuations_of_every_prefix(pair):
+    """The drafter's training rows: for every anchor a >= p, trajectory[a:a + 16] is what greedy_block
+    (the target's own greedy decode) continues trajectory[:a] with, so each row's labels are the
+    server's greedy verify targets. A text window (a < p) is not, which shows the check can fail."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    tp = _mod("train_pair")
+    m = Qwen3ForCausalLM.from_pretrained(str(pair / "target"), dtype=torch.float32).eval()
+    tap = tp.FeatureTap(m, [1, 2])
+    stream = torch.randint(4, 4096, (500,), generator=torch.Generator().manual_seed(2))
+    traj, ps = tp.greedy_trajectories(m, tap, stream, 3, 48, (8, 12), torch.Generator().manual_seed(3),
+                                      "cpu", 2)
+    assert traj.shape == (3, 48) and set(ps.tolist()) <= {8, 12}
+    for r in range(3):
+        p = int(ps[r])
+        for a in (p, p + 7, 48 - 16):
+            _, cont = tp.greedy_block(m, tap, traj[r:r + 1, :a])
+            assert torch.equal(cont[0], traj[r, a:a + 16]), (r, a)
+    # random text is not the target's greedy continuation of its prefix
+    _, cont = tp.greedy_block(m, tap, traj[:, :4])
+    assert not torch.equal(cont[:, :4], traj[:, 4:8])
     tap.remove()
 
 

@@ -30,6 +30,8 @@
 #   the one-GPU servers' random NCCL ports come from). One-GPU servers stay on GPU 0 (--base-gpu-id 0).
 #   TP2_EXTRA (default --disable-custom-all-reduce: its v2 kernel would JIT-compile in every TP server at
 #   start; the DDTree gather is an all-gather over NCCL either way) is added to the TP servers' flags.
+# GRAPHS=1 (issue 13): graphs_phases.sh. SWEEP=1 (issue 14): sweep_phases.sh, on the trained pair that
+#   train_pair_device.sh made (unpack its pair.tar and heldout_prompts.json into .gpu/pair/).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -69,12 +71,18 @@ if [ "${TP2:-0}" = 1 ]; then  # on both GPUs, alongside the model making and the
   TPC_PID=$!
 fi
 
+if [ "${SWEEP:-0}" = 1 ]; then  # the trained pair travels in the carry (train_pair_device.sh's pair.tar)
+  [ -f .gpu/pair/target/config.json ] && [ -f .gpu/pair/draft/config.json ] && [ -f .gpu/pair/heldout_prompts.json ] \
+    || { echo "SWEEP=1 needs the trained pair in .gpu/pair (target/, draft/, heldout_prompts.json): run train_pair_device.sh"; exit 1; }
+  rm -rf /tmp/pair && cp -r .gpu/pair /tmp/pair
+else
 # The peaked set first (the warm-up server uses it); the others are made while it starts.
 PEAKED=1 python3 $HERE/make_tiny_models.py /tmp/tiny_p 2>&1 | grep -v -i "warn\|Writing model"
 ( PEAKED=0 python3 $HERE/make_tiny_models.py /tmp/tiny_r > "$OUT/make_r.log" 2>&1;
   python3 $HERE/make_tiny_hybrid.py /tmp/tiny_h > "$OUT/make_h.log" 2>&1 ) &
 MAKE_PID=$!
 ts "peaked models made"
+fi
 
 COMMON=(--host 127.0.0.1 --attention-backend triton --sampling-backend pytorch --grammar-backend none
         --disable-cuda-graph --disable-piecewise-cuda-graph --mem-fraction-static 0.3
@@ -137,6 +145,25 @@ if [ "${GRAPHS:-0}" = 1 ]; then
     if [ -d .gpu/pytest_site ]; then PYTHONPATH=/tmp/site:$PWD/.gpu/pytest_site timeout 150 python3 -m pytest -q -p no:cacheprovider \
       tests/test_ddtree_triton.py > "$OUT/triton_tests.log" 2>&1; echo "rc=$?" >> "$OUT/triton_tests.log"; fi ) &
   SKC_PID=$!
+fi
+if [ "${SWEEP:-0}" = 1 ]; then
+  # Issue 14: the trained pair, every server with CUDA graphs (target verify and draft); the first
+  # three start together and warm the JIT caches (the builder with cap and keep-chain included).
+  KEEP=(); for c in "${COMMON[@]}"; do [ "$c" = --disable-cuda-graph ] || KEEP+=("$c"); done; COMMON=("${KEEP[@]}")
+  # 32 requests x (256-token prompt + 128) plus a 257-token tree each fit without KV pressure
+  COMMON+=(--cuda-graph-max-bs 32 --context-length 1024 --max-total-tokens 32768)
+  FULL="DF --speculative-ddtree-mode full --speculative-ddtree-budget"
+  VARIANTS=("full_b64_cap4_kc|/tmp/pair|$FULL 64 --speculative-ddtree-topk-cap 4 --speculative-ddtree-keep-chain"
+            "plain|/tmp/pair|" "dflash|/tmp/pair|DF")
+  for b in 64 32 128 15 256; do
+    for cap in "" 4; do
+      for kc in "" _kc; do
+        tag=full_b$b${cap:+_cap$cap}$kc
+        [ "$tag" = full_b64_cap4_kc ] && continue
+        VARIANTS+=("$tag|/tmp/pair|$FULL $b${cap:+ --speculative-ddtree-topk-cap $cap}${kc:+ --speculative-ddtree-keep-chain}")
+      done
+    done
+  done
 fi
 if [ "${TP2:-0}" = 1 ]; then  # the TP twins (token TP2 -> --tp-size 2 --nccl-port ...), queried early
   WITH_TP=()
@@ -223,6 +250,10 @@ client() {  # TAG WAIT_S: the proof's client for this server
 first=${TAGS[0]}; rest=("${TAGS[@]:1}")
 if [ "${GRAPHS:-0}" = 1 ]; then
   source $HERE/graphs_phases.sh
+  exit $?
+fi
+if [ "${SWEEP:-0}" = 1 ]; then
+  source $HERE/sweep_phases.sh
   exit $?
 fi
 IFS='|' read -r tag model extra <<< "$first"; launch "$tag" "$model" $extra

@@ -4,11 +4,11 @@
 # make_tiny_models and SGLang use) in the run's carry:
 #   set -o pipefail; bash bench/gpu/train_pair_device.sh 2>&1 | tee $OUT/run.log
 # 1) unpack the carry to /tmp/site (PYTHONPATH)
-# 2) train_pair.py /tmp/pair --device cuda (TRAIN_SECONDS, default 180, of training), corpus: this Python's
+# 2) train_pair.py /tmp/pair --device cuda (TRAIN_SECONDS, default 240, of training), corpus: this Python's
 #    stdlib + EXTRA (default /tmp/site/sglang: the carried SGLang sources, the same bytes on every machine;
 #    EXTRA= for the stdlib alone)
 # 3) check_pair_sglang.py on the trained pair, on the CPU (CUDA_VISIBLE_DEVICES=): our drafter = SGLang's
-# Env: TRAIN_SECONDS (default 180), EXTRA, TRAIN_ARGS (more train_pair.py flags), PAIR (/tmp/pair), DEVICE (cuda).
+# Env: TRAIN_SECONDS (default 240), EXTRA, TRAIN_ARGS (more train_pair.py flags), PAIR (/tmp/pair), DEVICE (cuda).
 # Back in $OUT: run.log (tee), train.log, train_report.json, heldout_prompts.json, check_sglang.json and
 # pair.tar (target/ + draft/, ~12 MB: unpack it into .gpu/pair/ here to carry it into later proof calls).
 set -u

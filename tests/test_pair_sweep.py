@@ -1,0 +1,119 @@
+"""bench/gpu/pair_sweep.py (issue 14's sweep client), against a local HTTP stand-in of SGLang's
+/generate: `run` measures what the server reports, `compare` classes a divergence from plain as a tie
+only within plain's top-k margin and fails a real fault, and `merge` rates each config against its own
+call's DFLASH. The GPU servers themselves run only on the H200 (bench/gpu/sweep_phases.sh).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+GPU = Path(__file__).resolve().parents[1] / "bench" / "gpu"
+
+
+def _server(flip_at: int | None, margin: float, verify_every: int | None):
+    """A /generate that continues any prompt deterministically; `flip_at` changes that output position
+    (+1) for prompts of even length; plain's top-2 logprobs there are `margin` apart."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *_a):
+            pass
+
+        def _send(self, obj):
+            body = json.dumps(obj).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            self._send({} if self.path == "/health" else {"internal_states": [{"ddtree": {"steps": 0}}]})
+
+        def do_POST(self):
+            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            prompt, n = req["input_ids"], req["sampling_params"]["max_new_tokens"]
+            out = [(sum(prompt) + 7 * i) % 97 + 10 for i in range(n)]
+            if flip_at is not None and len(prompt) % 2 == 0:
+                out[flip_at] += 1
+            meta = {"completion_tokens": n, "spec_verify_ct": -(-n // verify_every) if verify_every else None}
+            if req.get("return_logprob"):
+                meta["output_top_logprobs"] = [[[-0.5, t, None], [-0.5 - margin, t + 1, None]] for t in out]
+            self._send({"output_ids": out, "meta_info": meta})
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
+def _sweep(*args: str) -> subprocess.CompletedProcess:
+    pytest.importorskip("requests")
+    return subprocess.run([sys.executable, str(GPU / "pair_sweep.py"), *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("prompts") / "heldout_prompts.json"
+    p.write_text(json.dumps({"prompts": [{"input_ids": list(range(5, 5 + 60 + i))} for i in range(40)]}))
+    return p
+
+
+def _run(out_dir: Path, prompts: Path, tag: str, srv, *extra: str) -> dict:
+    r = _sweep("run", "--port", str(srv.server_address[1]), "--tag", tag, "--out", str(out_dir / f"{tag}.json"),
+               "--prompts", str(prompts), "--wait", "10", *extra)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return json.loads((out_dir / f"{tag}.json").read_text())
+
+
+@pytest.mark.parametrize(("margin", "want_ok"), [(0.0625, True), (2.0, False)])
+def test_compare_classes_divergences_by_plain_margin(tmp_path, prompts, margin, want_ok):
+    servers = {"plain": _server(None, margin, None), "dflash": _server(None, margin, 2),
+               "full_b64_cap4_kc": _server(3, margin, 4)}
+    try:
+        got = {t: _run(tmp_path, prompts, t, s, *(["--reference"] if t == "plain" else []))
+               for t, s in servers.items()}
+    finally:
+        for s in servers.values():
+            s.shutdown()
+    g = got["full_b64_cap4_kc"]["results"]["greedy"]
+    assert g["bs1"]["accept"] == 4.0 and g["bs32"]["accept"] == 4.0  # tokens / verify steps
+    assert got["plain"]["results"]["greedy"]["bs1"]["accept"] == 1.0
+    assert len(g["bs1"]["outputs"]) == 8 and len(g["bs32"]["outputs"]) == 32
+    assert got["full_b64_cap4_kc"]["results"]["t0.8"]["bs1"]["outputs"] is None  # sampled: not compared
+    r = _sweep("compare", str(tmp_path), "--plain", "plain", "--dflash", "dflash", "--tags", "full_b64_cap4_kc",
+               "--json", str(tmp_path / "sweep.json"))
+    assert (r.returncode == 0) is want_ok, r.stdout + r.stderr
+    cfg = {c["name"]: c for c in json.loads((tmp_path / "sweep.json").read_text())["configs"]}
+    ident = cfg["full_b64_cap4_kc"]["identity"]
+    # even-length prompts: 4 of the 8 bs1 prompts, 16 of the 32 bs32 ones diverge at position 3
+    assert ident["same"] == 20 and ident[("tie" if want_ok else "fault")] == 20, ident
+    assert all(d["pos"] == 3 for d in ident["details"])
+    assert cfg["full_b64_cap4_kc"] | {"results": None, "identity": None} == {
+        "name": "full_b64_cap4_kc", "mode": "full", "budget": 64, "cap": 4, "keep_chain": True,
+        "results": None, "identity": None}
+    assert cfg["dflash"]["identity"]["same"] == 40
+
+
+def test_merge_rates_each_config_against_its_own_call(tmp_path):
+    def call(df_tok_s: float, configs: dict[str, float]) -> dict:
+        res = lambda t: {wl: {b: {"accept": 2.0, "ms_per_step": 1.0, "tok_s": t} for b in ("bs1", "bs32")}  # noqa: E731
+                         for wl in ("greedy", "t0.8")}
+        return {"configs": [{"name": "dflash", "results": res(df_tok_s)}]
+                + [{"name": n, "results": res(t)} for n, t in configs.items()] + [{"name": "full_b15", "results": None}]}
+
+    (tmp_path / "a.json").write_text(json.dumps(call(100.0, {"full_b64": 150.0})))
+    (tmp_path / "b.json").write_text(json.dumps(call(50.0, {"full_b64": 10.0, "full_b15": 60.0})))
+    r = _sweep("merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(tmp_path / "m.json"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = {c["name"]: c for c in json.loads((tmp_path / "m.json").read_text())["configs"]}
+    assert set(m) == {"dflash", "full_b64", "full_b15"}
+    assert m["full_b64"]["run"] == 0 and m["full_b64"]["results"]["greedy"]["bs1"]["tok_s_x_dflash"] == 1.5
+    assert m["full_b15"]["run"] == 1 and m["full_b15"]["results"]["t0.8"]["bs32"]["tok_s_x_dflash"] == 1.2
