@@ -27,7 +27,7 @@ import sys
 import time
 
 import requests
-from production_mix import _write, wait_healthy  # same folder: the scripts run by path
+from production_mix import _write, server_run_parser, wait_healthy  # same folder: the scripts run by path
 
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 PROMPTS = [  # fixed token-id prompts (ids < 4000 exist in the tiny models' vocab)
@@ -270,12 +270,7 @@ def cmd_compare(a: argparse.Namespace) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run")
-    r.add_argument("--port", type=int, required=True)
-    r.add_argument("--tag", required=True)
-    r.add_argument("--out", required=True)
-    r.add_argument("--wait", type=float, default=300)
-    r.add_argument("--pid", type=int)
+    r = server_run_parser(sub)
     r.add_argument("--liveness", action="store_true")
     r.add_argument("--bound", type=float, default=15.0)
     r.add_argument("--samples", type=int, default=0)

@@ -31,7 +31,7 @@ import time
 
 import requests
 from graphs_proof import ddtree_state  # same folder: the scripts run by path
-from production_mix import TOP_K, _write, classify, wait_healthy
+from production_mix import TOP_K, _write, classify, server_run_parser, wait_healthy
 
 WORKLOADS = {"greedy": {"temperature": 0.0}, "t0.8": {"temperature": 0.8}}
 BATCHES = {"bs1": (1, slice(0, 8)), "bs32": (32, slice(8, 40))}
@@ -231,13 +231,8 @@ def cmd_merge(a: argparse.Namespace) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run")
-    r.add_argument("--port", type=int, required=True)
-    r.add_argument("--tag", required=True)
-    r.add_argument("--out", required=True)
+    r = server_run_parser(sub)
     r.add_argument("--prompts", required=True)
-    r.add_argument("--wait", type=float, default=300)
-    r.add_argument("--pid", type=int)
     r.add_argument("--reference", action="store_true")
     c = sub.add_parser("compare")
     c.add_argument("out_dir")

@@ -337,18 +337,24 @@ def cmd_compare(a: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
+def server_run_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """The `run` subcommand with the options every bench client takes: which server, where to write."""
     r = sub.add_parser("run")
     r.add_argument("--port", type=int, required=True)
     r.add_argument("--tag", required=True)
     r.add_argument("--out", required=True)
+    r.add_argument("--wait", type=float, default=300, help="seconds to wait for /health")
+    r.add_argument("--pid", type=int, help="the server's pid: stop waiting when it dies")
+    return r
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = server_run_parser(sub)
     r.add_argument("--workload", required=True)
     r.add_argument("--make", action="store_true", help="plain server: build the workload and return top-2 logprobs")
     r.add_argument("--context-length", type=int, default=1024)
-    r.add_argument("--wait", type=float, default=300)
-    r.add_argument("--pid", type=int)
     c = sub.add_parser("compare")
     c.add_argument("out_dir")
     c.add_argument("plain")

@@ -82,7 +82,7 @@ sys.path.insert(0, str(HERE))
 import make_tiny_models as mtm  # noqa: E402
 
 MASK_TOKEN = "<|MASK|>"
-DRAFT_LAYERS = 2  # one layer drafts position 1 well and little beyond it (measured on the H200: accept 1.15)
+DRAFT_LAYERS = 2  # make_tiny_models' random draft has 1; chosen for capacity, not measured against 1
 BLOCK = mtm.BLOCK_SIZE
 LOSS_DECAY_GAMMA = 7.0
 TOPKS = (1, 4, 8)
@@ -637,9 +637,9 @@ def main(argv=None) -> int:
     bpos = torch.arange(BLOCK, device=device)
 
     # Distillation data: greedy trajectories. A trajectory is a corpus window of p tokens followed by
-    # the target's greedy continuation to traj_len; for every anchor a >= p, trajectory[a:a + 16] IS
+    # the target's greedy continuation to d_seq tokens; for every anchor a >= p, trajectory[a:a + 16] IS
     # the target's greedy continuation of trajectory[:a] (bonus first), so one decode loop yields
-    # traj_len - p - 15 training blocks per row instead of one (the per-step decode cost 1.1 s / step).
+    # d_seq - p - 15 training blocks per row instead of one (a decode per step cost 1.1 s a step).
     tr_len, tr_rows = hp["d_seq"], hp["d_traj_rows"]
     tr_gen = torch.Generator().manual_seed(a.seed + 4)
     t_tr = time.perf_counter()
