@@ -36,7 +36,7 @@ from production_mix import TOP_K, _write, classify, server_run_parser, wait_heal
 WORKLOADS = {"greedy": {"temperature": 0.0}, "t0.8": {"temperature": 0.8}}
 BATCHES = {"bs1": (1, slice(0, 8)), "bs32": (32, slice(8, 40))}
 MAX_NEW = 128
-GOALS = {"accept": 1.2, "tok_s_bs1": 1.15, "tok_s_bs32": 1.0}
+GOALS = {"accept": 1.2, "bs1": 1.15, "bs32": 1.0}  # issue 14: x DFLASH at the best budget (tok/s by batch)
 
 
 def generate(base: str, prompt: list[int], sp: dict, *, logprobs: bool = False) -> dict:
@@ -202,6 +202,10 @@ def best_budget(configs: list[dict]) -> dict:
                 "most_accepting": most["name"],
                 "accept_x_dflash": round(most["results"][wl][b]["accept"] / base["accept"], 3),
             }
+            if wl == "greedy":  # the goals are stated for greedy; T 0.8 is reported beside them
+                g = out[f"{wl}/{b}"]
+                g["goals_met"] = {"accept": g["accept_x_dflash"] >= GOALS["accept"],
+                                  "tok_s": g["tok_s_x_dflash"] >= GOALS[b]}
     return out
 
 
