@@ -33,24 +33,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from ddtree_oracle import heap_oracle_lazy, load_ddtree_utils  # noqa: E402
+from ddtree_oracle import heap_oracle_lazy, load_ddtree_utils, tree_tensor_fields  # noqa: E402
 
 du = load_ddtree_utils()
 DEPTH = 15
 VOCAB = 151936
 DEVICE = "cuda"
-FIELDS = [
-    "token_ids",
-    "parents",
-    "depths",
-    "num_nodes",
-    "tree_mask",
-    "scores",
-    "token_ranks",
-    "retrive_index",
-    "retrive_next_token",
-    "retrive_next_sibling",
-]
+FIELDS = tree_tensor_fields()
 
 
 def bench_us(fn) -> float:

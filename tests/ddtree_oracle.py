@@ -13,7 +13,7 @@ import math
 import struct
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -38,6 +38,11 @@ def load_payload_module(stem: str = "ddtree_utils"):
 
 def load_ddtree_utils():
     return load_payload_module("ddtree_utils")
+
+
+def tree_tensor_fields() -> list[str]:
+    """The payload DDTree's tensor fields, in declaration order (budget and max_depth are ints)."""
+    return [f.name for f in fields(load_ddtree_utils().DDTree) if f.name not in ("budget", "max_depth")]
 
 
 def f32(x: float) -> float:
@@ -66,16 +71,24 @@ def oracle_logprobs(logits_row: torch.Tensor) -> list[list[float]]:
     ]
 
 
+def ranked_candidates(
+    logits_row: torch.Tensor, budget: int, topk_cap: int | None
+) -> tuple[list[list[float]], list[list[int]]]:
+    """(log-probs per position, the top-cap token ids per position): tokens ranked by logit, then id
+    (see the builder's docs), cap = min(topk_cap or budget, budget, vocab)."""
+    vocab = logits_row.shape[1]
+    cap = min(budget if topk_cap is None else topk_cap, budget, vocab)
+    raw = logits_row.float().tolist()
+    return oracle_logprobs(logits_row), [sorted(range(vocab), key=lambda v, row=row: (-row[v], v))[:cap] for row in raw]
+
+
 def heap_oracle(logits_row: torch.Tensor, budget: int, topk_cap: int | None = None) -> OracleTree:
     """Best-first heap over one request's ``[depth, vocab]`` logits."""
-    depth, vocab = logits_row.shape
+    depth = logits_row.shape[0]
     tree = OracleTree(tokens=[], parents=[-1], depths=[0], scores=[0.0], ranks=[-1], paths=[()])
     if budget == 0 or depth == 0:
         return tree
-    cap = min(budget if topk_cap is None else topk_cap, budget, vocab)
-    lp = oracle_logprobs(logits_row)
-    raw = logits_row.float().tolist()  # tokens are ranked by logit, then id (see the builder's docs)
-    ranked = [sorted(range(vocab), key=lambda v, row=row: (-row[v], v))[:cap] for row in raw]
+    lp, ranked = ranked_candidates(logits_row, budget, topk_cap)
 
     heap: list[tuple[float, int, int, int]] = []
 
@@ -119,10 +132,7 @@ def keep_chain_oracle(logits_row: torch.Tensor, budget: int, topk_cap: int | Non
     tree = OracleTree(tokens=[], parents=[-1], depths=[0], scores=[0.0], ranks=[-1], paths=[()])
     if depth == 0 or vocab == 0:
         return tree
-    cap = min(budget if topk_cap is None else topk_cap, budget, vocab)
-    lp = oracle_logprobs(logits_row)
-    raw = logits_row.float().tolist()
-    ranked = [sorted(range(vocab), key=lambda v, row=row: (-row[v], v))[:cap] for row in raw]
+    lp, ranked = ranked_candidates(logits_row, budget, topk_cap)
     chain_len, score = 0, 0.0
     for d in range(depth):  # the chain's reachable length: its scores summed in float32
         score = f32(score + lp[d][ranked[d][0]])

@@ -16,6 +16,8 @@ from ddtree_oracle import (
     keep_chain_oracle,
     load_ddtree_utils,
     oracle_logprobs,
+    ranked_candidates,
+    tree_tensor_fields,
 )
 
 du = load_ddtree_utils()
@@ -177,31 +179,29 @@ def test_structure_checker_catches_a_broken_tree() -> None:
         check_structure(tree, logits, None)
 
 
+# retrive_index is b * n + i: the one field that names its row
+ROW_FIELDS = [name for name in tree_tensor_fields() if name != "retrive_index"]
+
+
+def assert_rows_independent(logits: torch.Tensor, budget: int, cap: int, *, keep_chain: bool = False) -> None:
+    """Each row of a batched build equals that row built alone."""
+    whole = du.build_ddtree(logits, budget, cap, keep_chain=keep_chain)
+    for b in range(logits.shape[0]):
+        single = du.build_ddtree(logits[b : b + 1], budget, cap, keep_chain=keep_chain)
+        for name in ROW_FIELDS:
+            assert torch.equal(getattr(whole, name)[b], getattr(single, name)[0]), (name, b)
+
+
 def test_batch_rows_are_independent() -> None:
     rng = random.Random(3)
     logits = random_logits(rng, 5, 15, 40)
-    whole = du.build_ddtree(logits, 63, 4)
-    for b in range(5):
-        single = du.build_ddtree(logits[b : b + 1], 63, 4)
-        for name in (
-            "token_ids",
-            "parents",
-            "depths",
-            "num_nodes",
-            "tree_mask",
-            "retrive_next_token",
-            "retrive_next_sibling",
-            "scores",
-        ):
-            assert torch.equal(getattr(whole, name)[b], getattr(single, name)[0]), name
+    assert_rows_independent(logits, 63, 4)
 
 
 def brute_force_nodes(logits_row: torch.Tensor, cap: int) -> list[tuple[tuple[int, ...], float]]:
     """Every reachable token path with rank < cap at each position, with its float32 score."""
-    depth, vocab = logits_row.shape
-    lp = oracle_logprobs(logits_row)
-    raw = logits_row.float().tolist()
-    ranked = [sorted(range(vocab), key=lambda v, row=row: (-row[v], v))[:cap] for row in raw]
+    depth = logits_row.shape[0]
+    lp, ranked = ranked_candidates(logits_row, cap, cap)
     nodes = []
     for d in range(1, depth + 1):
         for path in itertools.product(*ranked[:d]):
@@ -572,21 +572,7 @@ def test_keep_chain_batch_rows_are_independent() -> None:
     rng = random.Random(31)
     for _ in range(10):
         logits = kc_logits(rng, 5, 15, 40)
-        whole = du.build_ddtree(logits, 20, 4, keep_chain=True)
-        for b in range(5):
-            single = du.build_ddtree(logits[b : b + 1], 20, 4, keep_chain=True)
-            for name in (
-                "token_ids",
-                "parents",
-                "depths",
-                "num_nodes",
-                "tree_mask",
-                "scores",
-                "token_ranks",
-                "retrive_next_token",
-                "retrive_next_sibling",
-            ):
-                assert torch.equal(getattr(whole, name)[b], getattr(single, name)[0]), name
+        assert_rows_independent(logits, 20, 4, keep_chain=True)
 
 
 def node_paths(tree, b: int) -> list[tuple[int, ...]]:

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 CHECK = r"""
 import random, sys, torch
 sys.path.insert(0, sys.argv[1])
-from ddtree_oracle import load_ddtree_utils
+from ddtree_oracle import load_ddtree_utils, tree_tensor_fields
 du = load_ddtree_utils()
 dk = du._kernels()
 assert dk is not None, "kernels did not load"
@@ -27,8 +27,7 @@ device = sys.argv[2]
 cases = int(sys.argv[3])
 rng = random.Random(0)
 keep_chains = 0
-fields = ["token_ids", "parents", "depths", "num_nodes", "tree_mask", "scores", "token_ranks",
-          "retrive_index", "retrive_next_token", "retrive_next_sibling"]
+fields = tree_tensor_fields()
 for case in range(cases):
     batch, depth = rng.choice([1, 3]), rng.choice([1, 3, 5])
     vocab, budget, cap = rng.choice([5, 70, 300, 2000]), rng.choice([1, 2, 7, 16, 40]), rng.choice([1, 2, 4, None])
