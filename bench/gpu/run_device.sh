@@ -33,14 +33,9 @@
 # GRAPHS=1 (issue 13): graphs_phases.sh. SWEEP=1 (issue 14): sweep_phases.sh, on the trained pair that
 #   train_pair_device.sh made (unpack its pair.tar and heldout_prompts.json into .gpu/pair/).
 set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 HERE=$(cd "$(dirname "$0")" && pwd)
-T0=$(date +%s)
-ts() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source "$HERE/device_env.sh"
 export SGLANG_DISABLE_REQUEST_LOGGING=1 SGLANG_DDTREE_LOG_EVERY=${SGLANG_DDTREE_LOG_EVERY:-8}
-if ! ldconfig -p 2>/dev/null | grep -q 'libnuma.so.1 '; then export LD_LIBRARY_PATH=$PWD/.gpu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}; fi
 if command -v nvcc >/dev/null; then export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}; fi
 DEADLINE=$(( T0 + ${BUDGET_S:-560} ))
 

@@ -12,13 +12,8 @@
 # Back in $OUT: run.log (tee), train.log, train_report.json, heldout_prompts.json, check_sglang.json and
 # pair.tar (target/ + draft/, ~12 MB: unpack it into .gpu/pair/ here to carry it into later proof calls).
 set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 HERE=$(cd "$(dirname "$0")" && pwd)
-T0=$(date +%s)
-ts() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if ! ldconfig -p 2>/dev/null | grep -q 'libnuma.so.1 '; then export LD_LIBRARY_PATH=$PWD/.gpu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}; fi
+source "$HERE/device_env.sh"
 PAIR=${PAIR:-/tmp/pair}
 ts "start"; nvidia-smi -L 2>/dev/null || echo "no nvidia-smi"; python3 -V
 if [ -f .gpu/site312.tar.xz ]; then
