@@ -118,7 +118,7 @@ def perf(base: str) -> dict:
             "accept_len": round(tokens / sum(verify), 3) if all(verify) else 1.0,
             "tok_per_s": round(tokens / wall, 1),
             "ddtree_delta": {k: after.get(k, 0) - before.get(k, 0)
-                             for k in ("steps", "tree_steps", "graph_steps", "fallback_steps", "sampled_requests")
+                             for k in ("steps", "tree_steps", "graph_steps", "build_graph_steps", "fallback_steps", "sampled_requests")
                              if isinstance(after.get(k), int)},
         }
         print(f"[perf] bs {bs}: {out[str(bs)]}", flush=True)

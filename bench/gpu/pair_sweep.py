@@ -78,7 +78,8 @@ def measure(base: str, prompts: list[list[int]], sp: dict, bs: int) -> dict:
         "accept": round(tokens / steps, 4), "ms_per_step": round(1e3 * wall / steps_on_clock, 4),
         "tok_s": round(tokens / wall, 1),
         "ddtree_delta": {k: after.get(k, 0) - before.get(k, 0) for k in
-                         ("steps", "tree_steps", "graph_steps", "fallback_steps", "shrunk_steps", "sampled_requests")
+                         ("steps", "tree_steps", "graph_steps", "build_graph_steps", "fallback_steps", "shrunk_steps",
+                          "sampled_requests")
                          if isinstance(after.get(k), int)},
         "outputs": [r["output_ids"] for r in res] if sp["temperature"] == 0 else None,
     }

@@ -410,6 +410,57 @@ def hook_checks() -> list[str]:
             if want_reason and dict(ctl.stats.fallback_reasons) != {want_reason: 1}:
                 out.append(f"{label}: fallback reasons {dict(ctl.stats.fallback_reasons)}")
     out += step_limit_checks(batch_for, head, draft_hidden, bonus)
+    out += build_graph_checks(batch_for, head, draft_hidden, bonus)
+    return out
+
+
+class RerunGraph:
+    """CUDA-graph stand-in: replay re-runs the captured function into the same output tensors."""
+
+    def capture(self, fn, static_in):
+        self.fn, self.static_in = fn, static_in
+        self.out = fn(static_in)
+        return self.out
+
+    def replay(self):
+        new = self.fn(self.static_in)
+        for name, v in vars(new).items():
+            if isinstance(v, torch.Tensor):
+                getattr(self.out, name).copy_(v)
+
+
+def build_graph_checks(batch_for, head, draft_hidden, bonus) -> list[str]:
+    """A full-budget step takes its tree from the captured build (ddtree_build_graphs) and installs
+    the same verify input as the eager build; a shrunk step builds eagerly; CPU captures nothing."""
+    from sglang.srt.speculative.ddtree_build_graphs import DDTreeBuildGraphs
+
+    out: list[str] = []
+    verify_inputs = {}
+    for use_graphs in (False, True):
+        ctl = dw.DDTreeController.maybe_create(_worker(mode="full"))
+        if ctl._build_graphs is not None:
+            out.append("build graphs captured on CPU")
+        if use_graphs:
+            ctl._build_graphs = DDTreeBuildGraphs(ctl.full_budget_build(head), [1, 4], depth=ctl.depth,
+                                                  hidden=draft_hidden.shape[-1], dtype=draft_hidden.dtype,
+                                                  device="cpu", new_graph=RerunGraph)
+        batch, alloc = batch_for(2)
+        dw.alloc_token_slots = lambda cache, k, alloc=alloc: alloc.alloc(k)
+        ctl.on_draft(batch, bonus_tokens=bonus, target_prefix_lens=batch.seq_lens, draft_hidden=draft_hidden,
+                     lm_head=head)
+        verify_inputs[use_graphs] = batch.spec_info
+        if ctl.stats.build_graph_steps != int(use_graphs):
+            out.append(f"build graphs={use_graphs}: build_graph_steps {ctl.stats.build_graph_steps}")
+        shrunk, alloc = batch_for(2, free=100)  # the KV pool holds a 31-node tree, not 64
+        dw.alloc_token_slots = lambda cache, k, alloc=alloc: alloc.alloc(k)
+        ctl.on_draft(shrunk, bonus_tokens=bonus, target_prefix_lens=shrunk.seq_lens, draft_hidden=draft_hidden,
+                     lm_head=head)
+        if shrunk.spec_info.draft_token_num == 65 or ctl.stats.build_graph_steps != int(use_graphs):
+            out.append(f"build graphs={use_graphs}: a shrunk step replayed the full-budget graph")
+    eager, graphed = verify_inputs[False], verify_inputs[True]
+    for name in ("draft_token", "positions", "custom_mask"):
+        if not torch.equal(getattr(eager, name), getattr(graphed, name)):
+            out.append(f"build graphs: verify input {name} differs from the eager build's")
     return out
 
 

@@ -60,6 +60,9 @@ SHADOW_EVERY = max(1, int(os.environ.get("SGLANG_DDTREE_SHADOW_EVERY", "4") or 4
 # Test-only fault (bench/gpu/graphs_proof.py): halve the sampled walk's coins, which biases sampled
 # requests towards drafted tokens; the distribution test must reject it.
 TEST_BIASED_WALK = os.environ.get("SGLANG_DDTREE_TEST_BIASED_WALK", "") == "1"
+# SGLANG_DDTREE_BUILD_GRAPHS=0 builds every tree eagerly (ddtree_build_graphs: captured by default
+# wherever the target verify runs on CUDA graphs, one device).
+BUILD_GRAPHS = os.environ.get("SGLANG_DDTREE_BUILD_GRAPHS", "1") != "0"
 # Triton is the one backend whose target-verify metadata we can re-size per step: it reads the
 # verify width from `num_draft_tokens` on every eager forward.
 _TRITON_BACKEND_CLASS = "TritonAttnBackend"
@@ -156,6 +159,8 @@ class DDTreeStats:
     logit_adjusted_steps: int = 0
     # Steps whose target verify replayed a CUDA graph (the rest ran eagerly).
     graph_steps: int = 0
+    # Tree builds replayed from a captured build graph (ddtree_build_graphs; the rest ran eagerly).
+    build_graph_steps: int = 0
 
     def __post_init__(self) -> None:
         self.accepted_depth_hist: collections.Counter[int] = collections.Counter()
@@ -183,6 +188,7 @@ class DDTreeStats:
             "sampled_requests": self.sampled_requests,
             "logit_adjusted_steps": self.logit_adjusted_steps,
             "graph_steps": self.graph_steps,
+            "build_graph_steps": self.build_graph_steps,
             "build_ms_median": round(_median(self.build_ms_recent), 4),
             "build_ms_max": round(max(self.build_ms_recent, default=0.0), 4),
             "build_ms_first": None if self.build_ms_first is None else round(self.build_ms_first, 3),
@@ -242,6 +248,7 @@ class DDTreeController:
             self._check_verify_width()
             self.max_verify_tokens, self.max_mask_bytes = self._size_verify_memory(worker)
         self._warm_up_build(worker)
+        self._build_graphs = self._capture_build_graphs(worker, graph_runner)
 
         if TEST_BIASED_WALK and self.tp_rank == 0:
             logger.warning("DDTree: SGLANG_DDTREE_TEST_BIASED_WALK=1, sampled requests are WRONG (test fault)")
@@ -288,6 +295,51 @@ class DDTreeController:
         torch.cuda.synchronize(device)
         if self.tp_rank == 0:
             logger.info("DDTree builder warmed up in %.1f s", time.perf_counter() - t0)
+
+    def _capture_build_graphs(self, worker: Any, graph_runner: Any) -> Any:
+        """Full-budget builds captured at the verify graphs' batch sizes (`ddtree_build_graphs`);
+        None (every build eager) without verify graphs, off CUDA, with TP > 1 (the vocab gather is
+        a collective), or when the capture fails: a slower build, never a server that does not start."""
+        runner = worker.model_runner
+        buckets = list(getattr(graph_runner, "capture_bs", None) or [])
+        lm_head = getattr(getattr(runner, "model", None), "lm_head", None)
+        if (
+            not BUILD_GRAPHS
+            or not buckets
+            or lm_head is None
+            or not str(runner.device).startswith("cuda")
+            or int(getattr(worker.server_args, "tp_size", 1) or 1) != 1
+        ):
+            return None
+        from sglang.srt.speculative.ddtree_build_graphs import capture_build_graphs
+
+        t0 = time.perf_counter()
+        try:
+            graphs = capture_build_graphs(
+                self.full_budget_build(lm_head), buckets, depth=self.depth, hidden=int(lm_head.weight.shape[1]),
+                dtype=runner.model_config.dtype, device=runner.device,
+            )
+        except Exception as e:  # noqa: BLE001 - any capture failure leaves the eager build
+            logger.warning("DDTree: tree-build CUDA graphs not captured (%s: %s); builds run eagerly",
+                           type(e).__name__, e)
+            return None
+        if self.tp_rank == 0:
+            logger.info("DDTree build graphs captured for bs %s in %.2f s", graphs.sizes, time.perf_counter() - t0)
+        return graphs
+
+    def full_budget_build(self, lm_head: Any) -> Any:
+        """The build a graph captures: draft hidden states after the bonus [bs, depth, hidden] ->
+        the configured budget's tree (what `build_tree` runs eagerly for a full-budget step)."""
+        from sglang.srt.speculative.ddtree_utils import build_ddtree
+
+        cap = None if self.topk_cap is None else min(int(self.topk_cap), self.budget)
+
+        def build(tail: torch.Tensor) -> Any:
+            bs = int(tail.shape[0])
+            logits = self.draft_logits(tail.reshape(-1, tail.shape[-1]), lm_head).view(bs, self.depth, -1)
+            return build_ddtree(logits, self.budget, topk_cap=cap, keep_chain=self.keep_chain)
+
+        return build
 
     def _size_verify_memory(self, worker: Any) -> tuple[int, int]:
         """Verify tokens and mask bytes a step may use, sized once at start and reserved.
@@ -375,11 +427,16 @@ class DDTreeController:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         t0 = time.perf_counter()
-        logits = self.draft_logits(flat, lm_head).view(bs, self.depth, -1)
         budget = self.budget if budget is None else budget
-        cap = None if self.topk_cap is None else min(int(self.topk_cap), budget)
-        # A step shrunk below the draft depth cannot hold the whole chain: it builds the standard tree.
-        tree = build_ddtree(logits, budget, topk_cap=cap, keep_chain=self.keep_chain and budget >= self.depth)
+        tree = None
+        if self._build_graphs is not None and budget == self.budget:
+            tree = self._build_graphs.run(draft_hidden[:, 1:, :])
+            self.stats.build_graph_steps += tree is not None
+        if tree is None:
+            logits = self.draft_logits(flat, lm_head).view(bs, self.depth, -1)
+            cap = None if self.topk_cap is None else min(int(self.topk_cap), budget)
+            # A step shrunk below the draft depth cannot hold the whole chain: it builds the standard tree.
+            tree = build_ddtree(logits, budget, topk_cap=cap, keep_chain=self.keep_chain and budget >= self.depth)
         if use_events:
             end.record()
             # Read lazily at the next log line: no host sync in the serving path.
@@ -549,6 +606,7 @@ class DDTreeController:
             "keep_chain": self.keep_chain,
             "verify_graph_width": self.verify_graph_width,
             "verify_graph_max_bs": self.verify_graph_max_bs,
+            "build_graph_bs": None if self._build_graphs is None else self._build_graphs.sizes,
             **stats,
         }
 

@@ -1,0 +1,118 @@
+"""The payload's captured tree builds (`ddtree_build_graphs`), on CPU with a stand-in capture that has
+a CUDA graph's contract: outputs are static tensors that each replay recomputes in place from the
+static input. The bucket logic checked here is what the CUDA path runs too: which captured batch
+size a step replays, the copy into its static input, padding rows left stale, and the slice of the
+outputs. The capture itself only runs on a GPU (bench/gpu, GRAPHS=1). Oracle: the eager
+`build_ddtree` of the same rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+from ddtree_oracle import load_ddtree_utils, load_payload_module
+
+du = load_ddtree_utils()
+bg = load_payload_module("ddtree_build_graphs")
+DEPTH, HIDDEN, VOCAB = 5, 8, 37
+
+
+class RerunGraph:
+    """A capture stand-in: `replay` re-runs the function and copies into the captured outputs."""
+
+    def capture(self, fn, static_in):
+        self.fn, self.static_in = fn, static_in
+        self.out = fn(static_in)
+        return self.out
+
+    def replay(self):
+        new = self.fn(self.static_in)
+        for f in dataclasses.fields(new):
+            v = getattr(new, f.name)
+            if isinstance(v, torch.Tensor):
+                getattr(self.out, f.name).copy_(v)
+
+
+def _exact(*shape: int) -> torch.Tensor:
+    """Small integers as floats: the LM-head matmul is exact in float32 for any batch blocking, so
+    a bucket's padded matmul and the eager one of the real rows give bit-equal logits (as on the
+    GPU, where cuBLAS may pick another kernel per batch size, they need not otherwise)."""
+    return torch.randint(-3, 4, shape).float()
+
+
+def _build_fn(weight: torch.Tensor, budget: int, cap: int | None, keep_chain: bool):
+    def build(tail: torch.Tensor):
+        logits = (tail.reshape(-1, HIDDEN) @ weight.T).view(tail.shape[0], DEPTH, -1)
+        return du.build_ddtree(logits, budget, topk_cap=cap, keep_chain=keep_chain)
+
+    return build
+
+
+def _assert_same_tree(got, want, where: str) -> None:
+    for f in dataclasses.fields(want):
+        a, b = getattr(got, f.name), getattr(want, f.name)
+        if isinstance(b, torch.Tensor):
+            assert a.shape == b.shape and torch.equal(a, b), f"{where}: {f.name} differs"
+        else:
+            assert a == b, f"{where}: {f.name} {a} != {b}"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_replayed_builds_equal_the_eager_build_of_the_same_rows(seed):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    budget = rng.choice([5, 9, 16, 30])
+    cap = rng.choice([None, 2, 4])
+    keep_chain = rng.random() < 0.5 and budget >= DEPTH
+    weight = _exact(VOCAB, HIDDEN)
+    build = _build_fn(weight, budget, cap, keep_chain)
+    buckets = sorted(rng.sample([1, 2, 3, 4, 8, 12, 16], 3))
+    graphs = bg.DDTreeBuildGraphs(build, buckets, depth=DEPTH, hidden=HIDDEN, dtype=torch.float32,
+                                  device="cpu", new_graph=RerunGraph)
+    assert graphs.sizes == buckets and graphs.max_bs == buckets[-1]
+    # Steps of changing batch sizes: a bucket's padding rows hold an earlier, larger step's rows.
+    for step in range(12):
+        bs = rng.randint(1, graphs.max_bs)
+        tail = _exact(bs, DEPTH, HIDDEN)
+        got = graphs.run(tail)
+        where = f"seed {seed} step {step} bs {bs} budget {budget} cap {cap} keep_chain {keep_chain}"
+        assert got is not None and got.batch_size == bs, where
+        _assert_same_tree(got, build(tail), where)
+
+
+def test_batches_above_the_largest_bucket_build_eagerly_and_shapes_are_checked():
+    weight = torch.randn(VOCAB, HIDDEN)
+    graphs = bg.DDTreeBuildGraphs(_build_fn(weight, 9, None, False), [4, 2], depth=DEPTH, hidden=HIDDEN,
+                                  dtype=torch.float32, device="cpu", new_graph=RerunGraph)
+    assert graphs.run(torch.randn(5, DEPTH, HIDDEN)) is None
+    with pytest.raises(ValueError, match=r"captured for \[bs, 5, 8\]"):
+        graphs.run(torch.randn(2, DEPTH + 1, HIDDEN))
+    with pytest.raises(ValueError, match="at least one"):
+        bg.DDTreeBuildGraphs(_build_fn(weight, 9, None, False), [0], depth=DEPTH, hidden=HIDDEN,
+                             dtype=torch.float32, device="cpu", new_graph=RerunGraph)
+
+
+def test_the_tree_is_the_graph_outputs_so_the_next_replay_overwrites_it():
+    """The contract the worker relies on (a step's tree is used within that step): the returned tree
+    is a view of the bucket's static outputs, not a copy."""
+    weight = torch.randn(VOCAB, HIDDEN) * 3
+    graphs = bg.DDTreeBuildGraphs(_build_fn(weight, 9, None, False), [4], depth=DEPTH, hidden=HIDDEN,
+                                  dtype=torch.float32, device="cpu", new_graph=RerunGraph)
+    first_in = torch.randn(3, DEPTH, HIDDEN)
+    first = graphs.run(first_in)
+    kept = first.token_ids.clone()
+    second = graphs.run(torch.randn(3, DEPTH, HIDDEN))
+    assert first.token_ids.data_ptr() == second.token_ids.data_ptr()
+    assert not torch.equal(kept, first.token_ids)
+
+
+def test_slice_tree_keeps_the_first_rows_and_the_ints():
+    logits = torch.randn(4, DEPTH, VOCAB)
+    tree = du.build_ddtree(logits, 7)
+    part = bg.slice_tree(tree, 2)
+    assert part.batch_size == 2 and part.budget == 7 and part.max_depth == DEPTH
+    _assert_same_tree(part, du.build_ddtree(logits[:2], 7), "slice")
+    assert bg.slice_tree(tree, 4) is tree
