@@ -1,4 +1,4 @@
-"""The payload's captured tree builds (`ddtree_build_graphs`), on CPU with a stand-in capture that has
+"""The payload's captured tree builds (`ddtree_build_graphs`) and step profile (`ddtree_profile`), on CPU with a stand-in capture that has
 a CUDA graph's contract: outputs are static tensors that each replay recomputes in place from the
 static input. The bucket logic checked here is what the CUDA path runs too: which captured batch
 size a step replays, the copy into its static input, padding rows left stale, and the slice of the
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 
 import pytest
 import torch
@@ -116,3 +117,24 @@ def test_slice_tree_keeps_the_first_rows_and_the_ints():
     assert part.batch_size == 2 and part.budget == 7 and part.max_depth == DEPTH
     _assert_same_tree(part, du.build_ddtree(logits[:2], 7), "slice")
     assert bg.slice_tree(tree, 4) is tree
+
+
+prof = load_payload_module("ddtree_profile")
+
+
+def test_step_profile_reports_each_transition_and_resets_on_read():
+    p = prof.StepProfile(cuda=False)
+    for _ in range(3):
+        p.mark("draft_done")
+        time.sleep(0.004)
+        p.mark("built")
+        time.sleep(0.012)
+        p.mark("step_done")
+        p.end_step()
+    got = p.read_and_reset()
+    assert set(got) == {"draft_done->built", "built->step_done", "step_done->draft_done"}
+    assert got["draft_done->built"]["n"] == 3 and got["step_done->draft_done"]["n"] == 2
+    assert 4.0 <= got["draft_done->built"]["cpu_ms"] < got["built->step_done"]["cpu_ms"]
+    assert got["built->step_done"]["gpu_ms"] is None  # no CUDA: host clock only
+    assert p.read_and_reset() == {}
+    assert prof.median([3.0, 1.0, 2.0, 10.0]) == 2.5 and prof.median([]) == 0.0

@@ -117,6 +117,7 @@ def perf(base: str) -> dict:
             "ms_per_step": round(1e3 * wall / steps, 3),
             "accept_len": round(tokens / sum(verify), 3) if all(verify) else 1.0,
             "tok_per_s": round(tokens / wall, 1),
+            "profile": after.get("profile"),  # SGLANG_DDTREE_PROFILE=1 servers: this batch's phases
             "ddtree_delta": {k: after.get(k, 0) - before.get(k, 0)
                              for k in ("steps", "tree_steps", "graph_steps", "build_graph_steps", "fallback_steps", "sampled_requests")
                              if isinstance(after.get(k), int)},

@@ -126,6 +126,9 @@ if [ "${GRAPHS:-0}" = 1 ]; then
     "p_plain|/tmp/tiny_p|" "p_dflash|/tmp/tiny_p|DF"
     "p_shadow|/tmp/tiny_p|DF --speculative-ddtree-mode shadow-linear --speculative-ddtree-budget 64"
     "p_full64_bias|/tmp/tiny_p|$FULL 64 BIAS"
+    # profiled twins (per-phase times; the mark events cost a little, so the speed rows use the plain ones)
+    "p_full64_prof|/tmp/tiny_p|$FULL 64 PROF"
+    "p_shadow_prof|/tmp/tiny_p|DF --speculative-ddtree-mode shadow-linear --speculative-ddtree-budget 64 PROF"
     # float32 twins for the sampled-walk test: bf16 logits near 40 move a probability by ~30 % per
     # rounding step, which any change of kernel (decode vs verify) shows in 2000 samples
     "p_plain_f32|/tmp/tiny_p|F32" "p_full64_f32|/tmp/tiny_p|$FULL 64 F32" "p_full64_bias_f32|/tmp/tiny_p|$FULL 64 BIAS F32"
@@ -189,6 +192,7 @@ launch() {  # TAG MODEL_DIR EXTRA...
       CAP) envs+=(SGLANG_DDTREE_MAX_VERIFY_TOKENS=1024) ;;  # steps must shrink their trees
       PRISTINE) envs+=(PYTHONPATH=/tmp/site_pristine) ;;  # upstream 0.5.13.post1, no payload
       BIAS) envs+=(SGLANG_DDTREE_TEST_BIASED_WALK=1) ;;  # a deliberately wrong sampled walk
+      PROF) envs+=(SGLANG_DDTREE_PROFILE=1) ;;  # per-phase step times in /server_info (ddtree_profile)
       F32) args+=(--dtype float32) ;;
       TP2) args+=(--tp-size 2 --nccl-port $(( PORT[$tag] + 5 )) "${TP2_EXTRA_ARGS[@]}") ;;
       *) args+=("$a") ;;

@@ -103,7 +103,8 @@ def main() -> int:
         allocator = FakeAllocator(4096)
         seq_lens = torch.tensor(prefix, dtype=torch.int64)
         widths: list[int | None] = []
-        controller = SimpleNamespace(stats=dw.DDTreeStats(), widths=widths, set_verify_width=widths.append)
+        controller = SimpleNamespace(stats=dw.DDTreeStats(), widths=widths, set_verify_width=widths.append,
+                                     mark_phase=lambda name: None)
         batch = SimpleNamespace(
             forward_mode=SimpleNamespace(is_idle=lambda: False),
             batch_size=lambda bs=bs: bs,
@@ -457,6 +458,20 @@ def build_graph_checks(batch_for, head, draft_hidden, bonus) -> list[str]:
                      lm_head=head)
         if shrunk.spec_info.draft_token_num == 65 or ctl.stats.build_graph_steps != int(use_graphs):
             out.append(f"build graphs={use_graphs}: a shrunk step replayed the full-budget graph")
+    import os
+
+    os.environ["SGLANG_DDTREE_PROFILE"] = "1"
+    ctl = dw.DDTreeController.maybe_create(_worker(mode="full"))
+    del os.environ["SGLANG_DDTREE_PROFILE"]
+    batch, alloc = batch_for(2)
+    dw.alloc_token_slots = lambda cache, k, alloc=alloc: alloc.alloc(k)
+    ctl.on_draft(batch, bonus_tokens=bonus, target_prefix_lens=batch.seq_lens, draft_hidden=draft_hidden, lm_head=head)
+    ctl.on_verified(batch.spec_info, [0, 0])
+    phases = set(ctl.internal_state()["profile"])
+    if phases != {"draft_done->built", "built->mask_ready", "mask_ready->step_done"}:
+        out.append(f"profile phases of a tree step: {sorted(phases)}")
+    if dw.DDTreeController.maybe_create(_worker(mode="full")).internal_state()["profile"] is not None:
+        out.append("profile on without SGLANG_DDTREE_PROFILE")
     eager, graphed = verify_inputs[False], verify_inputs[True]
     for name in ("draft_token", "positions", "custom_mask"):
         if not torch.equal(getattr(eager, name), getattr(graphed, name)):

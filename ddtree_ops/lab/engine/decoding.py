@@ -105,6 +105,7 @@ class TreeStats:
             "verify_graph_width": None,
             "verify_graph_max_bs": None,
             "build_graph_bs": None,
+            "profile": None,
             "keep_chain": self.keep_chain,
             "steps": self.steps,
             "tree_steps": self.tree_steps,

@@ -39,6 +39,7 @@ from sglang.srt.managers.schedule_batch import ScheduleBatch
 from sglang.srt.mem_cache.common import alloc_token_slots, evict_from_tree_cache
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.speculative.ddtree_args import DDTREE_FULL_ATTENTION_BACKENDS, FLAG_MODE
+from sglang.srt.speculative.ddtree_profile import StepProfile, median
 from sglang.srt.speculative.ddtree_step_budget import (
     StepLimits,
     budget_ladder,
@@ -132,13 +133,6 @@ def apply_logit_adjustments(logits: torch.Tensor, info: Any, tokens_per_request:
     return applied
 
 
-def _median(values: Any) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return 0.0
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
-
 
 @dataclass
 class DDTreeStats:
@@ -189,7 +183,7 @@ class DDTreeStats:
             "logit_adjusted_steps": self.logit_adjusted_steps,
             "graph_steps": self.graph_steps,
             "build_graph_steps": self.build_graph_steps,
-            "build_ms_median": round(_median(self.build_ms_recent), 4),
+            "build_ms_median": round(median(self.build_ms_recent), 4),
             "build_ms_max": round(max(self.build_ms_recent, default=0.0), 4),
             "build_ms_first": None if self.build_ms_first is None else round(self.build_ms_first, 3),
             "build_samples": self.build_ms_n,
@@ -221,6 +215,12 @@ class DDTreeController:
         self.keep_chain = bool(getattr(sa, "speculative_ddtree_keep_chain", False))
         self.tp_rank = worker.tp_rank
         self.stats = DDTreeStats()
+        # Read at construction, not import, so one process can hold profiled and plain workers.
+        self.profile = (
+            StepProfile(cuda=str(worker.model_runner.device).startswith("cuda"))
+            if os.environ.get("SGLANG_DDTREE_PROFILE", "") == "1"
+            else None
+        )
         # (start, end) CUDA event pairs of builds not yet read; read at the next log line, so the
         # serving path never waits on the GPU for a metric.
         self._pending_build_events: list[tuple[Any, Any]] = []
@@ -443,7 +443,13 @@ class DDTreeController:
             self._pending_build_events.append((start, end))
         elif not flat.is_cuda:
             self._record_build_ms((time.perf_counter() - t0) * 1e3)
+        self.mark_phase("built")
         return tree
+
+    def mark_phase(self, name: str) -> None:
+        """A named point of the step for SGLANG_DDTREE_PROFILE (ddtree_profile)."""
+        if self.profile is not None:
+            self.profile.mark(name)
 
     def _record_build_ms(self, ms: float) -> None:
         if self.stats.build_ms_first is None:
@@ -471,6 +477,7 @@ class DDTreeController:
     ) -> bool:
         """Hook after the DFlash draft forward. True: the tree verify input is installed and
         the caller must return; False: continue with upstream's linear path."""
+        self.mark_phase("draft_done")
         self.set_verify_width(self.block_size)
         budget = self.tree_budget_for(batch)
         if budget:
@@ -494,6 +501,9 @@ class DDTreeController:
         replayed a CUDA graph."""
         if graph:
             self.stats.graph_steps += 1
+        if self.profile is not None:
+            self.profile.mark("step_done")
+            self.profile.end_step()
         self.on_step_done(
             num_correct_drafts_per_req, linear=not isinstance(verify_input, DDTreeVerifyInput)
         )
@@ -607,6 +617,8 @@ class DDTreeController:
             "verify_graph_width": self.verify_graph_width,
             "verify_graph_max_bs": self.verify_graph_max_bs,
             "build_graph_bs": None if self._build_graphs is None else self._build_graphs.sizes,
+            # SGLANG_DDTREE_PROFILE=1: per-phase medians since the last read (ddtree_profile)
+            "profile": None if self.profile is None else self.profile.read_and_reset(),
             **stats,
         }
 
@@ -674,6 +686,7 @@ class DDTreeVerifyInput(DFlashVerifyInput):
             self.tree.tree_mask, batch.seq_lens, int(batch.seq_lens_cpu.sum().item()), n
         )
         self.controller.set_verify_width(n)
+        self.controller.mark_phase("mask_ready")
 
     def verify(
         self,
@@ -689,6 +702,7 @@ class DDTreeVerifyInput(DFlashVerifyInput):
             empty = torch.empty((0,), dtype=torch.int64, device=batch.device)
             return empty, empty.to(torch.int32), empty, []
 
+        self.controller.mark_phase("target_done")
         bs = batch.batch_size()
         n = int(self.draft_token_num)
         logits = logits_output.next_token_logits
@@ -793,4 +807,5 @@ class DDTreeVerifyInput(DFlashVerifyInput):
 
         for k in num_correct:
             self.controller.stats.accepted_depth_hist[int(k)] += 1
+        self.controller.mark_phase("walked")
         return new_bonus_tokens, commit_lens, next_target_hidden, num_correct

@@ -1,0 +1,90 @@
+"""Where a DDTree step's time goes (installed as `sglang/srt/speculative/ddtree_profile.py` by the
+ddtree-ops payload). On with `SGLANG_DDTREE_PROFILE=1`; off, the worker holds no profile.
+
+The worker marks named points of each decode step:
+- `draft_done`: the DFlash draft forward returned;
+- `built`: the tree is built;
+- `mask_ready`: the verify input is ready (tokens, positions, KV slots, custom mask);
+- `target_done`: the target verify forward returned;
+- `walked`: the tree walk and the KV / hidden-state commit are done;
+- `step_done`: upstream's end of the step.
+
+Each mark records a CUDA event on the current stream and a host clock reading. The time between
+two consecutive marks is reported per transition (e.g. `built->mask_ready`); the last mark of a
+step and the first of the next give `step_done->draft_done`, the next step's draft forward and the
+scheduler between steps.
+- GPU milliseconds: between the events, i.e. when the GPU got there. At batch 1 the GPU mostly
+  waits for launches, so these are the step's wall time split by phase.
+- CPU milliseconds: host time between the marks.
+
+Events are read only by `read_and_reset` (the `/server_info` path): a profiled server syncs there,
+never in a step.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any
+
+import torch
+
+MAX_PENDING_STEPS = 4096
+
+
+def median(values: Any) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+
+
+class StepProfile:
+    """Named marks per step; medians per transition since the last read."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self._marks: list[tuple[str, Any, float]] = []
+        self._steps: collections.deque[list[tuple[str, Any, float]]] = collections.deque(maxlen=MAX_PENDING_STEPS)
+
+    def mark(self, name: str) -> None:
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        self._marks.append((name, event, time.perf_counter()))
+
+    def end_step(self) -> None:
+        if self._marks:
+            self._steps.append(self._marks)
+            self._marks = []
+
+    def read_and_reset(self) -> dict[str, dict[str, Any]]:
+        """{"a->b": {"n", "gpu_ms", "cpu_ms"}} (medians) over the steps closed since the last read."""
+        steps = list(self._steps)
+        self._steps.clear()
+        if not steps:
+            return {}
+        if self.cuda:
+            last_event = steps[-1][-1][1]
+            last_event.synchronize()
+        gpu: dict[str, list[float]] = collections.defaultdict(list)
+        cpu: dict[str, list[float]] = collections.defaultdict(list)
+        previous_last = None
+        for marks in steps:
+            chain = ([previous_last] if previous_last is not None else []) + marks
+            for (a, ea, ta), (b, eb, tb) in zip(chain, chain[1:], strict=False):
+                key = f"{a}->{b}"
+                cpu[key].append((tb - ta) * 1e3)
+                if ea is not None and eb is not None:
+                    gpu[key].append(float(ea.elapsed_time(eb)))
+            previous_last = marks[-1]
+        return {
+            key: {
+                "n": len(cpu[key]),
+                "gpu_ms": round(median(gpu[key]), 4) if gpu.get(key) else None,
+                "cpu_ms": round(median(cpu[key]), 4),
+            }
+            for key in cpu
+        }
