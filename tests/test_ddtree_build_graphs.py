@@ -10,31 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from ddtree_oracle import load_ddtree_utils, load_payload_module
 
+sys.path.insert(0, str(Path(__file__).parent / "sglang_scripts"))
+from graph_stand_in import RerunGraph  # noqa: E402
+
 du = load_ddtree_utils()
 bg = load_payload_module("ddtree_build_graphs")
 DEPTH, HIDDEN, VOCAB = 5, 8, 37
-
-
-class RerunGraph:
-    """A capture stand-in: `replay` re-runs the function and copies into the captured outputs."""
-
-    def capture(self, fn, static_in):
-        self.fn, self.static_in = fn, static_in
-        self.out = fn(static_in)
-        return self.out
-
-    def replay(self):
-        new = self.fn(self.static_in)
-        for f in dataclasses.fields(new):
-            v = getattr(new, f.name)
-            if isinstance(v, torch.Tensor):
-                getattr(self.out, f.name).copy_(v)
 
 
 def _exact(*shape: int) -> torch.Tensor:

@@ -415,24 +415,10 @@ def hook_checks() -> list[str]:
     return out
 
 
-class RerunGraph:
-    """CUDA-graph stand-in: replay re-runs the captured function into the same output tensors."""
-
-    def capture(self, fn, static_in):
-        self.fn, self.static_in = fn, static_in
-        self.out = fn(static_in)
-        return self.out
-
-    def replay(self):
-        new = self.fn(self.static_in)
-        for name, v in vars(new).items():
-            if isinstance(v, torch.Tensor):
-                getattr(self.out, name).copy_(v)
-
-
 def build_graph_checks(batch_for, head, draft_hidden, bonus) -> list[str]:
     """A full-budget step takes its tree from the captured build (ddtree_build_graphs) and installs
     the same verify input as the eager build; a shrunk step builds eagerly; CPU captures nothing."""
+    from graph_stand_in import RerunGraph  # beside this script
     from sglang.srt.speculative.ddtree_build_graphs import DDTreeBuildGraphs
 
     out: list[str] = []
