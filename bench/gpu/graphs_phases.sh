@@ -25,6 +25,7 @@ ALLPORTS=(); for v in "${rest[@]}"; do t=${v%%|*}; ALLPORTS+=("${PORT[$t]}:${PID
 python3 $HERE/wait_all.py $(( DEADLINE - $(date +%s) - 200 )) "${ALLPORTS[@]}"
 ts "all servers up or dead; GPU mem: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader | paste -sd' ')"
 has() { [ -n "${PORT[$1]:-}" ]; }
+served() { for t; do has "$t" && printf '%s ' "$t"; done; }  # the tags among these that this call serves
 mix() {  # TAG [--make]
   local tag=$1 set=${1%%_*}; shift
   timeout $(( DEADLINE - $(date +%s) - 60 )) python3 $HERE/production_mix.py run --port "${PORT[$tag]}" --tag "$tag" \
@@ -51,7 +52,7 @@ for v in "${TAGS[@]}"; do
   case $t in
     p_plain) ( proof $t --samples 2000 ) & ;;
     p_full64) ( mix $t; proof $t --samples 2000 --liveness ) & ;;
-    p_full64_bias|p_*_f32) ( proof $t --samples 2000 ) & ;;
+    p_full64_bias) ( proof $t --samples 2000 ) & ;;
     p_*_prof) continue ;;
     p_dflash) ( mix $t; proof $t --samples 2000 --liveness ) & ;;
     p_shadow) ( mix $t; proof $t --liveness ) & ;;
@@ -74,15 +75,14 @@ stop_all; trap - EXIT
 { echo "--- sampling kernels check"; cat "$OUT/sampling_kernels_check.log"
   MIXC=(python3 $HERE/production_mix.py compare "$OUT")
   echo "--- production mix, graphs on"
-  "${MIXC[@]}" r_plain --upstream r_dflash r_dflash r_full16 r_full64 r_full256; echo "rc=$?"
-  "${MIXC[@]}" p_plain --upstream p_dflash p_dflash p_shadow p_full64; echo "rc=$?"
-  echo "--- sampling, liveness, speed"
-  echo "float32 (the walk alone):"
-  "${PROOF[@]}" compare "$OUT" --plain p_plain_f32 --cand p_full64_f32 --biased p_full64_bias_f32; echo "rc=$?"
-  echo "bf16 (the walk and the verify kernels' rounding; DFLASH, lossless by upstream's construction, beside it):"
-  "${PROOF[@]}" compare "$OUT" --plain p_plain --cand p_full64 p_dflash --biased p_full64_bias \
-    --liveness p_dflash p_shadow p_full64 r_dflash r_full16 r_full64 r_full256 r_dflash_pristine \
-    --expect-stall r_dflash_pristine --perf p_plain p_dflash p_shadow p_full64 p_full64_prof p_shadow_prof r_plain r_dflash r_full64; echo "rc=$?"
+  for set in r p; do
+    has ${set}_plain || continue
+    "${MIXC[@]}" ${set}_plain --upstream ${set}_dflash $(served ${set}_dflash ${set}_shadow ${set}_full16 ${set}_full64 ${set}_full256); echo "rc=$?"
+  done
+  echo "--- sampling, liveness, speed (bf16: the walk and the verify kernels' rounding; DFLASH, lossless by upstream's construction, beside it)"
+  "${PROOF[@]}" compare "$OUT" --plain p_plain --cand $(served p_full64 p_dflash) --biased p_full64_bias \
+    --liveness $(served p_dflash p_shadow p_full64 r_dflash r_full16 r_full64 r_full256 r_dflash_pristine) \
+    --expect-stall r_dflash_pristine --perf $(served p_plain p_dflash p_shadow p_full64 p_full64_prof p_shadow_prof r_plain r_dflash r_full64); echo "rc=$?"
   echo "--- builder Triton tests on the GPU"; tail -3 "$OUT/triton_tests.log" 2>/dev/null
 } 2>&1 | tee "$OUT/summary.txt"
 ts "done"

@@ -7,8 +7,9 @@
                 to make no progress for 16-117 s on this mix).
       samples:  N requests per prompt of max_new_tokens 3 at T 0.8 / top_p 0.95: the first 3 tokens.
       perf:     batch 1, 8, 32 of greedy requests (64-token prompts, 128 new tokens, ignore_eos), sent
-                together; wall time, verify steps (the longest request's spec_verify_ct; plain: tokens)
-                and ms per step, mean accept length, the server's DDTree stats.
+                together, one warm-up round then PERF_ROUNDS measured rounds per size; per round wall
+                time, verify steps (the longest request's spec_verify_ct; plain: tokens) and ms per
+                step; the medians over rounds with their range, mean accept length, DDTree stats.
   compare OUT_DIR --plain TAG --cand TAG [TAG...] [--biased TAG]
       two-sample tests of the first-3-token samples (chi-square homogeneity over the 3-token tuples, rare
       ones pooled, and total variation with its permutation null); every --cand must pass at
@@ -23,6 +24,7 @@ import json
 import math
 import os
 import random
+import statistics
 import sys
 import time
 
@@ -93,36 +95,53 @@ def samples(base: str, n: int) -> dict:
     return res
 
 
-def perf(base: str) -> dict:
+# Measured rounds per batch size after one warm-up round: a bs-1 round is ~13 verify steps, too few
+# for one round's ms/step to mean anything on a shared host, so small batches repeat more.
+PERF_ROUNDS = {1: 8, 8: 4, 32: 3}
+
+
+def perf(base: str, rounds: dict[int, int] | None = None) -> dict:
     rng = random.Random(21)
     prompts = [[rng.randrange(10, 3900) for _ in range(64)] for _ in range(32)]
     sp = {"temperature": 0.0, "max_new_tokens": 128, "ignore_eos": True}
     out = {}
-    for bs in (1, 8, 32):
-        # Warm at this batch size first: a first batch of a new size JIT-compiles kernels.
-        with concurrent.futures.ThreadPoolExecutor(bs) as ex:
-            list(ex.map(lambda pr: post(base, {"input_ids": pr, "sampling_params": sp}, 300), prompts[:bs]))
-        before = ddtree_state(base)
+
+    def one_round(bs: int) -> tuple[float, list[dict]]:
         t0 = time.time()
         with concurrent.futures.ThreadPoolExecutor(bs) as ex:
             res = list(ex.map(lambda pr: post(base, {"input_ids": pr, "sampling_params": sp}, 300), prompts[:bs]))
-        wall = time.time() - t0
+        return time.time() - t0, [r["meta_info"] for r in res]
+
+    for bs, n_rounds in (rounds or PERF_ROUNDS).items():
+        one_round(bs)  # warm at this batch size first: a first batch of a new size JIT-compiles kernels
+        before = ddtree_state(base)  # also resets a profiled server's phase medians
+        measured = []
+        for _ in range(n_rounds):
+            wall, metas = one_round(bs)
+            verify = [m.get("spec_verify_ct") for m in metas]
+            steps = max(verify) if all(verify) else max(m["completion_tokens"] for m in metas)
+            measured.append({"wall_s": round(wall, 4), "steps": steps, "ms_per_step": round(1e3 * wall / steps, 3),
+                             "tokens": sum(m["completion_tokens"] for m in metas),
+                             "verify_ct": sum(verify) if all(verify) else None})
         after = ddtree_state(base)
-        metas = [r["meta_info"] for r in res]
-        tokens = sum(m["completion_tokens"] for m in metas)
-        verify = [m.get("spec_verify_ct") for m in metas]
-        steps = max(verify) if all(verify) else max(m["completion_tokens"] for m in metas)
+        tokens = sum(r["tokens"] for r in measured)
+        walls = sum(r["wall_s"] for r in measured)
+        verify_total = None if any(r["verify_ct"] is None for r in measured) else sum(r["verify_ct"] for r in measured)
         out[str(bs)] = {
-            "wall_s": round(wall, 4), "tokens": tokens, "steps": steps,
-            "ms_per_step": round(1e3 * wall / steps, 3),
-            "accept_len": round(tokens / sum(verify), 3) if all(verify) else 1.0,
-            "tok_per_s": round(tokens / wall, 1),
-            "profile": after.get("profile"),  # SGLANG_DDTREE_PROFILE=1 servers: this batch's phases
+            # medians over the rounds: one slow round (a GC, a neighbour's burst) does not move them
+            "wall_s": statistics.median(r["wall_s"] for r in measured),
+            "steps": statistics.median(r["steps"] for r in measured),
+            "ms_per_step": statistics.median(r["ms_per_step"] for r in measured),
+            "ms_per_step_range": [min(r["ms_per_step"] for r in measured), max(r["ms_per_step"] for r in measured)],
+            "accept_len": round(tokens / verify_total, 3) if verify_total else 1.0,
+            "tok_per_s": round(tokens / walls, 1),
+            "rounds": measured,
+            "profile": after.get("profile"),  # SGLANG_DDTREE_PROFILE=1 servers: these rounds' phases
             "ddtree_delta": {k: after.get(k, 0) - before.get(k, 0)
                              for k in ("steps", "tree_steps", "graph_steps", "build_graph_steps", "fallback_steps", "sampled_requests")
                              if isinstance(after.get(k), int)},
         }
-        print(f"[perf] bs {bs}: {out[str(bs)]}", flush=True)
+        print(f"[perf] bs {bs}: {json.dumps({k: v for k, v in out[str(bs)].items() if k != 'rounds'})}", flush=True)
     return out
 
 
@@ -212,7 +231,10 @@ def cmd_compare(a: argparse.Namespace) -> int:
 
     ok = True
     summary: dict = {"samples": {}, "liveness": {}, "perf": {}}
-    plain = load(a.plain)
+    try:
+        plain = load(a.plain)
+    except FileNotFoundError:
+        plain = {}
     alpha = 1e-3 / len(PROMPTS)
     judged = [(t, "cand") for t in a.cand] + ([(a.biased, "biased")] if a.biased else [])
     for tag, role in judged:
@@ -223,6 +245,8 @@ def cmd_compare(a: argparse.Namespace) -> int:
             ok = False
             continue
         if "samples" not in cand or "samples" not in plain:
+            print(f"{tag}: no samples ({'plain ' + a.plain if 'samples' not in plain else 'the server'} never answered)")
+            ok = False
             continue
         tests = {p: two_sample([tuple(x) for x in plain["samples"][p]], [tuple(x) for x in cand["samples"][p]])
                  for p in plain["samples"]}
@@ -245,6 +269,7 @@ def cmd_compare(a: argparse.Namespace) -> int:
         live = part(tag, "liveness")
         if live is None:
             print(f"liveness {tag}: no results")
+            ok = False
             continue
         summary["liveness"][tag] = live
         expected_stall = tag in a.expect_stall
@@ -257,11 +282,12 @@ def cmd_compare(a: argparse.Namespace) -> int:
         if pr:
             summary["perf"][tag] = pr
     if summary["perf"]:
-        print("perf: tag | bs | wall s | steps | ms/step | accept | tok/s | ddtree steps (graph)")
+        print("perf (medians over rounds): tag | bs | wall s | steps | ms/step (range) | accept | tok/s | ddtree steps (graph)")
         for tag, pr in summary["perf"].items():
             for bs, r in pr.items():
                 d = r.get("ddtree_delta") or {}
-                print(f"  {tag} | {bs} | {r['wall_s']} | {r['steps']} | {r['ms_per_step']} | {r['accept_len']} | "
+                lo, hi = r.get("ms_per_step_range", [r["ms_per_step"]] * 2)
+                print(f"  {tag} | {bs} | {r['wall_s']} | {r['steps']} | {r['ms_per_step']} ({lo}-{hi}) | {r['accept_len']} | "
                       f"{r['tok_per_s']} | {d.get('steps', '-')} ({d.get('graph_steps', '-')})")
     with open(os.path.join(a.out_dir, "graphs_summary.json"), "w") as f:
         json.dump(summary, f, indent=1)

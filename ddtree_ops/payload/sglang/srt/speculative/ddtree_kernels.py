@@ -117,7 +117,9 @@ def _select_tree_kernel(
     rindex_out,  # i64 [B, N1]
     rnext_out,  # i64 [B, N1]
     rsib_out,  # i64 [B, N1]
-    D,
+    # constexpr, not a runtime scalar: the loops below run over it, and Triton 3.6's CPU interpreter
+    # cannot iterate over a runtime scalar (one compile per draft depth, which a server never changes)
+    D: tl.constexpr,
     K,
     P,
     N: tl.constexpr,

@@ -1,0 +1,131 @@
+"""bench/gpu/graphs_proof.py (issue 13's client), without a GPU: `perf` against a local HTTP stand-in of
+SGLang's /generate and /server_info (medians over rounds, accept length from the server's verify
+counts), and `compare`'s verdicts on recorded samples (a matching server passes, a shifted one is
+rejected, a server that recorded nothing fails instead of being skipped).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+GPU = Path(__file__).resolve().parents[1] / "bench" / "gpu"
+
+
+def _stand_in(accept: int):
+    """/generate: `max_new_tokens` tokens in ceil(n / accept) verify steps; /server_info: DDTree step
+    counters that grow with the verify steps served."""
+    state = {"steps": 0}
+    lock = threading.Lock()
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *_a):
+            pass
+
+        def _send(self, obj):
+            body = json.dumps(obj).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            with lock:
+                ddtree = {"steps": state["steps"], "tree_steps": state["steps"], "profile": None}
+            self._send({} if self.path == "/health" else {"internal_states": [{"ddtree": ddtree}]})
+
+        def do_POST(self):
+            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            n = req["sampling_params"]["max_new_tokens"]
+            verify = -(-n // accept)
+            with lock:
+                state["steps"] += verify
+            self._send({"output_ids": list(range(n)), "meta_info": {"completion_tokens": n, "spec_verify_ct": verify}})
+
+    class Server(ThreadingHTTPServer):
+        request_queue_size = 128
+        daemon_threads = True
+
+    srv = Server(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, state
+
+
+def _load_proof():
+    pytest.importorskip("requests")
+    sys.path.insert(0, str(GPU))
+    try:
+        import graphs_proof
+    finally:
+        sys.path.remove(str(GPU))
+    return graphs_proof
+
+
+def test_perf_reports_medians_over_rounds_and_the_servers_accept_length() -> None:
+    gp = _load_proof()
+    srv, state = _stand_in(accept=5)
+    try:
+        out = gp.perf(f"http://127.0.0.1:{srv.server_address[1]}", rounds={1: 3, 8: 2})
+    finally:
+        srv.shutdown()
+    assert set(out) == {"1", "8"}
+    one, eight = out["1"], out["8"]
+    assert len(one["rounds"]) == 3 and len(eight["rounds"]) == 2
+    # 128 tokens at 5 per verify step: 26 steps per request, accept 128 / 26
+    assert one["steps"] == 26 and one["accept_len"] == round(128 / 26, 3)
+    assert eight["rounds"][0]["tokens"] == 8 * 128 and eight["rounds"][0]["verify_ct"] == 8 * 26
+    for r in out.values():
+        per_round = sorted(x["ms_per_step"] for x in r["rounds"])
+        assert r["ms_per_step_range"] == [per_round[0], per_round[-1]]
+        assert per_round[0] <= r["ms_per_step"] <= per_round[-1]
+    # the step delta counts the measured rounds only, not the warm-up round before them
+    assert one["ddtree_delta"]["steps"] == 3 * 26 and eight["ddtree_delta"]["steps"] == 2 * 8 * 26
+    assert state["steps"] == (4 * 26) + (3 * 8 * 26)
+
+
+def _samples(rng: random.Random, n: int, shift: float) -> dict:
+    """3-token samples per prompt from a fixed law; `shift` moves mass towards token 0."""
+    weights = [4, 3, 2, 1]
+    weights[0] += shift
+    return {str(p): [[rng.choices(range(4), weights)[0] + 10 * p for _ in range(3)] for _ in range(n)]
+            for p in range(3)}
+
+
+def _compare(out_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(GPU / "graphs_proof.py"), "compare", str(out_dir), *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_compare_passes_a_matching_server_rejects_a_biased_one_and_fails_on_missing_data(tmp_path: Path) -> None:
+    pytest.importorskip("requests")
+    rng = random.Random(3)
+    write = lambda tag, body: (tmp_path / f"{tag}_proof.json").write_text(json.dumps({"tag": tag, **body}))  # noqa: E731
+    write("plain", {"samples": _samples(rng, 1000, 0)})
+    write("full", {"samples": _samples(rng, 1000, 0), "liveness": {"rounds": [{"s": 0.4}], "ok": True, "max_s": 0.4,
+                                                                    "bound_s": 15.0}})
+    write("bias", {"samples": _samples(rng, 1000, 3)})
+    write("dead", {"ready_s": None})  # a server that never became healthy records no samples
+
+    good = _compare(tmp_path, "--plain", "plain", "--cand", "full", "--biased", "bias", "--liveness", "full")
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert "samples full vs plain: pass" in good.stdout
+    assert "samples bias vs plain: rejected (power shown)" in good.stdout
+
+    # the shifted law as a candidate fails; a matching law as "biased" shows no power and fails too
+    assert _compare(tmp_path, "--plain", "plain", "--cand", "bias").returncode == 1
+    no_power = _compare(tmp_path, "--plain", "plain", "--cand", "full", "--biased", "full")
+    assert no_power.returncode == 1 and "NOT rejected" in no_power.stdout
+
+    missing = _compare(tmp_path, "--plain", "plain", "--cand", "full", "dead")
+    assert missing.returncode == 1 and "dead: no samples" in missing.stdout
+    assert _compare(tmp_path, "--plain", "plain", "--cand", "full", "absent").returncode == 1
+    no_live = _compare(tmp_path, "--plain", "plain", "--cand", "full", "--liveness", "bias")
+    assert no_live.returncode == 1 and "liveness bias: no results" in no_live.stdout
