@@ -5,7 +5,7 @@
 #   the production mix on the r and p sets (plain makes each set's workload first), the liveness mix
 #   (8 sampled + 8 greedy, 20 rounds) and the first-3-token samples of the sampled-walk test.
 # Then production_mix.py compare and graphs_proof.py compare; the summary goes to $OUT/summary.txt.
-# Last (phase C): upstream DFLASH without the payload on the liveness mix, and the renorm kernels on
+# Last (phase C): upstream DFLASH without the payload on the liveness mix, and (RENORM=1) the renorm kernels on
 # tied rows: a spinning kernel starves every process on the GPU, so nothing else runs beside them.
 PROOF=(python3 $HERE/graphs_proof.py)
 pack() {  # only a few files come back from the device: keep the summaries, pack the rest
@@ -71,7 +71,9 @@ wait $SKC_PID 2>/dev/null
 # C: what stalls (bounded: 15 s per liveness request, 20 s per renorm run; stop at the first stall)
 if has r_dflash_pristine && [ $(( DEADLINE - $(date +%s) )) -gt 70 ]; then proof r_dflash_pristine --liveness; fi
 stop_all; trap - EXIT
-[ $(( DEADLINE - $(date +%s) )) -gt 120 ] && timeout $(( DEADLINE - $(date +%s) - 40 )) python3 $HERE/sampling_kernels_check.py renorm 40 >> "$OUT/sampling_kernels_check.log" 2>&1
+# The renorm repro is opt-in (RENORM=1): on the H200 a fresh process importing sgl_kernel has never
+# finished within its 40 s per input (RESULTS.md), so by default it would spend ~200 s on nothing.
+[ "${RENORM:-0}" = 1 ] && [ $(( DEADLINE - $(date +%s) )) -gt 120 ] && timeout $(( DEADLINE - $(date +%s) - 40 )) python3 $HERE/sampling_kernels_check.py renorm 40 >> "$OUT/sampling_kernels_check.log" 2>&1
 { echo "--- sampling kernels check"; cat "$OUT/sampling_kernels_check.log"
   MIXC=(python3 $HERE/production_mix.py compare "$OUT")
   echo "--- production mix, graphs on"
