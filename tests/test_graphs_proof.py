@@ -11,10 +11,10 @@ import random
 import subprocess
 import sys
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from http_stand_in import JSONHandler, serve
 
 GPU = Path(__file__).resolve().parents[1] / "bench" / "gpu"
 
@@ -25,38 +25,20 @@ def _stand_in(accept: int):
     state = {"steps": 0}
     lock = threading.Lock()
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *_a):
-            pass
-
-        def _send(self, obj):
-            body = json.dumps(obj).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
+    class Handler(JSONHandler):
         def do_GET(self):
             with lock:
                 ddtree = {"steps": state["steps"], "tree_steps": state["steps"], "profile": None}
-            self._send({} if self.path == "/health" else {"internal_states": [{"ddtree": ddtree}]})
+            self.send_json({} if self.path == "/health" else {"internal_states": [{"ddtree": ddtree}]})
 
         def do_POST(self):
-            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            n = req["sampling_params"]["max_new_tokens"]
+            n = self.read_json()["sampling_params"]["max_new_tokens"]
             verify = -(-n // accept)
             with lock:
                 state["steps"] += verify
-            self._send({"output_ids": list(range(n)), "meta_info": {"completion_tokens": n, "spec_verify_ct": verify}})
+            self.send_json({"output_ids": list(range(n)), "meta_info": {"completion_tokens": n, "spec_verify_ct": verify}})
 
-    class Server(ThreadingHTTPServer):
-        request_queue_size = 128
-        daemon_threads = True
-
-    srv = Server(("127.0.0.1", 0), Handler)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    return srv, state
+    return serve(Handler), state
 
 
 def _load_proof():

@@ -9,11 +9,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from http_stand_in import JSONHandler, serve
 
 GPU = Path(__file__).resolve().parents[1] / "bench" / "gpu"
 
@@ -22,23 +21,12 @@ def _server(flip_at: int | None, margin: float, verify_every: int | None):
     """A /generate that continues any prompt deterministically; `flip_at` changes that output position
     (+1) for prompts of even length; plain's top-2 logprobs there are `margin` apart."""
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *_a):
-            pass
-
-        def _send(self, obj):
-            body = json.dumps(obj).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
+    class Handler(JSONHandler):
         def do_GET(self):
-            self._send({} if self.path == "/health" else {"internal_states": [{"ddtree": {"steps": 0}}]})
+            self.send_json({} if self.path == "/health" else {"internal_states": [{"ddtree": {"steps": 0}}]})
 
         def do_POST(self):
-            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            req = self.read_json()
             prompt, n = req["input_ids"], req["sampling_params"]["max_new_tokens"]
             out = [(sum(prompt) + 7 * i) % 97 + 10 for i in range(n)]
             if flip_at is not None and len(prompt) % 2 == 0:
@@ -46,15 +34,9 @@ def _server(flip_at: int | None, margin: float, verify_every: int | None):
             meta = {"completion_tokens": n, "spec_verify_ct": -(-n // verify_every) if verify_every else None}
             if req.get("return_logprob"):
                 meta["output_top_logprobs"] = [[[-0.5, t, None], [-0.5 - margin, t + 1, None]] for t in out]
-            self._send({"output_ids": out, "meta_info": meta})
+            self.send_json({"output_ids": out, "meta_info": meta})
 
-    class Server(ThreadingHTTPServer):
-        request_queue_size = 128  # bs 32 connects at once; the default backlog of 5 resets some
-        daemon_threads = True
-
-    srv = Server(("127.0.0.1", 0), Handler)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    return srv
+    return serve(Handler)
 
 
 def _sweep(*args: str) -> subprocess.CompletedProcess:
