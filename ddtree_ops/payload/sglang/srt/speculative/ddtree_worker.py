@@ -330,16 +330,17 @@ class DDTreeController:
     def full_budget_build(self, lm_head: Any) -> Any:
         """The build a graph captures: draft hidden states after the bonus [bs, depth, hidden] ->
         the configured budget's tree (what `build_tree` runs eagerly for a full-budget step)."""
+        return lambda tail: self._build_eagerly(tail, lm_head, self.budget)
+
+    def _build_eagerly(self, tail: torch.Tensor, lm_head: Any, budget: int) -> Any:
+        """Draft hidden states after the bonus [bs, depth, hidden] -> the tree of this budget."""
         from sglang.srt.speculative.ddtree_utils import build_ddtree
 
-        cap = None if self.topk_cap is None else min(int(self.topk_cap), self.budget)
-
-        def build(tail: torch.Tensor) -> Any:
-            bs = int(tail.shape[0])
-            logits = self.draft_logits(tail.reshape(-1, tail.shape[-1]), lm_head).view(bs, self.depth, -1)
-            return build_ddtree(logits, self.budget, topk_cap=cap, keep_chain=self.keep_chain)
-
-        return build
+        bs = int(tail.shape[0])
+        logits = self.draft_logits(tail.reshape(-1, tail.shape[-1]), lm_head).view(bs, self.depth, -1)
+        cap = None if self.topk_cap is None else min(int(self.topk_cap), budget)
+        # A step shrunk below the draft depth cannot hold the whole chain: it builds the standard tree.
+        return build_ddtree(logits, budget, topk_cap=cap, keep_chain=self.keep_chain and budget >= self.depth)
 
     def _size_verify_memory(self, worker: Any) -> tuple[int, int]:
         """Verify tokens and mask bytes a step may use, sized once at start and reserved.
@@ -418,11 +419,8 @@ class DDTreeController:
 
     def build_tree(self, draft_hidden: torch.Tensor, lm_head: Any, budget: int | None = None) -> Any:
         """draft_hidden: [bs, block_size, hidden]; positions 1.. predict the block's tokens."""
-        from sglang.srt.speculative.ddtree_utils import build_ddtree
-
-        bs = int(draft_hidden.shape[0])
-        flat = draft_hidden[:, 1:, :].reshape(-1, draft_hidden.shape[-1])
-        use_events = flat.is_cuda and len(self._pending_build_events) < 4 * LOG_EVERY
+        tail = draft_hidden[:, 1:, :]
+        use_events = tail.is_cuda and len(self._pending_build_events) < 4 * LOG_EVERY
         if use_events:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -430,18 +428,15 @@ class DDTreeController:
         budget = self.budget if budget is None else budget
         tree = None
         if self._build_graphs is not None and budget == self.budget:
-            tree = self._build_graphs.run(draft_hidden[:, 1:, :])
+            tree = self._build_graphs.run(tail)
             self.stats.build_graph_steps += tree is not None
         if tree is None:
-            logits = self.draft_logits(flat, lm_head).view(bs, self.depth, -1)
-            cap = None if self.topk_cap is None else min(int(self.topk_cap), budget)
-            # A step shrunk below the draft depth cannot hold the whole chain: it builds the standard tree.
-            tree = build_ddtree(logits, budget, topk_cap=cap, keep_chain=self.keep_chain and budget >= self.depth)
+            tree = self._build_eagerly(tail, lm_head, budget)
         if use_events:
             end.record()
             # Read lazily at the next log line: no host sync in the serving path.
             self._pending_build_events.append((start, end))
-        elif not flat.is_cuda:
+        elif not tail.is_cuda:
             self._record_build_ms((time.perf_counter() - t0) * 1e3)
         self.mark_phase("built")
         return tree
@@ -501,8 +496,8 @@ class DDTreeController:
         replayed a CUDA graph."""
         if graph:
             self.stats.graph_steps += 1
+        self.mark_phase("step_done")
         if self.profile is not None:
-            self.profile.mark("step_done")
             self.profile.end_step()
         self.on_step_done(
             num_correct_drafts_per_req, linear=not isinstance(verify_input, DDTreeVerifyInput)
