@@ -85,7 +85,7 @@ stop_all; trap - EXIT
   "${PROOF[@]}" compare "$OUT" --plain p_plain --cand $(served p_full64 p_dflash) --biased p_full64_bias \
     --liveness $(served p_dflash p_shadow p_full64 r_dflash r_full16 r_full64 r_full256 r_dflash_pristine) \
     --expect-stall r_dflash_pristine --perf $(served p_plain p_dflash p_shadow p_full64 p_full64_prof p_shadow_prof r_plain r_dflash r_full64); echo "rc=$?"
-  echo "--- builder Triton tests on the GPU"; tail -3 "$OUT/triton_tests.log" 2>/dev/null
+  echo "--- builder and verify-step Triton tests on the GPU"; tail -3 "$OUT/triton_tests.log" 2>/dev/null
 } 2>&1 | tee "$OUT/summary.txt"
 ts "done"
 kill $WATCHDOG 2>/dev/null

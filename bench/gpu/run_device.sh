@@ -139,8 +139,8 @@ if [ "${GRAPHS:-0}" = 1 ]; then
   rm -rf /tmp/site_pristine && mkdir -p /tmp/site_pristine && tar -C /tmp/site_pristine -xJf .gpu/site312.tar.xz
   ( python3 $HERE/sampling_kernels_check.py walk > "$OUT/sampling_kernels_check.log" 2>&1; echo "rc=$?" >> "$OUT/sampling_kernels_check.log"
     # the builder's Triton-vs-torch tests (skipped on CPU CI), with pytest carried in .gpu/pytest_site
-    if [ -d .gpu/pytest_site ]; then PYTHONPATH=/tmp/site:$PWD/.gpu/pytest_site timeout 150 python3 -m pytest -q -p no:cacheprovider \
-      tests/test_ddtree_triton.py > "$OUT/triton_tests.log" 2>&1; echo "rc=$?" >> "$OUT/triton_tests.log"; fi ) &
+    if [ -d .gpu/pytest_site ]; then PYTHONPATH=/tmp/site:$PWD/.gpu/pytest_site timeout 240 python3 -m pytest -q -p no:cacheprovider \
+      tests/test_ddtree_triton.py tests/test_ddtree_verify_step.py > "$OUT/triton_tests.log" 2>&1; echo "rc=$?" >> "$OUT/triton_tests.log"; fi ) &
   SKC_PID=$!
 fi
 if [ "${SWEEP:-0}" = 1 ]; then

@@ -105,6 +105,7 @@ class TreeStats:
             "verify_graph_width": None,
             "verify_graph_max_bs": None,
             "build_graph_bs": None,
+            "verify_kernels": False,
             "profile": None,
             "keep_chain": self.keep_chain,
             "steps": self.steps,

@@ -47,7 +47,8 @@ from sglang.srt.speculative.ddtree_step_budget import (
     step_budget,
     verify_token_bytes,
 )
-from sglang.srt.speculative.ddtree_utils import DDTreeRefused, full_mode_refusal
+from sglang.srt.speculative.ddtree_utils import DDTreeRefused, follow_verified_tree, full_mode_refusal
+from sglang.srt.speculative.ddtree_verify_step import commit_slots, greedy_walk, pack_walk, tree_custom_mask
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.spec_utils import assign_req_to_token_pool_func
 
@@ -249,6 +250,7 @@ class DDTreeController:
             self.max_verify_tokens, self.max_mask_bytes = self._size_verify_memory(worker)
         self._warm_up_build(worker)
         self._build_graphs = self._capture_build_graphs(worker, graph_runner)
+        self.verify_kernels = mode == "full" and self._check_verify_kernels(worker)
 
         if TEST_BIASED_WALK and self.tp_rank == 0:
             logger.warning("DDTree: SGLANG_DDTREE_TEST_BIASED_WALK=1, sampled requests are WRONG (test fault)")
@@ -295,6 +297,19 @@ class DDTreeController:
         torch.cuda.synchronize(device)
         if self.tp_rank == 0:
             logger.info("DDTree builder warmed up in %.1f s", time.perf_counter() - t0)
+
+    def _check_verify_kernels(self, worker: Any) -> bool:
+        """Compile the verify step's Triton kernels (`ddtree_verify_kernels`) at start and check them
+        against the torch path on random trees of the configured budget; a kernel that fails either
+        leaves the torch path for every step (a warning, never a server that does not start)."""
+        from sglang.srt.speculative.ddtree_utils import build_ddtree
+        from sglang.srt.speculative.ddtree_verify_step import kernels_in_use, self_test
+
+        device = worker.model_runner.device
+        error = self_test(torch.device(device), self.budget, self.depth, build_ddtree, follow_verified_tree)
+        if error and self.tp_rank == 0:
+            logger.warning("DDTree: verify kernels off (%s); the verify step runs on torch ops", error)
+        return kernels_in_use(torch.device(device))
 
     def _capture_build_graphs(self, worker: Any, graph_runner: Any) -> Any:
         """Full-budget builds captured at the verify graphs' batch sizes (`ddtree_build_graphs`);
@@ -612,35 +627,11 @@ class DDTreeController:
             "verify_graph_width": self.verify_graph_width,
             "verify_graph_max_bs": self.verify_graph_max_bs,
             "build_graph_bs": None if self._build_graphs is None else self._build_graphs.sizes,
+            "verify_kernels": self.verify_kernels,  # the fused mask / walk / commit (ddtree_verify_step)
             # SGLANG_DDTREE_PROFILE=1: per-phase medians since the last read (ddtree_profile)
             "profile": None if self.profile is None else self.profile.read_and_reset(),
             **stats,
         }
-
-
-def build_tree_custom_mask(
-    tree_mask: torch.Tensor, prefix_lens: torch.Tensor, prefix_total: int, n: int
-) -> torch.Tensor:
-    """The triton backend's TARGET_VERIFY mask, flat: per request a row-major [n, prefix + n]
-    block (query = tree node, key = prefix then tree nodes), requests back to back. The prefix
-    is visible to every node; the tree part is the builder's ancestor-or-self mask. One scatter,
-    no per-request loop; `prefix_total` (sum of prefix lengths) comes from the host copy."""
-    bs = int(tree_mask.shape[0])
-    device = tree_mask.device
-    prefix = prefix_lens.to(device=device, dtype=torch.int64)
-    row_len = prefix + n  # [bs]
-    block = n * row_len
-    base = torch.cumsum(block, 0) - block  # exclusive prefix sum: start of each request's block
-    out = torch.ones((prefix_total * n + bs * n * n,), dtype=torch.bool, device=device)
-    r = torch.arange(n, device=device, dtype=torch.int64)
-    idx = (
-        base[:, None, None]
-        + r[None, :, None] * row_len[:, None, None]
-        + prefix[:, None, None]
-        + r[None, None, :]
-    )
-    out[idx.reshape(-1)] = tree_mask.to(torch.bool).reshape(-1)
-    return out
 
 
 @dataclass
@@ -677,9 +668,7 @@ class DDTreeVerifyInput(DFlashVerifyInput):
             batch.out_cache_loc,
             bs,
         )
-        self.custom_mask = build_tree_custom_mask(
-            self.tree.tree_mask, batch.seq_lens, int(batch.seq_lens_cpu.sum().item()), n
-        )
+        self.custom_mask = tree_custom_mask(self.tree.tree_mask, batch.seq_lens, batch.seq_lens_cpu.tolist())
         self.controller.set_verify_width(n)
         self.controller.mark_phase("mask_ready")
 
@@ -710,34 +699,35 @@ class DDTreeVerifyInput(DFlashVerifyInput):
         sampled = sampled_rows(batch) if info is not None else []
         stats.sampled_requests += len(sampled)
         stats.greedy_requests += bs - len(sampled)
-        accepted_nodes, accept_lens, bonus = tree_walk(
-            self.tree,
-            tokens.to(torch.int64),
-            logits.view(bs, n, -1),
-            sampled_rows=sampled,
-            temperatures=None if info is None else info.temperatures,
-            top_ks=None if info is None else info.top_ks,
-            top_ps=None if info is None else info.top_ps,
-            min_ps=None if info is None or not info.need_min_p_sampling else info.min_ps,
-            coin_scale=0.5 if TEST_BIASED_WALK else 1.0,
-        )
-        accepted_nodes = accepted_nodes.to(torch.int64)  # [bs, depth + 1], root first, -1 pad
+        candidates = tokens.to(torch.int64)
+        if sampled:
+            accepted_nodes, accept_lens, bonus = tree_walk(
+                self.tree,
+                candidates,
+                logits.view(bs, n, -1),
+                sampled_rows=sampled,
+                temperatures=info.temperatures,
+                top_ks=info.top_ks,
+                top_ps=info.top_ps,
+                min_ps=info.min_ps if info.need_min_p_sampling else None,
+                coin_scale=0.5 if TEST_BIASED_WALK else 1.0,
+            )
+            accepted_nodes = accepted_nodes.to(torch.int64)
+            packed = pack_walk(candidates, accepted_nodes, accept_lens, bonus)
+        else:  # greedy rows only: one fused walk on CUDA (ddtree_verify_step)
+            accepted_nodes, packed = greedy_walk(
+                self.tree, candidates, torch.argmax(logits, dim=-1).view(bs, n), follow_verified_tree
+            )
+        # [bs, depth + 1], root first, -1 pad; one D2H copy for everything the per-request loop needs
         max_path = int(accepted_nodes.shape[1])
-        safe_nodes = accepted_nodes.clamp(min=0)
-        path_tokens = tokens.gather(1, safe_nodes)  # path_tokens[:, 0] is the root (bonus)
-
-        # One D2H copy for everything the per-request Python loop needs.
-        packed = torch.cat(
-            [path_tokens[:, 1:], accept_lens.to(torch.int64)[:, None], bonus.to(torch.int64)[:, None]],
-            dim=1,
-        ).cpu()
+        rows = packed.cpu().tolist()
 
         commit_lens_cpu: list[int] = []
         new_bonus_tokens_list: list[int] = []
         num_correct: list[int] = []
         for i, req in enumerate(batch.reqs):
-            acc_len = int(packed[i, max_path - 1].item())
-            proposed = packed[i, :acc_len].tolist() + [int(packed[i, max_path].item())]
+            acc_len = rows[i][max_path - 1]
+            proposed = rows[i][:acc_len] + [rows[i][max_path]]
             appended = 0
             for token_id in proposed:
                 req.output_ids.append(int(token_id))
@@ -763,16 +753,9 @@ class DDTreeVerifyInput(DFlashVerifyInput):
         new_bonus_tokens = torch.tensor(new_bonus_tokens_list, dtype=torch.int64, device=device)
 
         # KV: keep the slots of the committed path nodes, in path order; free all others.
-        out_cache_loc = batch.out_cache_loc.view(bs, n)
-        in_commit = torch.arange(max_path, device=device)[None, :] < commit_lens[:, None]
-        # scatter_add, not scatter: padded path entries (-1, clamped to the root's 0) must not
-        # overwrite the root's keep flag.
-        keep_count = torch.zeros((bs, n), dtype=torch.int32, device=device)
-        keep_count.scatter_add_(1, safe_nodes, in_commit.to(torch.int32))
-        keep_mask = keep_count > 0
-        batch.token_to_kv_pool_allocator.free(out_cache_loc[~keep_mask])
-        kept_slots = out_cache_loc.gather(1, safe_nodes)
-        batch.out_cache_loc = kept_slots[in_commit]
+        kept_slots, path_rows, freed_slots = commit_slots(accepted_nodes, batch.out_cache_loc, commit_lens_cpu, n)
+        batch.token_to_kv_pool_allocator.free(freed_slots)
+        batch.out_cache_loc = kept_slots
 
         for req, commit_len in zip(batch.reqs, commit_lens_cpu, strict=True):
             req.kv_committed_len += commit_len
@@ -795,9 +778,7 @@ class DDTreeVerifyInput(DFlashVerifyInput):
         hidden = logits_output.hidden_states
         if hidden is None:
             raise RuntimeError("DDTree verify requires target hidden states, but got None.")
-        hidden = hidden.view(bs, n, -1)
-        path_hidden = hidden.gather(1, safe_nodes[:, :, None].expand(-1, -1, hidden.shape[-1]))
-        next_target_hidden = path_hidden[in_commit]
+        next_target_hidden = hidden.index_select(0, path_rows)
         logits_output.hidden_states = None
 
         for k in num_correct:

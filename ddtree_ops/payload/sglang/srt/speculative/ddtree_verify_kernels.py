@@ -1,0 +1,177 @@
+"""Triton kernels of a DDTree full-mode verify step (installed as
+`sglang/srt/speculative/ddtree_verify_kernels.py` by the ddtree-ops payload; CUDA only, imported lazily
+and guarded by `ddtree_verify_step`, whose torch functions are the reference each kernel must equal).
+
+On a small target a verify step is host-bound: its time is the launches of a few dozen small torch ops
+(bench/RESULTS.md, issue 13 call 4: the walk and commit took 1.6 ms at batch 1, the mask 0.5 ms). Each
+kernel here replaces one such sequence by one launch:
+  - `tree_custom_mask_triton`: the triton backend's flat TARGET_VERIFY mask (prefix ones, then the
+    tree's ancestor rows), one program per (request, node, column block), no host sync;
+  - `greedy_walk_triton`: the greedy walk down each tree along the target's argmax, writing the
+    accepted nodes and the packed row the host copies (path tokens, accept length, bonus);
+  - `commit_slots_triton`: from the accepted path and the host's commit lengths, the KV slots to keep
+    (path order), the slots to free (row-major, as the torch reference frees them) and the verify
+    rows whose hidden states feed the draft.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MASK_COLUMNS = 1024  # mask columns per program
+
+
+@triton.jit(do_not_specialize=["B"])
+def _tree_mask_kernel(
+    out_ptr,  # u8 flat: per request N rows of (prefix + N) columns, requests back to back
+    tree_mask_ptr,  # u8 [B, N, N]
+    plan_ptr,  # i64 [2, B]: prefix length, start of the request's block in out
+    B,
+    N: tl.constexpr,
+    COLS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    i = tl.program_id(1)
+    c = tl.program_id(2)
+    prefix = tl.load(plan_ptr + b)
+    row_len = prefix + N
+    col = c * COLS + tl.arange(0, COLS)
+    in_row = col < row_len
+    tree_col = col - prefix
+    tree_bit = tl.load(tree_mask_ptr + (b * N + i) * N + tree_col, mask=in_row & (tree_col >= 0), other=0)
+    value = tl.where(tree_col < 0, 1, tree_bit).to(tl.uint8)
+    tl.store(out_ptr + tl.load(plan_ptr + B + b) + i * row_len + col, value, mask=in_row)
+
+
+def tree_custom_mask_triton(tree_mask: torch.Tensor, prefix_lens_cpu: list[int]) -> torch.Tensor:
+    """Same contract as `ddtree_verify_step.tree_custom_mask` (flat bool mask); the prefix lengths
+    are the host's copy, which also places each request's block and sizes the column grid."""
+    bs, n, _ = tree_mask.shape
+    device = tree_mask.device
+    starts, total = [], 0
+    for prefix in prefix_lens_cpu:
+        starts.append(total)
+        total += n * (prefix + n)
+    out = torch.empty((total,), dtype=torch.uint8, device=device)
+    if total == 0:
+        return out.view(torch.bool)
+    plan = torch.tensor([list(prefix_lens_cpu), starts], dtype=torch.int64).to(device, non_blocking=True)
+    bits = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask.to(torch.uint8)
+    grid = (bs, n, triton.cdiv(max(prefix_lens_cpu) + n, MASK_COLUMNS))
+    _tree_mask_kernel[grid](out, bits.contiguous(), plan, bs, N=n, COLS=MASK_COLUMNS)
+    return out.view(torch.bool)
+
+
+@triton.jit
+def _greedy_walk_kernel(
+    cand_ptr,  # i64 [B, N]: the root token, then the tree's tokens
+    target_ptr,  # i64 [B, N]: the target's argmax at every node
+    parents_ptr,  # i64 [B, N]
+    num_nodes_ptr,  # i64 [B]
+    accepted_ptr,  # i64 [B, D + 1] out: nodes by depth, -1 pad
+    packed_ptr,  # i64 [B, D + 2] out: path tokens (depth 1..D, root token as pad), length, bonus
+    N: tl.constexpr,
+    D: tl.constexpr,
+    N_BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    offs = tl.arange(0, N_BLOCK)
+    in_row = offs < N
+    valid = in_row & (offs < tl.load(num_nodes_ptr + b))
+    parent = tl.load(parents_ptr + b * N + offs, mask=in_row, other=-1)
+    token = tl.load(cand_ptr + b * N + offs, mask=in_row, other=-1)
+    root_token = tl.load(cand_ptr + b * N)
+    cur = tl.program_id(0) * 0  # int32 scalar 0: the root
+    length = cur
+    tl.store(accepted_ptr + b * (D + 1), cur.to(tl.int64))
+    for d in range(D):
+        want = tl.load(target_ptr + b * N + cur)
+        # Siblings carry distinct tokens: at most one child of `cur` matches. Once no child matched,
+        # cur and its target stay the same, so nothing matches in later rounds either.
+        hit = valid & (parent == cur) & (token == want)
+        nxt = tl.max(tl.where(hit, offs, -1), axis=0)
+        found = nxt >= 0
+        cur = tl.where(found, nxt, cur)
+        length += found.to(tl.int32)
+        tl.store(accepted_ptr + b * (D + 1) + d + 1, tl.where(found, nxt, -1).to(tl.int64))
+        path_token = tl.load(cand_ptr + b * N + tl.maximum(nxt, 0))
+        tl.store(packed_ptr + b * (D + 2) + d, tl.where(found, path_token, root_token))
+    tl.store(packed_ptr + b * (D + 2) + D, length.to(tl.int64))
+    tl.store(packed_ptr + b * (D + 2) + D + 1, tl.load(target_ptr + b * N + cur))
+
+
+def greedy_walk_triton(tree, candidates: torch.Tensor, target_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `ddtree_verify_step.greedy_walk`: (accepted [bs, D + 1], packed [bs, D + 2])."""
+    bs, n = candidates.shape
+    depth = int(tree.max_depth)
+    device = candidates.device
+    accepted = torch.empty((bs, depth + 1), dtype=torch.int64, device=device)
+    packed = torch.empty((bs, depth + 2), dtype=torch.int64, device=device)
+    if bs:
+        _greedy_walk_kernel[(bs,)](
+            candidates.to(torch.int64).contiguous(), target_tokens.to(torch.int64).contiguous(),
+            tree.parents.contiguous(), tree.num_nodes.contiguous(), accepted, packed,
+            N=n, D=depth, N_BLOCK=triton.next_power_of_2(n),
+        )
+    return accepted, packed
+
+
+@triton.jit(do_not_specialize=["B"])
+def _commit_kernel(
+    accepted_ptr,  # i64 [B, D1]: path nodes by depth, -1 pad
+    loc_ptr,  # i64 [B * N]: the verify's KV slots
+    plan_ptr,  # i64 [3, B]: commit length, start in the kept list, start in the freed list
+    kept_ptr,  # i64 [sum(commit)] out
+    rows_ptr,  # i64 [sum(commit)] out: flat verify rows of the committed nodes
+    freed_ptr,  # i64 [B * N - sum(commit)] out
+    B,
+    N: tl.constexpr,
+    D1: tl.constexpr,
+    D1_BLOCK: tl.constexpr,
+    N_BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    commit = tl.load(plan_ptr + b)
+    keep_at = tl.load(plan_ptr + B + b)
+    free_at = tl.load(plan_ptr + 2 * B + b)
+    offs_d = tl.arange(0, D1_BLOCK)
+    in_commit = offs_d < commit
+    node = tl.load(accepted_ptr + b * D1 + offs_d, mask=offs_d < D1, other=-1)
+    node = tl.where(in_commit, node, -1)
+    row = b * N + tl.maximum(node, 0)
+    tl.store(kept_ptr + keep_at + offs_d, tl.load(loc_ptr + row, mask=in_commit, other=0), mask=in_commit)
+    tl.store(rows_ptr + keep_at + offs_d, row.to(tl.int64), mask=in_commit)
+    offs_n = tl.arange(0, N_BLOCK)
+    kept = tl.max((offs_n[:, None] == node[None, :]).to(tl.int32), axis=1) > 0
+    free = (offs_n < N) & ~kept
+    rank = tl.cumsum(free.to(tl.int32), axis=0) - free.to(tl.int32)
+    slots = tl.load(loc_ptr + b * N + offs_n, mask=free, other=0)
+    tl.store(freed_ptr + free_at + rank, slots, mask=free)
+
+
+def commit_slots_triton(
+    accepted: torch.Tensor, out_cache_loc: torch.Tensor, commit_lens_cpu: list[int], n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same contract as `ddtree_verify_step.commit_slots`: (kept slots, hidden rows, freed slots)."""
+    bs, d1 = accepted.shape
+    device = accepted.device
+    keep_at, free_at, kept_total = [], [], 0
+    for i, c in enumerate(commit_lens_cpu):
+        keep_at.append(kept_total)
+        free_at.append(i * n - kept_total)
+        kept_total += c
+    plan = torch.tensor([list(commit_lens_cpu), keep_at, free_at], dtype=torch.int64).to(device, non_blocking=True)
+    freed_total = bs * n - kept_total
+    # One element at least: a step that commits every node (budget = depth, all accepted) frees
+    # nothing, and an empty tensor has no device pointer to hand a kernel.
+    kept = torch.empty((max(1, kept_total),), dtype=torch.int64, device=device)
+    rows = torch.empty((max(1, kept_total),), dtype=torch.int64, device=device)
+    freed = torch.empty((max(1, freed_total),), dtype=torch.int64, device=device)
+    if bs:
+        _commit_kernel[(bs,)](
+            accepted.contiguous(), out_cache_loc.to(torch.int64).contiguous(), plan, kept, rows, freed, bs,
+            N=n, D1=d1, D1_BLOCK=triton.next_power_of_2(d1), N_BLOCK=triton.next_power_of_2(n),
+        )
+    return kept[:kept_total].to(out_cache_loc.dtype), rows[:kept_total], freed[:freed_total].to(out_cache_loc.dtype)

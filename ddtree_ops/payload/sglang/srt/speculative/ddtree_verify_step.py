@@ -1,0 +1,175 @@
+"""The tensor work of a DDTree full-mode verify step (installed as
+`sglang/srt/speculative/ddtree_verify_step.py` by the ddtree-ops payload): the verify's custom mask,
+the greedy walk with the row the host copies, and which KV slots and hidden rows the accepted path
+keeps. `ddtree_worker` holds the step's order and SGLang's state; this module holds the tensors.
+
+Each function is plain torch (CPU, tests, the reference) and, on CUDA with Triton, one kernel of
+`ddtree_verify_kernels` with the same result bit for bit (tests/test_ddtree_verify_step.py runs both
+on random trees). `DDTREE_DISABLE_TRITON=1` keeps the torch path, as for the tree builder.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+_KERNELS: list = []  # [module] once loaded, [None] once known to be unavailable
+
+
+def _kernels() -> Any:
+    """`ddtree_verify_kernels` beside this file, or None (no Triton, or it failed to import)."""
+    if not _KERNELS:
+        try:
+            if __package__:
+                from . import ddtree_verify_kernels as module
+            else:  # loaded by file path (tests): load the sibling the same way
+                import importlib.util
+                from pathlib import Path
+
+                path = Path(__file__).with_name("ddtree_verify_kernels.py")
+                spec = importlib.util.spec_from_file_location("ddtree_verify_kernels_" + __name__, path)
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+        except Exception:  # triton missing or broken: the torch path gives the same tensors
+            module = None
+        _KERNELS.append(module)
+    return _KERNELS[0]
+
+
+def _fused(t: torch.Tensor) -> Any:
+    # Triton's CPU interpreter (TRITON_INTERPRET=1) runs the kernels on CPU tensors: how the tests
+    # check them, and this dispatch, without a GPU.
+    on_device = t.is_cuda or os.environ.get("TRITON_INTERPRET", "") == "1"
+    if not on_device or _KERNELS_OFF or os.environ.get("DDTREE_DISABLE_TRITON", "") not in ("", "0"):
+        return None
+    return _kernels()
+
+
+_KERNELS_OFF: list[str] = []  # why the kernels were turned off (by `self_test`), if they were
+
+
+def tree_custom_mask(tree_mask: torch.Tensor, prefix_lens: torch.Tensor, prefix_lens_cpu: list[int]) -> torch.Tensor:
+    """The triton backend's TARGET_VERIFY mask, flat bool: per request a row-major [n, prefix + n]
+    block (query = tree node, key = prefix then tree nodes), requests back to back. The prefix is
+    visible to every node; the tree part is the builder's ancestor-or-self mask. `prefix_lens_cpu`
+    is the host's copy of `prefix_lens` (it sizes the mask)."""
+    kernels = _fused(tree_mask)
+    if kernels is not None:
+        return kernels.tree_custom_mask_triton(tree_mask, prefix_lens_cpu)
+    return _tree_custom_mask_torch(tree_mask, prefix_lens, sum(prefix_lens_cpu))
+
+
+def _tree_custom_mask_torch(tree_mask: torch.Tensor, prefix_lens: torch.Tensor, prefix_total: int) -> torch.Tensor:
+    bs, n, _ = tree_mask.shape
+    device = tree_mask.device
+    prefix = prefix_lens.to(device=device, dtype=torch.int64)
+    row_len = prefix + n  # [bs]
+    block = n * row_len
+    base = torch.cumsum(block, 0) - block  # exclusive prefix sum: start of each request's block
+    out = torch.ones((prefix_total * n + bs * n * n,), dtype=torch.bool, device=device)
+    r = torch.arange(n, device=device, dtype=torch.int64)
+    idx = base[:, None, None] + r[None, :, None] * row_len[:, None, None] + prefix[:, None, None] + r[None, None, :]
+    out[idx.reshape(-1)] = tree_mask.to(torch.bool).reshape(-1)
+    return out
+
+
+def pack_walk(candidates: torch.Tensor, accepted: torch.Tensor, lengths: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
+    """int64 [bs, depth + 2], the one row per request the host copies after a walk: the accepted
+    path's tokens at depth 1..depth (the root token where the path is shorter), the accept length,
+    the bonus token."""
+    path_tokens = candidates.to(torch.int64).gather(1, accepted.clamp(min=0))
+    return torch.cat([path_tokens[:, 1:], lengths.to(torch.int64)[:, None], bonus.to(torch.int64)[:, None]], dim=1)
+
+
+def greedy_walk(tree: Any, candidates: torch.Tensor, target_tokens: torch.Tensor, follow: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every request's tree walked along the target's argmax `target_tokens` [bs, n]; `candidates`
+    [bs, n] is the root token then the tree's tokens. Returns (accepted nodes [bs, depth + 1], root
+    first, -1 pad; the packed rows of `pack_walk`). `follow` is `ddtree_utils.follow_verified_tree`,
+    the torch walk (passed in: this module does not import the builder's)."""
+    kernels = _fused(candidates)
+    if kernels is not None:
+        return kernels.greedy_walk_triton(tree, candidates, target_tokens)
+    return _greedy_walk_torch(tree, candidates, target_tokens, follow)
+
+
+def _greedy_walk_torch(tree: Any, candidates: torch.Tensor, target_tokens: torch.Tensor, follow: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    accepted, lengths, bonus = follow(tree, target_tokens)
+    accepted = accepted.to(torch.int64)
+    return accepted, pack_walk(candidates, accepted, lengths, bonus)
+
+
+def commit_slots(
+    accepted: torch.Tensor, out_cache_loc: torch.Tensor, commit_lens_cpu: list[int], n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the first `commit_lens_cpu[i]` nodes of each accepted path keep.
+
+    `accepted` [bs, depth + 1] path nodes (root first, -1 pad); `out_cache_loc` [bs * n] the verify's
+    KV slots, request-major. Returns (kept slots in path order, requests back to back; the flat verify
+    rows of those nodes, for their hidden states; every other slot, row-major, to free).
+    """
+    kernels = _fused(accepted)
+    if kernels is not None:
+        return kernels.commit_slots_triton(accepted, out_cache_loc, commit_lens_cpu, n)
+    return _commit_slots_torch(accepted, out_cache_loc, commit_lens_cpu, n)
+
+
+def _commit_slots_torch(
+    accepted: torch.Tensor, out_cache_loc: torch.Tensor, commit_lens_cpu: list[int], n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    bs = len(commit_lens_cpu)
+    device = accepted.device
+    commit_lens = torch.tensor(commit_lens_cpu, dtype=torch.int64, device=device)
+    safe = accepted.clamp(min=0)
+    in_commit = torch.arange(accepted.shape[1], device=device)[None, :] < commit_lens[:, None]
+    # scatter_add, not scatter: padded path entries (-1, clamped to the root's 0) must not
+    # overwrite the root's keep flag.
+    keep_count = torch.zeros((bs, n), dtype=torch.int32, device=device)
+    keep_count.scatter_add_(1, safe, in_commit.to(torch.int32))
+    loc = out_cache_loc.view(bs, n)
+    rows = (safe + torch.arange(bs, device=device)[:, None] * n)[in_commit]
+    return loc.gather(1, safe)[in_commit], rows, loc[keep_count == 0]
+
+
+def self_test(device: torch.device, budget: int, depth: int, build: Any, follow: Any) -> str | None:
+    """Run each kernel beside its torch function on random trees of this budget and depth on `device`.
+    None: they agree, or there are no kernels to test. Otherwise why not, and every later call takes
+    the torch path: a server with a kernel this GPU or Triton gets wrong is slower, never wrong."""
+    if _fused(torch.empty(0, device=device)) is None:
+        return None
+    kernels = _kernels()
+    n = budget + 1
+    g = torch.Generator().manual_seed(0)
+    try:
+        for bs in (1, 3):
+            tree = build(torch.randn((bs, depth, 64), generator=g).to(device), budget)
+            cand = torch.cat([torch.randint(0, 64, (bs, 1), generator=g).to(device), tree.token_ids], 1)
+            target = torch.randint(0, 64, (bs, n), generator=g).to(device)
+            # most nodes' target is the token of a child: the walks go deep
+            slot = torch.arange(n, device=device).expand(bs, n)
+            target.scatter_(1, torch.where(tree.parents >= 0, tree.parents, slot), torch.where(tree.parents >= 0, cand, target))
+            prefix_cpu = [5, 0, 1000][:bs]
+            prefix = torch.tensor(prefix_cpu, device=device)
+            loc = torch.randperm(bs * n, generator=g).to(device) + 1
+            pairs = {
+                "custom mask": (kernels.tree_custom_mask_triton(tree.tree_mask, prefix_cpu),
+                                _tree_custom_mask_torch(tree.tree_mask, prefix, sum(prefix_cpu))),
+            }
+            got_walk = kernels.greedy_walk_triton(tree, cand, target)
+            want_walk = _greedy_walk_torch(tree, cand, target, follow)
+            pairs["greedy walk"] = (torch.cat(got_walk, 1), torch.cat(want_walk, 1))
+            commits = [int(x) + 1 for x in want_walk[1][:, depth].tolist()]
+            pairs["commit"] = (torch.cat(kernels.commit_slots_triton(want_walk[0], loc, commits, n)),
+                               torch.cat(_commit_slots_torch(want_walk[0], loc, commits, n)))
+            for name, (got, want) in pairs.items():
+                if not torch.equal(got, want):
+                    raise AssertionError(f"{name} differs from the torch path at batch {bs}")
+    except Exception as e:  # noqa: BLE001 - any failure (compile, launch, mismatch) turns the kernels off
+        _KERNELS_OFF.append(f"{type(e).__name__}: {e}")
+        return _KERNELS_OFF[-1]
+    return None
+
+
+def kernels_in_use(device: torch.device) -> bool:
+    return _fused(torch.empty(0, device=device)) is not None

@@ -1,0 +1,174 @@
+"""ddtree_verify_step: the verify's custom mask, the greedy walk with its packed host row, and the
+commit's kept / freed KV slots and hidden rows -- the torch path against per-request Python oracles
+on random trees, and the Triton kernels (ddtree_verify_kernels) against the torch path, bit for bit:
+on a CUDA GPU when there is one, else in Triton's CPU interpreter (a subprocess, TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from ddtree_oracle import load_ddtree_utils, load_payload_module
+
+HERE = Path(__file__).resolve().parent
+du = load_ddtree_utils()
+vs = load_payload_module("ddtree_verify_step")
+
+
+def random_case(rng: random.Random, bs: int | None = None):
+    """A built tree batch, root tokens, a target argmax that follows the tree some way down, prefix
+    lengths and KV slots: what a verify step holds after the target forward."""
+    bs = bs or rng.choice([1, 2, 5])
+    depth, vocab, budget = rng.choice([1, 3, 6]), rng.choice([6, 40]), rng.choice([1, 4, 12, 30])
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    logits = torch.randn((bs, depth, vocab), generator=g) * rng.choice([0.5, 3.0])
+    tree = du.build_ddtree(logits, budget, topk_cap=rng.choice([None, 2]))
+    n = budget + 1
+    candidates = torch.cat([torch.randint(0, vocab, (bs, 1), generator=g), tree.token_ids], 1)
+    target = torch.randint(0, vocab, (bs, n), generator=g)
+    for b in range(bs):  # at each node, most often the token of one of its children: deep paths
+        for i in range(n):
+            kids = [j for j in range(1, int(tree.num_nodes[b])) if int(tree.parents[b, j]) == i]
+            if kids and rng.random() < 0.8:
+                target[b, i] = candidates[b, rng.choice(kids)]
+    prefix = torch.tensor([rng.choice([0, 1, 7, 1500]) for _ in range(bs)])
+    loc = torch.randperm(10_000, generator=g)[: bs * n] + 1
+    return tree, candidates, target, prefix, loc
+
+
+def walk_oracle(tree, target: torch.Tensor, b: int) -> list[int]:
+    """Root first, then at each node the child whose token is the target's choice there."""
+    path, cur = [0], 0
+    while True:
+        kids = [j for j in range(1, int(tree.num_nodes[b]))
+                if int(tree.parents[b, j]) == cur and int(tree.token_ids[b, j - 1]) == int(target[b, cur])]
+        assert len(kids) <= 1, "siblings must carry distinct tokens"
+        if not kids:
+            return path
+        cur = kids[0]
+        path.append(cur)
+
+
+def test_custom_mask_is_prefix_ones_then_the_tree_rows_per_request() -> None:
+    rng = random.Random(1)
+    for _ in range(20):
+        tree, _c, _t, prefix, _l = random_case(rng)
+        n = tree.tree_mask.shape[1]
+        got = vs.tree_custom_mask(tree.tree_mask, prefix, prefix.tolist())
+        blocks = []
+        for b in range(tree.batch_size):
+            block = torch.ones((n, int(prefix[b]) + n), dtype=torch.bool)
+            block[:, int(prefix[b]):] = tree.tree_mask[b]
+            blocks.append(block.reshape(-1))
+        assert torch.equal(got, torch.cat(blocks))
+
+
+def test_greedy_walk_and_its_packed_row_follow_the_target() -> None:
+    rng = random.Random(2)
+    depths_seen = set()
+    for _ in range(40):
+        tree, cand, target, _p, _l = random_case(rng)
+        accepted, packed = vs.greedy_walk(tree, cand, target, du.follow_verified_tree)
+        depth = tree.max_depth
+        assert accepted.shape == (tree.batch_size, depth + 1) and packed.shape == (tree.batch_size, depth + 2)
+        for b in range(tree.batch_size):
+            path = walk_oracle(tree, target, b)
+            depths_seen.add(len(path) - 1)
+            assert accepted[b].tolist() == path + [-1] * (depth + 1 - len(path))
+            tokens = [int(cand[b, i]) for i in path[1:]]
+            assert packed[b, : len(tokens)].tolist() == tokens
+            assert int(packed[b, depth]) == len(path) - 1  # accepted draft tokens
+            assert int(packed[b, depth + 1]) == int(target[b, path[-1]])  # bonus: the target at the last node
+    assert len(depths_seen) >= 4, depths_seen  # the cases walk to several depths, not only the root
+
+
+def test_commit_keeps_the_committed_path_in_order_and_frees_every_other_slot() -> None:
+    rng = random.Random(3)
+    for _ in range(40):
+        tree, cand, target, _p, loc = random_case(rng)
+        n = tree.parents.shape[1]
+        accepted, packed = vs.greedy_walk(tree, cand, target, du.follow_verified_tree)
+        # a finished request commits fewer nodes than its path holds, down to none
+        commits = [rng.randint(0, int(packed[b, tree.max_depth]) + 1) for b in range(tree.batch_size)]
+        kept, rows, freed = vs.commit_slots(accepted, loc, commits, n)
+        want_kept, want_rows, want_freed = [], [], []
+        for b, c in enumerate(commits):
+            nodes = accepted[b, :c].tolist()
+            want_kept += [int(loc[b * n + i]) for i in nodes]
+            want_rows += [b * n + i for i in nodes]
+            want_freed += [int(loc[b * n + i]) for i in range(n) if i not in nodes]
+        assert kept.tolist() == want_kept and rows.tolist() == want_rows and freed.tolist() == want_freed
+        assert sorted(kept.tolist() + freed.tolist()) == sorted(loc.tolist())  # nothing lost, nothing twice
+
+
+KERNEL_CHECK = r"""
+import random, sys, torch
+sys.path.insert(0, sys.argv[1])
+import test_ddtree_verify_step as t
+vk = t.vs._kernels()
+assert vk is not None, "ddtree_verify_kernels did not load"
+device, cases = sys.argv[2], int(sys.argv[3])
+rng = random.Random(7)
+for case in range(cases):
+    tree, cand, target, prefix, loc = t.random_case(rng, bs=rng.choice([1, 3, 33]))
+    if device != "cpu":
+        tree = type(tree)(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(tree).items()})
+        cand, target, prefix, loc = (x.to(device) for x in (cand, target, prefix, loc))
+    n = tree.parents.shape[1]
+    want_mask = t.vs._tree_custom_mask_torch(tree.tree_mask.cpu(), prefix.cpu(), int(prefix.sum()))
+    got_mask = vk.tree_custom_mask_triton(tree.tree_mask, prefix.tolist())
+    assert got_mask.dtype == torch.bool and torch.equal(got_mask.cpu(), want_mask), case
+    cpu_tree = type(tree)(**{k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in vars(tree).items()})
+    want_acc, want_packed = t.vs._greedy_walk_torch(cpu_tree, cand.cpu(), target.cpu(), t.du.follow_verified_tree)
+    got_acc, got_packed = vk.greedy_walk_triton(tree, cand, target)
+    assert torch.equal(got_acc.cpu(), want_acc) and torch.equal(got_packed.cpu(), want_packed), case
+    commits = [rng.randint(0, int(want_packed[b, tree.max_depth]) + 1) for b in range(tree.batch_size)]
+    want = t.vs._commit_slots_torch(want_acc, loc.cpu(), commits, n)
+    got = vk.commit_slots_triton(got_acc, loc, commits, n)
+    assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want)), case
+assert t.vs.self_test(torch.device(device), 12, 3, t.du.build_ddtree, t.du.follow_verified_tree) is None
+assert t.vs.kernels_in_use(torch.device(device))
+# the dispatch takes the kernels here (a GPU, or the interpreter)
+tree, cand, target, prefix, loc = t.random_case(rng, bs=2)
+tree = type(tree)(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(tree).items()})
+assert torch.equal(t.vs.greedy_walk(tree, cand.to(device), target.to(device), None)[1],
+                   vk.greedy_walk_triton(tree, cand.to(device), target.to(device))[1])
+# a wrong kernel is caught at start and turns the kernels off (the torch path serves)
+real = vk.greedy_walk_triton
+vk.greedy_walk_triton = lambda tree, c, tg: (lambda a, p: (a, p + 1))(*real(tree, c, tg))
+why = t.vs.self_test(torch.device(device), 12, 3, t.du.build_ddtree, t.du.follow_verified_tree)
+assert why is not None and "greedy walk differs" in why, why
+assert not t.vs.kernels_in_use(torch.device(device))
+print("ok", cases)
+"""
+
+
+def run_kernel_check(device: str, cases: int, interpret: bool) -> None:
+    env = dict(os.environ)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK, str(HERE), device, str(cases)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert f"ok {cases}" in proc.stdout
+
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+
+
+@needs_triton
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_verify_kernels_equal_the_torch_path_on_gpu() -> None:
+    run_kernel_check("cuda", 60, interpret=False)
+
+
+@needs_triton
+def test_verify_kernels_in_the_cpu_interpreter() -> None:
+    run_kernel_check("cpu", 12, interpret=True)
