@@ -172,3 +172,14 @@ def test_verify_kernels_equal_the_torch_path_on_gpu() -> None:
 @needs_triton
 def test_verify_kernels_in_the_cpu_interpreter() -> None:
     run_kernel_check("cpu", 12, interpret=True)
+
+
+@needs_triton
+def test_verify_kernels_env_switch_keeps_the_torch_path() -> None:
+    probe = ("import sys, torch; sys.path.insert(0, sys.argv[1]); import test_ddtree_verify_step as t; "
+             "print(t.vs.kernels_in_use(torch.device('cpu')))")
+    for switch, want in (("0", "False"), ("1", "True")):
+        env = {**os.environ, "TRITON_INTERPRET": "1", "SGLANG_DDTREE_VERIFY_KERNELS": switch}
+        proc = subprocess.run([sys.executable, "-c", probe, str(HERE)], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.stdout.strip().splitlines()[-1:] == [want], proc.stdout + proc.stderr[-2000:]

@@ -41,7 +41,7 @@ proof() {  # TAG ARGS...
 # A1: plain makes the workloads
 A1=(); for t in p_plain r_plain; do if has $t; then mix $t --make & A1+=($!); fi; done; wait "${A1[@]}"
 # B: speed, one server at a time, the others idle
-for t in p_plain p_dflash p_shadow p_full64 p_full64_prof p_shadow_prof r_plain r_dflash r_full64; do
+for t in p_plain p_dflash p_shadow p_full64 p_full64_prof p_shadow_prof p_full64_unfused_prof r_plain r_dflash r_full64; do
   has $t && [ $(( DEADLINE - $(date +%s) )) -gt 60 ] && proof $t --perf
 done
 ts "phase B done"
@@ -84,7 +84,7 @@ stop_all; trap - EXIT
   echo "--- sampling, liveness, speed (bf16: the walk and the verify kernels' rounding; DFLASH, lossless by upstream's construction, beside it)"
   "${PROOF[@]}" compare "$OUT" --plain p_plain --cand $(served p_full64 p_dflash) --biased p_full64_bias \
     --liveness $(served p_dflash p_shadow p_full64 r_dflash r_full16 r_full64 r_full256 r_dflash_pristine) \
-    --expect-stall r_dflash_pristine --perf $(served p_plain p_dflash p_shadow p_full64 p_full64_prof p_shadow_prof r_plain r_dflash r_full64); echo "rc=$?"
+    --expect-stall r_dflash_pristine --perf $(served p_plain p_dflash p_shadow p_full64 p_full64_prof p_shadow_prof p_full64_unfused_prof r_plain r_dflash r_full64); echo "rc=$?"
   echo "--- builder and verify-step Triton tests on the GPU"; tail -3 "$OUT/triton_tests.log" 2>/dev/null
 } 2>&1 | tee "$OUT/summary.txt"
 ts "done"

@@ -289,6 +289,11 @@ def cmd_compare(a: argparse.Namespace) -> int:
                 lo, hi = r.get("ms_per_step_range", [r["ms_per_step"]] * 2)
                 print(f"  {tag} | {bs} | {r['wall_s']} | {r['steps']} | {r['ms_per_step']} ({lo}-{hi}) | {r['accept_len']} | "
                       f"{r['tok_per_s']} | {d.get('steps', '-')} ({d.get('graph_steps', '-')})")
+    for tag, pr in summary["perf"].items():  # profiled servers: per-phase medians (ddtree_profile)
+        for bs, r in pr.items():
+            if r.get("profile"):
+                phases = ", ".join(f"{k} {v['gpu_ms']}" for k, v in r["profile"].items())
+                print(f"  profile {tag} bs {bs} (GPU ms): {phases}")
     with open(os.path.join(a.out_dir, "graphs_summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     return 0 if ok else 1

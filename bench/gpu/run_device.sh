@@ -131,6 +131,7 @@ if [ "${GRAPHS:-0}" = 1 ]; then
     # profiled twins (per-phase times; the mark events cost a little, so the speed rows use the plain ones)
     "p_full64_prof|/tmp/tiny_p|$FULL 64 PROF"
     "p_shadow_prof|/tmp/tiny_p|DF --speculative-ddtree-mode shadow-linear --speculative-ddtree-budget 64 PROF"
+    "p_full64_unfused_prof|/tmp/tiny_p|$FULL 64 UNFUSED PROF"  # the same step without the verify kernels
     "r_plain|/tmp/tiny_r|" "r_dflash|/tmp/tiny_r|DF" "r_dflash_pristine|/tmp/tiny_r|DF PRISTINE"  # queried last
     "r_full16|/tmp/tiny_r|$FULL 16" "r_full64|/tmp/tiny_r|$FULL 64" "r_full256|/tmp/tiny_r|$FULL 256"
   )
@@ -192,6 +193,7 @@ launch() {  # TAG MODEL_DIR EXTRA...
       PRISTINE) envs+=(PYTHONPATH=/tmp/site_pristine) ;;  # upstream 0.5.13.post1, no payload
       BIAS) envs+=(SGLANG_DDTREE_TEST_BIASED_WALK=1) ;;  # a deliberately wrong sampled walk
       PROF) envs+=(SGLANG_DDTREE_PROFILE=1) ;;  # per-phase step times in /server_info (ddtree_profile)
+      UNFUSED) envs+=(SGLANG_DDTREE_VERIFY_KERNELS=0) ;;  # the verify step on torch ops (ddtree_verify_step)
       TP2) args+=(--tp-size 2 --nccl-port $(( PORT[$tag] + 5 )) "${TP2_EXTRA_ARGS[@]}") ;;
       *) args+=("$a") ;;
     esac

@@ -2,6 +2,7 @@
 ddtree-ops payload). On with `SGLANG_DDTREE_PROFILE=1`; off, the worker holds no profile.
 
 The worker marks named points of each decode step:
+- `step_start`: the DFlash worker's decode step began (the scheduler handed it the batch);
 - `draft_done`: the DFlash draft forward returned;
 - `built`: the tree is built;
 - `mask_ready`: the verify input is ready (tokens, positions, KV slots, custom mask);
@@ -11,8 +12,8 @@ The worker marks named points of each decode step:
 
 Each mark records a CUDA event on the current stream and a host clock reading. The time between
 two consecutive marks is reported per transition (e.g. `built->mask_ready`); the last mark of a
-step and the first of the next give `step_done->draft_done`, the next step's draft forward and the
-scheduler between steps.
+step and the first of the next give `step_done->step_start`, the scheduler between steps, and
+`step_start->draft_done` is the draft's set-up and forward.
 - GPU milliseconds: between the events, i.e. when the GPU got there. At batch 1 the GPU mostly
   waits for launches, so these are the step's wall time split by phase.
 - CPU milliseconds: host time between the marks.

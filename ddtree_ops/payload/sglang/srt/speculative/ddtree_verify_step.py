@@ -5,7 +5,8 @@ keeps. `ddtree_worker` holds the step's order and SGLang's state; this module ho
 
 Each function is plain torch (CPU, tests, the reference) and, on CUDA with Triton, one kernel of
 `ddtree_verify_kernels` with the same result bit for bit (tests/test_ddtree_verify_step.py runs both
-on random trees). `DDTREE_DISABLE_TRITON=1` keeps the torch path, as for the tree builder.
+on random trees). `DDTREE_DISABLE_TRITON=1` keeps the torch path, as for the tree builder; `SGLANG_DDTREE_VERIFY_KERNELS=0`
+keeps it for the verify step alone.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from typing import Any
 import torch
 
 _KERNELS: list = []  # [module] once loaded, [None] once known to be unavailable
+# SGLANG_DDTREE_VERIFY_KERNELS=0 keeps the torch path for the verify step only (the builder's Triton
+# kernels stay on): the benchmark's unfused twin.
+VERIFY_KERNELS = os.environ.get("SGLANG_DDTREE_VERIFY_KERNELS", "1") != "0"
 
 
 def _kernels() -> Any:
@@ -42,7 +46,7 @@ def _fused(t: torch.Tensor) -> Any:
     # Triton's CPU interpreter (TRITON_INTERPRET=1) runs the kernels on CPU tensors: how the tests
     # check them, and this dispatch, without a GPU.
     on_device = t.is_cuda or os.environ.get("TRITON_INTERPRET", "") == "1"
-    if not on_device or _KERNELS_OFF or os.environ.get("DDTREE_DISABLE_TRITON", "") not in ("", "0"):
+    if not on_device or _KERNELS_OFF or not VERIFY_KERNELS or os.environ.get("DDTREE_DISABLE_TRITON", "") not in ("", "0"):
         return None
     return _kernels()
 
