@@ -22,11 +22,11 @@ du = load_ddtree_utils()
 vs = load_payload_module("ddtree_verify_step")
 
 
-def random_case(rng: random.Random, bs: int | None = None):
+def random_case(rng: random.Random, bs: int | None = None, budgets: tuple[int, ...] = (1, 4, 12, 30, 64, 256)):
     """A built tree batch, root tokens, a target argmax that follows the tree some way down, prefix
     lengths and KV slots: what a verify step holds after the target forward."""
     bs = bs or rng.choice([1, 2, 5])
-    depth, vocab, budget = rng.choice([1, 3, 6]), rng.choice([6, 40]), rng.choice([1, 4, 12, 30])
+    depth, vocab, budget = rng.choice([1, 3, 6, 15]), rng.choice([6, 40]), rng.choice(budgets)
     g = torch.Generator().manual_seed(rng.randrange(1 << 30))
     logits = torch.randn((bs, depth, vocab), generator=g) * rng.choice([0.5, 3.0])
     tree = du.build_ddtree(logits, budget, topk_cap=rng.choice([None, 2]))
@@ -34,10 +34,12 @@ def random_case(rng: random.Random, bs: int | None = None):
     candidates = torch.cat([torch.randint(0, vocab, (bs, 1), generator=g), tree.token_ids], 1)
     target = torch.randint(0, vocab, (bs, n), generator=g)
     for b in range(bs):  # at each node, most often the token of one of its children: deep paths
-        for i in range(n):
-            kids = [j for j in range(1, int(tree.num_nodes[b])) if int(tree.parents[b, j]) == i]
-            if kids and rng.random() < 0.8:
-                target[b, i] = candidates[b, rng.choice(kids)]
+        kids: dict[int, list[int]] = {}
+        for j, parent in enumerate(tree.parents[b, 1 : int(tree.num_nodes[b])].tolist(), start=1):
+            kids.setdefault(parent, []).append(j)
+        for i, children in kids.items():
+            if rng.random() < 0.8:
+                target[b, i] = candidates[b, rng.choice(children)]
     prefix = torch.tensor([rng.choice([0, 1, 7, 1500]) for _ in range(bs)])
     loc = torch.randperm(10_000, generator=g)[: bs * n] + 1
     return tree, candidates, target, prefix, loc
@@ -45,10 +47,10 @@ def random_case(rng: random.Random, bs: int | None = None):
 
 def walk_oracle(tree, target: torch.Tensor, b: int) -> list[int]:
     """Root first, then at each node the child whose token is the target's choice there."""
+    parents, tokens, want = tree.parents[b].tolist(), tree.token_ids[b].tolist(), target[b].tolist()
     path, cur = [0], 0
     while True:
-        kids = [j for j in range(1, int(tree.num_nodes[b]))
-                if int(tree.parents[b, j]) == cur and int(tree.token_ids[b, j - 1]) == int(target[b, cur])]
+        kids = [j for j in range(1, int(tree.num_nodes[b])) if parents[j] == cur and tokens[j - 1] == want[cur]]
         assert len(kids) <= 1, "siblings must carry distinct tokens"
         if not kids:
             return path
@@ -117,7 +119,9 @@ assert vk is not None, "ddtree_verify_kernels did not load"
 device, cases = sys.argv[2], int(sys.argv[3])
 rng = random.Random(7)
 for case in range(cases):
-    tree, cand, target, prefix, loc = t.random_case(rng, bs=rng.choice([1, 3, 33]))
+    # the interpreter runs programs one by one: wide batches with small trees, wide trees in small batches
+    bs = rng.choice([1, 3, 33])
+    tree, cand, target, prefix, loc = t.random_case(rng, bs=bs, budgets=(1, 4, 12) if bs > 3 else (1, 12, 64, 256))
     if device != "cpu":
         tree = type(tree)(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(tree).items()})
         cand, target, prefix, loc = (x.to(device) for x in (cand, target, prefix, loc))
