@@ -61,7 +61,7 @@ def contract(model_dir: str) -> dict:
     controller = object.__new__(DDTreeController)
     controller.mode, controller.budget, controller.topk_cap, controller.stats = "full", 15, None, DDTreeStats()
     controller.verify_graph_width, controller.verify_graph_max_bs = 16, 48
-    controller.keep_chain = False
+    controller.keep_chain = controller.verify_kernels = False
     controller._build_graphs = controller.profile = None
     reporter = SimpleNamespace(last_gen_throughput=1.0, spec_total_num_forward_ct=2, spec_total_num_accept_tokens=5)
     fake = SimpleNamespace(
