@@ -695,3 +695,61 @@ def test_keep_chain_with_a_position_of_only_minus_inf_logits() -> None:
     whole[1] = torch.randn(3, 5)
     t = du.build_ddtree(whole, 3, keep_chain=True)
     assert t.num_nodes.tolist() == [1, 4] and t.token_ids[1].tolist() == chain_of(whole[1])
+
+
+def test_shrink_tree_is_the_smaller_budgets_tree() -> None:
+    """The first b nodes of a budget-B tree are the budget-b tree (the best-first order does not depend
+    on the budget): narrow, field for field the builder's own; padded, the same nodes at B's width with
+    the builder's padding after them."""
+    rng = random.Random(23)
+    for _ in range(120):
+        big = rng.choice([7, 16, 63, 255])
+        small = rng.randrange(0, big)
+        cap = rng.choice(CAPS)
+        logits = random_logits(rng, rng.choice(BATCHES), rng.choice(DEPTHS), rng.choice([2, 5, 12, 40]))
+        want = du.build_ddtree(logits, small, cap)
+        full = du.build_ddtree(logits, big, cap)
+        ctx = f"{big} -> {small}, cap {cap}, {tuple(logits.shape)} {logits.dtype}"
+        narrow = du.shrink_tree(full, small, pad=False)
+        assert narrow.budget == small, ctx
+        for name in tree_tensor_fields():
+            assert torch.equal(getattr(narrow, name), getattr(want, name)), (name, ctx)
+        padded = du.shrink_tree(full, small, pad=True)
+        assert padded.budget == big and padded.parents.shape == full.parents.shape, ctx
+        check_structure(padded, logits, cap)  # padding rows: own mask row only, never linked
+        w = small + 1
+        assert torch.equal(padded.num_nodes, want.num_nodes), ctx
+        assert torch.equal(padded.tree_mask[:, :w, :w], want.tree_mask), ctx
+        for name in ("parents", "depths", "scores", "token_ranks", "retrive_next_token", "retrive_next_sibling"):
+            assert torch.equal(getattr(padded, name)[:, :w], getattr(want, name)), (name, ctx)
+        assert torch.equal(padded.token_ids[:, :small], want.token_ids), ctx
+        assert (padded.token_ids[:, small:] == du.PAD_TOKEN_ID).all(), ctx
+    assert du.shrink_tree(full, big, pad=True) is full
+
+
+def test_shrink_tree_keeps_keep_chain_trees_ancestor_closed() -> None:
+    """A keep-chain tree appends its chain last; its prefix is still a tree (parents kept, masks the
+    kept ancestors), the standard tree's prefix where the chain was appended."""
+    rng = random.Random(29)
+    for _ in range(80):
+        depth = rng.choice(KC_DEPTHS)
+        budget, cap = kc_budget(rng, depth), rng.choice(CAPS)
+        logits = kc_logits(rng, rng.choice(BATCHES), depth, rng.choice([2, 5, 12, 40]))
+        full = du.build_ddtree(logits, budget, cap, keep_chain=True)
+        small = rng.randrange(0, budget)
+        for pad in (False, True):
+            tree = du.shrink_tree(full, small, pad=pad)
+            n = tree.parents.shape[1]
+            for b in range(tree.batch_size):
+                m = int(tree.num_nodes[b])
+                assert m == min(int(full.num_nodes[b]), small + 1)
+                for i in range(1, m):
+                    assert 0 <= int(tree.parents[b, i]) < i
+                for i in range(n):
+                    row = set(torch.nonzero(tree.tree_mask[b, i]).view(-1).tolist())
+                    if i < m:
+                        assert row == set(torch.nonzero(full.tree_mask[b, i]).view(-1).tolist())
+                    else:
+                        assert row == {i} and int(tree.parents[b, i]) == -1
+                linked = set(tree.retrive_next_token[b].tolist()) | set(tree.retrive_next_sibling[b].tolist())
+                assert all(c < m for c in linked - {-1})

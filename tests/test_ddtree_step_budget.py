@@ -134,3 +134,29 @@ def test_plain_attention_models_are_not_refused(config: dict) -> None:
 def test_hybrid_models_are_refused_without_an_escape_hatch() -> None:
     refusal = du.full_mode_refusal({"model_type": "qwen3_next"})
     assert refusal and "hybrid" in refusal and "allow" not in refusal
+
+
+def test_padded_step_budget_randomised() -> None:
+    """Padded to the graphs' width, a step pays the whole width in logits and mask and only its tree in
+    rows: the largest ladder budget (0 included) whose tree fits every row, None if the width does not
+    fit the logits or mask limits or not even the root fits a row."""
+    rng = random.Random(13)
+    outcomes = set()
+    for _ in range(3000):
+        budget = rng.choice([1, 2, 15, 23, 63, 64, 255])
+        width = 1 + budget
+        bs = rng.randint(1, 48)
+        row = rng.randint(16, 2048)
+        seqs = [rng.randint(1, row) for _ in range(bs)]
+        limits = sb.StepLimits(row_width=row, max_verify_tokens=rng.randint(1, 20_000),
+                               max_mask_bytes=rng.randint(1, 10**8))
+        got = sb.padded_step_budget(budget, width=width, batch_size=bs, max_seq_len=max(seqs),
+                                    prefix_total=sum(seqs), limits=limits)
+        width_fits = bs * width <= limits.max_verify_tokens and \
+            sum(width * (s + width) for s in seqs) <= limits.max_mask_bytes
+        candidates = [b for b in [budget, *[(1 << k) - 1 for k in range(0, 11)]] if 0 <= b <= budget]
+        rows_fit = [b for b in candidates if all(s + 1 + b <= row for s in seqs)]
+        want = max(rows_fit) if width_fits and rows_fit else None
+        assert got == want, (budget, bs, row, limits, got, want)
+        outcomes.add("none" if got is None else "zero" if got == 0 else "full" if got == budget else "shrunk")
+    assert outcomes == {"none", "zero", "full", "shrunk"}

@@ -137,7 +137,8 @@ for case in range(cases):
     want = t.vs._commit_slots_torch(want_acc, loc.cpu(), commits, n)
     got = vk.commit_slots_triton(got_acc, loc, commits, n)
     assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want)), case
-assert t.vs.self_test(torch.device(device), 12, 3, t.du.build_ddtree, t.du.follow_verified_tree) is None
+assert t.vs.self_test(torch.device(device), 12, 3, t.du.build_ddtree, t.du.follow_verified_tree,
+                      t.du.shrink_tree, smaller=(7, 3, 1, 0)) is None
 assert t.vs.kernels_in_use(torch.device(device))
 # the dispatch takes the kernels here (a GPU, or the interpreter)
 tree, cand, target, prefix, loc = t.random_case(rng, bs=2)
@@ -149,6 +150,15 @@ real = vk.greedy_walk_triton
 vk.greedy_walk_triton = lambda tree, c, tg: (lambda a, p: (a, p + 1))(*real(tree, c, tg))
 why = t.vs.self_test(torch.device(device), 12, 3, t.du.build_ddtree, t.du.follow_verified_tree)
 assert why is not None and "greedy walk differs" in why, why
+vk.greedy_walk_triton = real
+# a commit kernel wrong only for a shrunk tree's slots is caught by the smaller widths
+real_commit = vk.commit_slots_triton
+vk.commit_slots_triton = lambda a, loc, c, w: real_commit(a, loc, c, w) if w == 13 else real_commit(a, loc.flip(0), c, w)
+t.vs._KERNELS_OFF.clear()
+assert t.vs.self_test(torch.device(device), 12, 3, t.du.build_ddtree, t.du.follow_verified_tree) is None
+why = t.vs.self_test(torch.device(device), 12, 3, t.du.build_ddtree, t.du.follow_verified_tree,
+                     t.du.shrink_tree, smaller=(7,))
+assert why is not None and "commit differs" in why and "8 of 8 slots" in why, why
 assert not t.vs.kernels_in_use(torch.device(device))
 print("ok", cases)
 """

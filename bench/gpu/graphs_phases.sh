@@ -51,7 +51,7 @@ for v in "${TAGS[@]}"; do
   t=${v%%|*}
   case $t in
     p_plain) ( proof $t --samples 2000 ) & ;;
-    p_full64) ( mix $t; proof $t --samples 2000 --liveness ) & ;;
+    p_full64|p_full64_cycle) ( mix $t; proof $t --samples 2000 --liveness ) & ;;
     p_full64_bias) ( proof $t --samples 2000 ) & ;;
     p_*_prof) continue ;;
     p_dflash) ( mix $t; proof $t --samples 2000 --liveness ) & ;;
@@ -79,11 +79,12 @@ stop_all; trap - EXIT
   echo "--- production mix, graphs on"
   for set in r p; do
     has ${set}_plain || continue
-    "${MIXC[@]}" ${set}_plain --upstream ${set}_dflash $(served ${set}_dflash ${set}_shadow ${set}_full16 ${set}_full64 ${set}_full256); echo "rc=$?"
+    "${MIXC[@]}" ${set}_plain --upstream ${set}_dflash --expect-padded ${set}_full64_cycle -- \
+      $(served ${set}_dflash ${set}_shadow ${set}_full16 ${set}_full64 ${set}_full256 ${set}_full64_cycle); echo "rc=$?"
   done
   echo "--- sampling, liveness, speed (bf16: the walk and the verify kernels' rounding; DFLASH, lossless by upstream's construction, beside it)"
-  "${PROOF[@]}" compare "$OUT" --plain p_plain --cand $(served p_full64 p_dflash) --biased p_full64_bias \
-    --liveness $(served p_dflash p_shadow p_full64 r_dflash r_full16 r_full64 r_full256 r_dflash_pristine) \
+  "${PROOF[@]}" compare "$OUT" --plain p_plain --cand $(served p_full64 p_full64_cycle p_dflash) --biased p_full64_bias \
+    --liveness $(served p_dflash p_shadow p_full64 p_full64_cycle r_dflash r_full16 r_full64 r_full256 r_dflash_pristine) \
     --expect-stall r_dflash_pristine --perf $(served p_plain p_dflash p_shadow p_full64 p_full64_prof p_shadow_prof p_full64_unfused_prof r_plain r_dflash r_full64); echo "rc=$?"
   echo "--- builder and verify-step Triton tests on the GPU"; tail -3 "$OUT/triton_tests.log" 2>/dev/null
 } 2>&1 | tee "$OUT/summary.txt"

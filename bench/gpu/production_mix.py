@@ -314,16 +314,21 @@ def cmd_compare(a: argparse.Namespace) -> int:
         row.update(idle_kv_tokens=cand.get("idle_kv_tokens"), alive=cand.get("alive"), aborted=len(aborts),
                    round1_s=round(cand["round1_s"], 2), round2_s=round(cand["round2_s"], 2),
                    avg_spec_accept_length=st.get("avg_spec_accept_length"),
-                   ddtree={k: dd.get(k) for k in ("tree_steps", "fallback_steps", "shrunk_steps", "fallback_reasons",
-                                                   "avg_tree_nodes", "budget")} if dd else None)
+                   ddtree={k: dd.get(k) for k in ("tree_steps", "fallback_steps", "shrunk_steps", "padded_steps",
+                                                   "graph_steps", "fallback_reasons", "avg_tree_nodes", "budget")}
+                   if dd else None)
         ok = row["fault"] == 0 and row.get("idle_kv_tokens") == 0 and row.get("alive")
+        if tag in a.expect_padded and not dd.get("padded_steps"):  # a pass that never ran the path proves nothing
+            row["not_exercised"] = "no step was padded to the verify graphs' width"
+            ok = False
         if tag == a.upstream:  # upstream's own divergences are reported, not the payload's to pass
             row["verdict"] = "reference" + ("" if ok else " (diverges from plain beyond a tie)")
         else:
             bad |= not ok
             row["verdict"] = "pass" if ok else "FAIL"
         summary["variants"][tag] = row
-        print(f"{tag:>16}: {row['verdict']} same={row['same']} tie={row['tie']} upstream={row['upstream']} "
+        print(f"{tag:>16}: {row['verdict']}{' (' + row['not_exercised'] + ')' if 'not_exercised' in row else ''} "
+              f"same={row['same']} tie={row['tie']} upstream={row['upstream']} "
               f"fault={row['fault']} "
               f"idle_kv={row['idle_kv_tokens']} alive={row['alive']} r1={row['round1_s']}s r2={row['round2_s']}s "
               f"accept={row['avg_spec_accept_length']} ddtree={row['ddtree']}")
@@ -359,6 +364,8 @@ def main() -> int:
     c.add_argument("out_dir")
     c.add_argument("plain")
     c.add_argument("--upstream", help="the set's DFLASH tag: divergences it shares are classed 'upstream'")
+    c.add_argument("--expect-padded", nargs="*", default=[],
+                   help="tags that fail unless some step was padded to the verify graphs' width (TEST_CYCLE_BUDGETS)")
     c.add_argument("tags", nargs="+")
     a = ap.parse_args()
     return cmd_run(a) if a.cmd == "run" else cmd_compare(a)

@@ -128,6 +128,7 @@ if [ "${GRAPHS:-0}" = 1 ]; then
     "p_plain|/tmp/tiny_p|" "p_dflash|/tmp/tiny_p|DF"
     "p_shadow|/tmp/tiny_p|DF --speculative-ddtree-mode shadow-linear --speculative-ddtree-budget 64"
     "p_full64_bias|/tmp/tiny_p|$FULL 64 BIAS"
+    "p_full64_cycle|/tmp/tiny_p|$FULL 64 CYCLE"  # every step shrunk in turn: padded on the graphs (<= 32), eager above
     # profiled twins (per-phase times; the mark events cost a little, so the speed rows use the plain ones)
     "p_full64_prof|/tmp/tiny_p|$FULL 64 PROF"
     "p_shadow_prof|/tmp/tiny_p|DF --speculative-ddtree-mode shadow-linear --speculative-ddtree-budget 64 PROF"
@@ -194,6 +195,7 @@ launch() {  # TAG MODEL_DIR EXTRA...
       BIAS) envs+=(SGLANG_DDTREE_TEST_BIASED_WALK=1) ;;  # a deliberately wrong sampled walk
       PROF) envs+=(SGLANG_DDTREE_PROFILE=1) ;;  # per-phase step times in /server_info (ddtree_profile)
       UNFUSED) envs+=(SGLANG_DDTREE_VERIFY_KERNELS=0) ;;  # the verify step on torch ops (ddtree_verify_step)
+      CYCLE) envs+=(SGLANG_DDTREE_TEST_CYCLE_BUDGETS=1) ;;  # step k takes the k-th ladder budget (0 included)
       TP2) args+=(--tp-size 2 --nccl-port $(( PORT[$tag] + 5 )) "${TP2_EXTRA_ARGS[@]}") ;;
       *) args+=("$a") ;;
     esac

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import sglang.srt.speculative.ddtree_worker as dw
 import torch
-from sglang.srt.speculative.ddtree_utils import build_ddtree
+from sglang.srt.speculative.ddtree_utils import build_ddtree, shrink_tree
 
 VOCAB = 11
 HID = 3
@@ -86,6 +86,12 @@ def main() -> int:
                     logits[i, d, t] += 4.0
                 seq.append(t)
         tree = build_ddtree(logits, budget, topk_cap=cap, keep_chain=budget >= depth and trial % 7 < 3)
+        # Every fourth trial is a step padded to the graphs' width: the tree's first nodes hold KV
+        # slots, the padding writes to the dummy slot 0.
+        kv_width = 0
+        if trial % 4 == 3:
+            small = [0, budget // 2, budget - 1][trial % 3]
+            tree, kv_width = shrink_tree(tree, small, pad=True), small + 1
         max_new = [64, 64, 2][trial % 3]
         # Every other trial samples some requests at a temperature so low that the target's peaked
         # node logits are one-hot: the sampled walk must then emit exactly the greedy walk.
@@ -129,11 +135,17 @@ def main() -> int:
             draft_token=tokens.reshape(-1),
             positions=tree.positions(seq_lens).reshape(-1),
             draft_token_num=n,
+            kv_width=kv_width,
             tree=tree,
             controller=controller,
         )
         vi.prepare_for_verify(batch, 1)
         slots = batch.out_cache_loc.view(bs, n).clone()
+        w = kv_width or n
+        if kv_width and not bool((slots[:, w:] == 0).all()):
+            failures.append(f"trial {trial}: padding slots {slots[:, w:].tolist()} are not the dummy slot 0")
+        if len(set(slots[:, :w].flatten().tolist())) != bs * w or 0 in slots[:, :w]:
+            failures.append(f"trial {trial}: tree slots {slots[:, :w].tolist()} not {bs * w} distinct allocated ones")
         # custom mask layout
         off = 0
         for i in range(bs):
@@ -163,7 +175,7 @@ def main() -> int:
         )
         steps += 1
         off = 0
-        all_slots = set(int(x) for x in slots.flatten().tolist())
+        all_slots = set(int(x) for x in slots[:, :w].flatten().tolist())
         kept: set[int] = set()
         for i in range(bs):
             # expected: greedy walk
@@ -201,6 +213,8 @@ def main() -> int:
                 failures.append(f"trial {trial} req {i}: bonus {int(new_bonus[i])} != last token")
             if int(batch.seq_lens[i]) != prefix[i] + cl:
                 failures.append(f"trial {trial} req {i}: seq_lens not advanced")
+            if not bool((req_to_token[i + 1, prefix[i] + w :] == -1).all()):
+                failures.append(f"trial {trial} req {i}: req_to_token written past the tree's {w} slots")
         if sorted(allocator.freed) != sorted(all_slots - kept):
             failures.append(f"trial {trial}: freed {sorted(allocator.freed)} != {sorted(all_slots - kept)}")
         if off != next_hidden.shape[0]:
@@ -373,16 +387,24 @@ def hook_checks() -> list[str]:
     dw.evict_from_tree_cache = lambda cache, k: None
     draft_hidden = torch.randn(2, 16, hid)
     bonus = torch.tensor([3, 4])
-    # (mode, greedy, free KV slots, tree width installed or 0 for the linear path)
-    for mode, greedy, free, want_n in (("shadow-linear", True, 10_000, 0), ("full", True, 10_000, 65),
-                                       ("full", False, 10_000, 65), ("full", True, 100, 32), ("full", True, 3, 0)):
+    # (mode, greedy, free KV slots, verify graphs' largest batch or None, tree width installed or 0 for
+    # the linear path, KV slots per request). On graphs a step the pool cannot afford whole is padded
+    # to their width, down to the root alone; without them (or above their batch) it shrinks.
+    for mode, greedy, free, graph_bs, want_n, want_kv in (
+        ("shadow-linear", True, 10_000, None, 0, 0), ("full", True, 10_000, None, 65, 65),
+        ("full", False, 10_000, None, 65, 65), ("full", True, 100, None, 32, 32), ("full", True, 3, None, 0, 0),
+        ("full", True, 10_000, 32, 65, 65), ("full", True, 100, 32, 65, 32), ("full", True, 3, 32, 65, 1),
+        ("full", True, 1, 32, 0, 0), ("full", True, 100, 1, 32, 32),
+    ):
         want_tree = want_n > 0
         ctl = dw.DDTreeController.maybe_create(_worker(mode=mode))
+        if graph_bs:
+            ctl.verify_graph_width, ctl.verify_graph_max_bs = 65, graph_bs
         batch, alloc = batch_for(2, greedy, free)
         cache_alloc = [alloc]
         took = ctl.on_draft(batch, bonus_tokens=bonus, target_prefix_lens=batch.seq_lens,
                             draft_hidden=draft_hidden, lm_head=head)
-        label = f"on_draft {mode} greedy={greedy} free={free}"
+        label = f"on_draft {mode} greedy={greedy} free={free} graphs={graph_bs}"
         if took != want_tree:
             out.append(f"{label}: took={took}")
             continue
@@ -398,6 +420,12 @@ def hook_checks() -> list[str]:
                 out.append(f"{label}: root token / positions wrong")
             if ctl._attn_backend.num_draft_tokens != n or batch.out_cache_loc.numel() != 2 * n:
                 out.append(f"{label}: verify width {ctl._attn_backend.num_draft_tokens}, slots {batch.out_cache_loc.numel()}")
+            used = free - len(alloc.free_slots)
+            padded = int(want_kv < want_n)
+            if (vi.kv_width, used, int(vi.tree.num_nodes.max())) != (want_kv, 2 * want_kv, min(want_kv, 65)) or \
+                    (ctl.stats.padded_steps, ctl.stats.shrunk_steps) != (padded, int(want_kv < 65)):
+                out.append(f"{label}: kv width {vi.kv_width}, {used} slots taken, {int(vi.tree.num_nodes.max())} "
+                           f"nodes, stats {ctl.stats.as_dict()}")
         else:
             if batch.spec_info != "untouched":
                 out.append(f"{label}: linear path must keep upstream's verify input")
@@ -416,8 +444,9 @@ def hook_checks() -> list[str]:
 
 
 def build_graph_checks(batch_for, head, draft_hidden, bonus) -> list[str]:
-    """A full-budget step takes its tree from the captured build (ddtree_build_graphs) and installs
-    the same verify input as the eager build; a shrunk step builds eagerly; CPU captures nothing."""
+    """A step takes its tree from the captured full-budget build (ddtree_build_graphs) and installs
+    the same verify input as the eager build; so does a shrunk step (the build's first nodes); CPU
+    captures nothing."""
     from graph_stand_in import RerunGraph  # beside this script
     from sglang.srt.speculative.ddtree_build_graphs import DDTreeBuildGraphs
 
@@ -435,15 +464,17 @@ def build_graph_checks(batch_for, head, draft_hidden, bonus) -> list[str]:
         dw.alloc_token_slots = lambda cache, k, alloc=alloc: alloc.alloc(k)
         ctl.on_draft(batch, bonus_tokens=bonus, target_prefix_lens=batch.seq_lens, draft_hidden=draft_hidden,
                      lm_head=head)
-        verify_inputs[use_graphs] = batch.spec_info
+        verify_inputs[use_graphs] = [batch.spec_info]
         if ctl.stats.build_graph_steps != int(use_graphs):
             out.append(f"build graphs={use_graphs}: build_graph_steps {ctl.stats.build_graph_steps}")
         shrunk, alloc = batch_for(2, free=100)  # the KV pool holds a 31-node tree, not 64
         dw.alloc_token_slots = lambda cache, k, alloc=alloc: alloc.alloc(k)
         ctl.on_draft(shrunk, bonus_tokens=bonus, target_prefix_lens=shrunk.seq_lens, draft_hidden=draft_hidden,
                      lm_head=head)
-        if shrunk.spec_info.draft_token_num == 65 or ctl.stats.build_graph_steps != int(use_graphs):
-            out.append(f"build graphs={use_graphs}: a shrunk step replayed the full-budget graph")
+        verify_inputs[use_graphs].append(shrunk.spec_info)
+        if shrunk.spec_info.draft_token_num != 32 or ctl.stats.build_graph_steps != 2 * int(use_graphs):
+            out.append(f"build graphs={use_graphs}: shrunk step of width {shrunk.spec_info.draft_token_num}, "
+                       f"{ctl.stats.build_graph_steps} graph builds")
     import os
 
     os.environ["SGLANG_DDTREE_PROFILE"] = "1"
@@ -458,10 +489,10 @@ def build_graph_checks(batch_for, head, draft_hidden, bonus) -> list[str]:
         out.append(f"profile phases of a tree step: {sorted(phases)}")
     if dw.DDTreeController.maybe_create(_worker(mode="full")).internal_state()["profile"] is not None:
         out.append("profile on without SGLANG_DDTREE_PROFILE")
-    eager, graphed = verify_inputs[False], verify_inputs[True]
-    for name in ("draft_token", "positions", "custom_mask"):
-        if not torch.equal(getattr(eager, name), getattr(graphed, name)):
-            out.append(f"build graphs: verify input {name} differs from the eager build's")
+    for eager, graphed in zip(verify_inputs[False], verify_inputs[True], strict=True):
+        for name in ("draft_token", "positions", "custom_mask"):
+            if not torch.equal(getattr(eager, name), getattr(graphed, name)):
+                out.append(f"build graphs: verify input {name} differs from the eager build's")
     return out
 
 

@@ -112,6 +112,7 @@ class TreeStats:
             "tree_steps": self.tree_steps,
             "fallback_steps": self.fallback_steps,
             "shrunk_steps": self.shrunk_steps,
+            "padded_steps": 0,
             "fallback_reasons": dict(sorted(self.fallback_reasons.items())),
             "avg_tree_nodes": round(self.nodes_sum / max(1, self.requests_sum), 3),
             "greedy_requests": self.greedy_requests,

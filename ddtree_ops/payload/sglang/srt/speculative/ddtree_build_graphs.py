@@ -14,8 +14,9 @@ first). Their trees are built and ignored: every tree row depends on its own inp
 Outputs live in the graphs' memory pool and are overwritten by the next replay of any bucket. The
 worker uses a step's tree within that step, before the next build.
 
+A step that affords fewer nodes keeps the first ones of this build (`ddtree_utils.shrink_tree`).
+
 Not captured, eager as before:
-- steps whose tree was shrunk below the budget (`step_budget`);
 - batches above the largest bucket;
 - tensor parallelism: the vocab gather is an NCCL collective;
 - CPU.

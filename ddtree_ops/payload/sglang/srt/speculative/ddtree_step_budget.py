@@ -74,3 +74,30 @@ def step_budget(
             continue
         return b
     return 0
+
+
+def padded_step_budget(
+    budget: int,
+    *,
+    width: int,
+    batch_size: int,
+    max_seq_len: int,
+    prefix_total: int,
+    limits: StepLimits,
+) -> int | None:
+    """The tree budget of a step padded to `width` verify tokens per request (the verify CUDA graphs'
+    width, `1 + budget`), or None when it cannot be padded.
+
+    A padded step's logits and custom mask are those of the whole width, whatever its tree; only its
+    tree's `1 + b` slots are written into the request's req_to_token row (the padding's KV goes to
+    SGLang's dummy slot). So the width must fit the logits and mask limits (else the step shrinks
+    unpadded, `step_budget`), and the largest ladder budget whose tree fits the row is taken, down to
+    0: the root alone, a plain decode step on the same graph.
+    """
+    n = int(width)
+    if batch_size * n > limits.max_verify_tokens or n * prefix_total + batch_size * n * n > limits.max_mask_bytes:
+        return None
+    for b in [*budget_ladder(budget), 0]:
+        if max_seq_len + 1 + b <= limits.row_width:
+            return b
+    return None

@@ -76,6 +76,7 @@ __all__ = [
     "keep_top1_chain",
     "uses_windowed_attention",
     "select_tree_from_topk",
+    "shrink_tree",
     "topk_logprobs",
 ]
 
@@ -530,6 +531,53 @@ def build_ddtree(
         topv, topi = topk_logprobs(draft_logits, cap)
         tree = select_tree_from_topk(topv, topi, budget)
     return keep_top1_chain(tree, topv, topi) if keep_chain else tree
+
+
+def shrink_tree(tree: DDTree, budget: int, *, pad: bool) -> DDTree:
+    """The first ``budget`` non-root nodes of ``tree``; the rest become padding.
+
+    Nodes are numbered in the best-first order, which does not depend on the budget, and parents
+    precede children, so for a standard tree this is exactly the tree ``build_ddtree`` makes at the
+    smaller budget (same cap; tests/test_ddtree_builder.py checks it). A keep-chain tree appends
+    its missing chain nodes last, so its prefix is the standard tree's prefix and may not hold the
+    whole chain. Any such prefix is ancestor-closed: a valid tree to verify.
+
+    ``pad=False``: ``1 + budget`` slots per request, as ``build_ddtree(.., budget)`` returns.
+    ``pad=True``: the original width, the slots past ``1 + budget`` in the builder's padding form
+    (the verify CUDA graphs' width, for a step that cannot afford the whole tree). Plain torch,
+    elementwise, no host-device synchronisation.
+    """
+    n = tree.parents.shape[1]
+    keep = int(budget) + 1
+    if keep >= n:
+        return tree
+    width = n if pad else keep
+    batch = tree.batch_size
+    device = tree.parents.device
+    slots = torch.arange(width, device=device)
+    drop = (slots >= keep)[None, :]
+
+    def cut(links: torch.Tensor) -> torch.Tensor:
+        # First children and next siblings have increasing indices: a link past the kept nodes
+        # means every later one is past them too.
+        links = links[:, :width]
+        return torch.where(drop | (links >= keep), -1, links)
+
+    eye = torch.eye(width, dtype=torch.bool, device=device)
+    return DDTree(
+        token_ids=tree.token_ids[:, : width - 1].masked_fill(drop[:, 1:], PAD_TOKEN_ID),
+        parents=tree.parents[:, :width].masked_fill(drop, -1),
+        depths=tree.depths[:, :width].masked_fill(drop, 0),
+        num_nodes=tree.num_nodes.clamp(max=keep),
+        tree_mask=torch.where(drop[:, :, None], eye, tree.tree_mask[:, :width, :width]),
+        scores=tree.scores[:, :width].masked_fill(drop, float("-inf")),
+        token_ranks=tree.token_ranks[:, :width].masked_fill(drop, -1),
+        retrive_index=torch.arange(batch * width, device=device, dtype=torch.int64).view(batch, width),
+        retrive_next_token=cut(tree.retrive_next_token),
+        retrive_next_sibling=cut(tree.retrive_next_sibling),
+        budget=tree.budget if pad else int(budget),
+        max_depth=tree.max_depth,
+    )
 
 
 def follow_verified_tree(

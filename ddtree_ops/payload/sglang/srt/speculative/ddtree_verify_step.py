@@ -136,43 +136,56 @@ def _commit_slots_torch(
     return loc.gather(1, safe)[in_commit], rows, loc[keep_count == 0]
 
 
-def self_test(device: torch.device, budget: int, depth: int, build: Any, follow: Any) -> str | None:
-    """Run each kernel beside its torch function on random trees of this budget and depth on `device`.
+def self_test(
+    device: torch.device, budget: int, depth: int, build: Any, follow: Any, shrink: Any = None, smaller: tuple[int, ...] = ()
+) -> str | None:
+    """Run each kernel beside its torch function on random trees of this budget and depth on `device`,
+    and on the first `b` nodes of them for every `b` in `smaller` (`shrink` is
+    `ddtree_utils.shrink_tree`), at their own width and padded to the full one, as shrunk and padded
+    steps verify them: every width a step can take is compiled here, at start, not mid-serving.
     None: they agree, or there are no kernels to test. Otherwise why not, and every later call takes
     the torch path: a server with a kernel this GPU or Triton gets wrong is slower, never wrong."""
     if _fused(torch.empty(0, device=device)) is None:
         return None
     kernels = _kernels()
-    n = budget + 1
     g = torch.Generator().manual_seed(0)
     try:
         for bs in (1, 3):
-            tree = build(torch.randn((bs, depth, 64), generator=g).to(device), budget)
-            cand = torch.cat([torch.randint(0, 64, (bs, 1), generator=g).to(device), tree.token_ids], 1)
-            target = torch.randint(0, 64, (bs, n), generator=g).to(device)
-            # most nodes' target is the token of a child: the walks go deep
-            slot = torch.arange(n, device=device).expand(bs, n)
-            target.scatter_(1, torch.where(tree.parents >= 0, tree.parents, slot), torch.where(tree.parents >= 0, cand, target))
-            prefix_cpu = [5, 0, 1000][:bs]
-            prefix = torch.tensor(prefix_cpu, device=device)
-            loc = torch.randperm(bs * n, generator=g).to(device) + 1
-            pairs = {
-                "custom mask": (kernels.tree_custom_mask_triton(tree.tree_mask, prefix_cpu),
-                                _tree_custom_mask_torch(tree.tree_mask, prefix, sum(prefix_cpu))),
-            }
-            got_walk = kernels.greedy_walk_triton(tree, cand, target)
-            want_walk = _greedy_walk_torch(tree, cand, target, follow)
-            pairs["greedy walk"] = (torch.cat(got_walk, 1), torch.cat(want_walk, 1))
-            commits = [int(x) + 1 for x in want_walk[1][:, depth].tolist()]
-            pairs["commit"] = (torch.cat(kernels.commit_slots_triton(want_walk[0], loc, commits, n)),
-                               torch.cat(_commit_slots_torch(want_walk[0], loc, commits, n)))
-            for name, (got, want) in pairs.items():
-                if not torch.equal(got, want):
-                    raise AssertionError(f"{name} differs from the torch path at batch {bs}")
+            full = build(torch.randn((bs, depth, 64), generator=g).to(device), budget)
+            shapes = [(full, budget)] + [(shrink(full, b, pad=pad), b) for b in smaller for pad in (False, True)]
+            for tree, b in shapes:
+                _check_kernels_on(kernels, tree, b + 1, follow, g, f"batch {bs}, {b + 1} of {tree.parents.shape[1]} slots")
     except Exception as e:  # noqa: BLE001 - any failure (compile, launch, mismatch) turns the kernels off
         _KERNELS_OFF.append(f"{type(e).__name__}: {e}")
         return _KERNELS_OFF[-1]
     return None
+
+
+def _check_kernels_on(kernels: Any, tree: Any, kv_width: int, follow: Any, g: torch.Generator, where: str) -> None:
+    bs, n = tree.parents.shape
+    device = tree.parents.device
+    depth = int(tree.max_depth)
+    cand = torch.cat([torch.randint(0, 64, (bs, 1), generator=g).to(device), tree.token_ids], 1)
+    target = torch.randint(0, 64, (bs, n), generator=g).to(device)
+    # most nodes' target is the token of a child: the walks go deep
+    slot = torch.arange(n, device=device).expand(bs, n)
+    target.scatter_(1, torch.where(tree.parents >= 0, tree.parents, slot), torch.where(tree.parents >= 0, cand, target))
+    prefix_cpu = [5, 0, 1000][:bs]
+    prefix = torch.tensor(prefix_cpu, device=device)
+    loc = torch.randperm(bs * kv_width, generator=g).to(device) + 1
+    pairs = {
+        "custom mask": (kernels.tree_custom_mask_triton(tree.tree_mask, prefix_cpu),
+                        _tree_custom_mask_torch(tree.tree_mask, prefix, sum(prefix_cpu))),
+    }
+    got_walk = kernels.greedy_walk_triton(tree, cand, target)
+    want_walk = _greedy_walk_torch(tree, cand, target, follow)
+    pairs["greedy walk"] = (torch.cat(got_walk, 1), torch.cat(want_walk, 1))
+    commits = [int(x) + 1 for x in want_walk[1][:, depth].tolist()]
+    pairs["commit"] = (torch.cat(kernels.commit_slots_triton(want_walk[0], loc, commits, kv_width)),
+                       torch.cat(_commit_slots_torch(want_walk[0], loc, commits, kv_width)))
+    for name, (got, want) in pairs.items():
+        if not torch.equal(got, want):
+            raise AssertionError(f"{name} differs from the torch path at {where}")
 
 
 def kernels_in_use(device: torch.device) -> bool:

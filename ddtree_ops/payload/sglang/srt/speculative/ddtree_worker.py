@@ -11,8 +11,11 @@ Modes (flag `--speculative-ddtree-mode`):
   argmax for greedy requests, a sample of the target at every node for sampled ones
   (`ddtree_sampling`) -- and commit the accepted path's KV slots and hidden states. The target's
   verify CUDA graphs are captured at `1 + budget` tokens per request (`ddtree_args`
-  `target_verify_width`); a step that cannot use them (a smaller tree after `step_budget`, a
-  linear step when the KV pool is short) runs eagerly at its own width.
+  `target_verify_width`). A step that cannot afford the whole tree (KV pool, rows) verifies the
+  first nodes of it (`shrink_tree`), padded to that width, on the same graphs: the padding's KV
+  goes to SGLang's dummy slot 0 and no node attends to it. Eager steps: batches above the graphs'
+  largest, steps whose logits or mask exceed the start-up sizing (a smaller tree at its own width,
+  `step_budget`), and a linear DFLASH step when not even the root fits.
 
 Why full mode is lossless here: every tree node's KV entry is computed at position
 `prefix + depth` attending to the committed prefix, its ancestors and itself, which is exactly
@@ -44,10 +47,16 @@ from sglang.srt.speculative.ddtree_step_budget import (
     StepLimits,
     budget_ladder,
     max_verify_tokens_for,
+    padded_step_budget,
     step_budget,
     verify_token_bytes,
 )
-from sglang.srt.speculative.ddtree_utils import DDTreeRefused, follow_verified_tree, full_mode_refusal
+from sglang.srt.speculative.ddtree_utils import (
+    DDTreeRefused,
+    follow_verified_tree,
+    full_mode_refusal,
+    shrink_tree,
+)
 from sglang.srt.speculative.ddtree_verify_step import commit_slots, greedy_walk, pack_walk, tree_custom_mask
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.spec_utils import assign_req_to_token_pool_func
@@ -62,6 +71,10 @@ SHADOW_EVERY = max(1, int(os.environ.get("SGLANG_DDTREE_SHADOW_EVERY", "4") or 4
 # Test-only fault (bench/gpu/graphs_proof.py): halve the sampled walk's coins, which biases sampled
 # requests towards drafted tokens; the distribution test must reject it.
 TEST_BIASED_WALK = os.environ.get("SGLANG_DDTREE_TEST_BIASED_WALK", "") == "1"
+# Test-only (bench/gpu/graphs_proof.py): step k may use at most the k-th budget of the ladder, 0 (the
+# root alone) included where the step is padded, as if the KV pool were short on every step; the
+# shrunk and padded paths then run under a real workload, which must stay token-identical.
+TEST_CYCLE_BUDGETS = os.environ.get("SGLANG_DDTREE_TEST_CYCLE_BUDGETS", "") == "1"
 # SGLANG_DDTREE_BUILD_GRAPHS=0 builds every tree eagerly (ddtree_build_graphs: captured by default
 # wherever the target verify runs on CUDA graphs, one device).
 BUILD_GRAPHS = os.environ.get("SGLANG_DDTREE_BUILD_GRAPHS", "1") != "0"
@@ -142,9 +155,11 @@ class DDTreeStats:
     steps: int = 0
     tree_steps: int = 0
     fallback_steps: int = 0
-    # Tree steps that ran a smaller budget than configured (row, logits or mask limits), and
-    # linear steps by cause: "kv_pool", "step_limits".
+    # Tree steps that ran a smaller budget than configured (KV pool, row, logits or mask limits),
+    # those of them padded to the verify graphs' width, and linear steps by cause ("kv_pool",
+    # "step_limits").
     shrunk_steps: int = 0
+    padded_steps: int = 0
     requests_sum: int = 0
     build_ms_n: int = 0
     # Per request and tree step: walked greedily or by sampling; steps whose logits had
@@ -177,6 +192,7 @@ class DDTreeStats:
             "tree_steps": self.tree_steps,
             "fallback_steps": self.fallback_steps,
             "shrunk_steps": self.shrunk_steps,
+            "padded_steps": self.padded_steps,
             "fallback_reasons": dict(sorted(self.fallback_reasons.items())),
             "avg_tree_nodes": round(float(self.nodes_sum) / max(1, self.requests_sum), 3),
             "greedy_requests": self.greedy_requests,
@@ -193,6 +209,19 @@ class DDTreeStats:
                 sum(k * v for k, v in self.accepted_depth_hist.items()) / n_req, 4
             ),
         }
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """One full-mode step: `budget` tree nodes per request (0: the root alone) verified as `width`
+    tokens per request, `1 + budget` or, padded, the verify graphs' `1 + configured budget`;
+    width 0: upstream's linear verify."""
+
+    budget: int
+    width: int
+
+
+LINEAR_STEP = StepShape(budget=0, width=0)
 
 
 class DDTreeController:
@@ -306,7 +335,8 @@ class DDTreeController:
         from sglang.srt.speculative.ddtree_verify_step import kernels_in_use, self_test
 
         device = worker.model_runner.device
-        error = self_test(torch.device(device), self.budget, self.depth, build_ddtree, follow_verified_tree)
+        error = self_test(torch.device(device), self.budget, self.depth, build_ddtree, follow_verified_tree,
+                          shrink_tree, smaller=(*budget_ladder(self.budget)[1:], 0))
         if error and self.tp_rank == 0:
             logger.warning("DDTree: verify kernels off (%s); the verify step runs on torch ops", error)
         return kernels_in_use(torch.device(device))
@@ -344,18 +374,16 @@ class DDTreeController:
 
     def full_budget_build(self, lm_head: Any) -> Any:
         """The build a graph captures: draft hidden states after the bonus [bs, depth, hidden] ->
-        the configured budget's tree (what `build_tree` runs eagerly for a full-budget step)."""
-        return lambda tail: self._build_eagerly(tail, lm_head, self.budget)
+        the configured budget's tree (what `build_tree` runs eagerly where no graph is captured)."""
+        return lambda tail: self._build_eagerly(tail, lm_head)
 
-    def _build_eagerly(self, tail: torch.Tensor, lm_head: Any, budget: int) -> Any:
-        """Draft hidden states after the bonus [bs, depth, hidden] -> the tree of this budget."""
+    def _build_eagerly(self, tail: torch.Tensor, lm_head: Any) -> Any:
+        """Draft hidden states after the bonus [bs, depth, hidden] -> the configured budget's tree."""
         from sglang.srt.speculative.ddtree_utils import build_ddtree
 
         bs = int(tail.shape[0])
         logits = self.draft_logits(tail.reshape(-1, tail.shape[-1]), lm_head).view(bs, self.depth, -1)
-        cap = None if self.topk_cap is None else min(int(self.topk_cap), budget)
-        # A step shrunk below the draft depth cannot hold the whole chain: it builds the standard tree.
-        return build_ddtree(logits, budget, topk_cap=cap, keep_chain=self.keep_chain and budget >= self.depth)
+        return build_ddtree(logits, self.budget, topk_cap=self.topk_cap, keep_chain=self.keep_chain)
 
     def _size_verify_memory(self, worker: Any) -> tuple[int, int]:
         """Verify tokens and mask bytes a step may use, sized once at start and reserved.
@@ -432,21 +460,22 @@ class DDTreeController:
         vocab = int(self.worker.model_runner.model_config.vocab_size)
         return gathered[:, :vocab]
 
-    def build_tree(self, draft_hidden: torch.Tensor, lm_head: Any, budget: int | None = None) -> Any:
-        """draft_hidden: [bs, block_size, hidden]; positions 1.. predict the block's tokens."""
+    def build_tree(self, draft_hidden: torch.Tensor, lm_head: Any) -> Any:
+        """The configured budget's tree. draft_hidden: [bs, block_size, hidden]; positions 1.. predict
+        the block's tokens. A step that affords less keeps its first nodes (`shrink_tree`): one build,
+        and no Triton kernel compiled for another budget mid-serving."""
         tail = draft_hidden[:, 1:, :]
         use_events = tail.is_cuda and len(self._pending_build_events) < 4 * LOG_EVERY
         if use_events:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         t0 = time.perf_counter()
-        budget = self.budget if budget is None else budget
         tree = None
-        if self._build_graphs is not None and budget == self.budget:
+        if self._build_graphs is not None:
             tree = self._build_graphs.run(tail)
             self.stats.build_graph_steps += tree is not None
         if tree is None:
-            tree = self._build_eagerly(tail, lm_head, budget)
+            tree = self._build_eagerly(tail, lm_head)
         if use_events:
             end.record()
             # Read lazily at the next log line: no host sync in the serving path.
@@ -489,11 +518,11 @@ class DDTreeController:
         the caller must return; False: continue with upstream's linear path."""
         self.mark_phase("draft_done")
         self.set_verify_width(self.block_size)
-        budget = self.tree_budget_for(batch)
-        if budget:
+        shape = self.step_shape_for(batch)
+        if shape.width:
             self.prepare_tree_verify(
                 batch,
-                budget=budget,
+                shape=shape,
                 bonus_tokens=bonus_tokens,
                 target_prefix_lens=target_prefix_lens,
                 draft_hidden=draft_hidden,
@@ -519,13 +548,15 @@ class DDTreeController:
         )
 
     # ------------------------------------------------------------------ full mode
-    def tree_budget_for(self, batch: ScheduleBatch) -> int:
-        """The budget of this step's tree verify; 0: upstream's linear verify (counted by reason)."""
+    def step_shape_for(self, batch: ScheduleBatch) -> StepShape:
+        """This step's tree budget and verify width; width 0: upstream's linear verify (counted by
+        reason). Where the verify graphs take the batch, a step that cannot afford the whole tree is
+        padded to their width (`padded_step_budget`); elsewhere it shrinks to its own (`step_budget`)."""
         if self.mode != "full":
-            return 0
-        budget = step_budget(
-            self.budget,
-            batch_size=batch.batch_size(),
+            return LINEAR_STEP
+        bs = batch.batch_size()
+        facts = dict(
+            batch_size=bs,
             max_seq_len=int(batch.seq_lens_cpu.max().item()),
             prefix_total=int(batch.seq_lens_cpu.sum().item()),
             limits=StepLimits(
@@ -534,17 +565,28 @@ class DDTreeController:
                 max_mask_bytes=self.max_mask_bytes,
             ),
         )
-        if budget == 0:
-            self.stats.fallback_reasons["step_limits"] += 1
-            return 0
-        while not self._tree_fits_in_kv(batch, budget):
-            budget = next((b for b in budget_ladder(self.budget) if b < budget), 0)
+        full_width = self.budget + 1
+        on_graphs = self.verify_graph_width == full_width and bs <= (self.verify_graph_max_bs or 0)
+        padded = padded_step_budget(self.budget, width=full_width, **facts) if on_graphs else None
+        if padded is not None:
+            ladder, budget = [*budget_ladder(self.budget), 0], padded
+        else:
+            ladder, budget = budget_ladder(self.budget), step_budget(self.budget, **facts)
             if budget == 0:
+                self.stats.fallback_reasons["step_limits"] += 1
+                return LINEAR_STEP
+        if TEST_CYCLE_BUDGETS:
+            budget = min(budget, ladder[self.stats.steps % len(ladder)])
+        while not self._tree_fits_in_kv(batch, budget):
+            smaller = [b for b in ladder if b < budget]
+            if not smaller:
                 self.stats.fallback_reasons["kv_pool"] += 1
-                return 0
+                return LINEAR_STEP
+            budget = smaller[0]
         if budget < self.budget:
             self.stats.shrunk_steps += 1
-        return budget
+            self.stats.padded_steps += padded is not None
+        return StepShape(budget=budget, width=full_width if padded is not None else budget + 1)
 
     def _tree_fits_in_kv(self, batch: ScheduleBatch, budget: int) -> bool:
         # The scheduler reserves max_speculative_num_draft_tokens (raised to 1 + budget by
@@ -561,7 +603,7 @@ class DDTreeController:
         self,
         batch: ScheduleBatch,
         *,
-        budget: int,
+        shape: StepShape,
         bonus_tokens: torch.Tensor,
         target_prefix_lens: torch.Tensor,
         draft_hidden: torch.Tensor,
@@ -569,18 +611,21 @@ class DDTreeController:
     ) -> None:
         """Replace DFlash's linear verify input by the tree's (called instead of the argmax)."""
         bs = batch.batch_size()
-        tree = self.build_tree(draft_hidden, lm_head, budget)
-        n = budget + 1
+        tree = self.build_tree(draft_hidden, lm_head)
+        n = shape.width
+        if shape.budget < self.budget:
+            tree = shrink_tree(tree, shape.budget, pad=n > shape.budget + 1)
         tokens = torch.empty((bs, n), dtype=torch.long, device=bonus_tokens.device)
         tokens[:, 0] = bonus_tokens.to(torch.long)
-        # Padding slots (num_nodes < 1 + budget) carry PAD_TOKEN_ID, depth 0 and a mask row of
-        # their own; they are verified like any node and never accepted.
+        # Padding slots (num_nodes < n) carry PAD_TOKEN_ID, depth 0 and a mask row of their own;
+        # they are verified like any node and never accepted.
         tokens[:, 1:] = tree.token_ids.to(torch.long)
         positions = tree.positions(target_prefix_lens)
         verify_input = DDTreeVerifyInput(
             draft_token=tokens.reshape(-1),
             positions=positions.reshape(-1),
             draft_token_num=n,
+            kv_width=shape.budget + 1,
             tree=tree,
             controller=self,
         )
@@ -641,6 +686,10 @@ class DDTreeVerifyInput(DFlashVerifyInput):
 
     tree: Any = None
     controller: Any = None
+    # Slots per request that hold the tree's KV (1 + its budget); the rest of `draft_token_num`
+    # (a step padded to the verify graphs' width) write theirs to SGLang's dummy slot 0.
+    kv_width: int = 0
+    tree_cache_loc: Any = None  # those slots, request-major (set by prepare_for_verify)
 
     def prepare_for_verify(self, batch: ScheduleBatch, page_size: int, *, build_custom_mask: bool = True):
         if batch.forward_mode.is_idle():
@@ -648,26 +697,34 @@ class DDTreeVerifyInput(DFlashVerifyInput):
         if page_size != 1:
             raise DDTreeRefused(f"DDTree full mode needs page_size 1, got {page_size}.")
         n = int(self.draft_token_num)
+        w = int(self.kv_width or n)
         bs = batch.batch_size()
         row_width = int(batch.req_to_token_pool.req_to_token.shape[1])
         longest = int(batch.seq_lens_cpu.max().item())
-        if longest + n > row_width:
+        if longest + w > row_width:
             # step_budget never lets this happen; the slot writer has no bound check of its own,
             # so an overflow here would land in the next request's row.
             raise RuntimeError(
-                f"DDTree verify of {n} tokens after {longest} does not fit a req_to_token row of {row_width}."
+                f"DDTree verify of {w} tokens after {longest} does not fit a req_to_token row of {row_width}."
             )
         batch.input_ids = self.draft_token
-        batch.out_cache_loc = alloc_token_slots(batch.tree_cache, bs * n)
-        end_offset = batch.seq_lens + n
+        self.tree_cache_loc = alloc_token_slots(batch.tree_cache, bs * w)
         assign_req_to_token_pool_func(
             batch.req_pool_indices,
             batch.req_to_token_pool.req_to_token,
             batch.seq_lens,
-            end_offset,
-            batch.out_cache_loc,
+            batch.seq_lens + w,
+            self.tree_cache_loc,
             bs,
         )
+        if w < n:
+            # Slot 0 is never allocated: SGLang writes padded tokens' KV there, and no node attends
+            # to the padding (its mask rows and columns are its own).
+            loc = torch.zeros((bs, n), dtype=self.tree_cache_loc.dtype, device=self.tree_cache_loc.device)
+            loc[:, :w] = self.tree_cache_loc.view(bs, w)
+            batch.out_cache_loc = loc.view(-1)
+        else:
+            batch.out_cache_loc = self.tree_cache_loc
         self.custom_mask = tree_custom_mask(self.tree.tree_mask, batch.seq_lens, batch.seq_lens_cpu.tolist())
         self.controller.set_verify_width(n)
         self.controller.mark_phase("mask_ready")
@@ -752,8 +809,12 @@ class DDTreeVerifyInput(DFlashVerifyInput):
         commit_lens = torch.tensor(commit_lens_cpu, dtype=torch.int32, device=device)
         new_bonus_tokens = torch.tensor(new_bonus_tokens_list, dtype=torch.int64, device=device)
 
-        # KV: keep the slots of the committed path nodes, in path order; free all others.
-        kept_slots, path_rows, freed_slots = commit_slots(accepted_nodes, batch.out_cache_loc, commit_lens_cpu, n)
+        # KV: keep the slots of the committed path nodes, in path order; free the tree's others (a
+        # padded step's padding holds the dummy slot, never freed).
+        w = int(self.kv_width or n)
+        kept_slots, path_rows, freed_slots = commit_slots(accepted_nodes, self.tree_cache_loc, commit_lens_cpu, w)
+        if w < n:  # rows are b * w + node in the tree's slots; the hidden states are b * n + node
+            path_rows = path_rows + (path_rows // w) * (n - w)
         batch.token_to_kv_pool_allocator.free(freed_slots)
         batch.out_cache_loc = kept_slots
 
