@@ -1,4 +1,6 @@
 # Sourced by run_device.sh when GRAPHS=1 (issue 13): the servers are in TAGS, the first one warms up.
+# PERF_ONLY=1: phase B alone (a second speed sample in a short call). Seven servers are up at about
+# t+250 s on a cold machine and each perf run takes ~6 s: BUDGET_S=330 is too short, ~360 is enough.
 # Phase A1: the plain servers make the production-mix workloads. Phase B (speed, one server at a
 # time, the others idle): graphs_proof.py --perf on plain / DFLASH / shadow / full.
 # Phase A2 (correctness, clients of different servers in parallel: the verdicts do not depend on timing):
@@ -22,7 +24,8 @@ ts "$first up (warm-up)"
 wait $MAKE_PID; ts "other models made"
 for v in "${rest[@]}"; do IFS='|' read -r tag model extra <<< "$v"; launch "$tag" "$model" $extra; done
 ALLPORTS=(); for v in "${rest[@]}"; do t=${v%%|*}; ALLPORTS+=("${PORT[$t]}:${PID[$t]}"); done
-python3 $HERE/wait_all.py $(( DEADLINE - $(date +%s) - 200 )) "${ALLPORTS[@]}"
+PERF_ONLY=${PERF_ONLY:-0}
+python3 $HERE/wait_all.py $(( DEADLINE - $(date +%s) - (PERF_ONLY ? 60 : 200) )) "${ALLPORTS[@]}"
 ts "all servers up or dead; GPU mem: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader | paste -sd' ')"
 has() { [ -n "${PORT[$1]:-}" ]; }
 served() { for t; do has "$t" && printf '%s ' "$t"; done; }  # the tags among these that this call serves
@@ -39,21 +42,23 @@ proof() {  # TAG ARGS...
   ts "$tag proof $* rc=$? $(grep -E '^\[(proof|live)\]' "$OUT/proof_$tag.log" | tail -1 | cut -c1-300)"
 }
 # A1: plain makes the workloads
-A1=(); for t in p_plain r_plain; do if has $t; then mix $t --make & A1+=($!); fi; done; wait "${A1[@]}"
+A1=(); if [ "$PERF_ONLY" != 1 ]; then for t in p_plain r_plain; do if has $t; then mix $t --make & A1+=($!); fi; done; fi; [ ${#A1[@]} = 0 ] || wait "${A1[@]}"
 # B: speed, one server at a time, the others idle
-for t in p_plain p_dflash p_shadow p_full64 p_full64_prof p_shadow_prof p_full64_unfused_prof r_plain r_dflash r_full64; do
-  has $t && [ $(( DEADLINE - $(date +%s) )) -gt 60 ] && proof $t --perf
+PERF_TAGS=(p_plain p_dflash p_shadow p_full64 p_full64_prof p_shadow_prof p_full64_unfused_prof p_dflash_twin r_plain r_dflash r_full64)
+for t in "${PERF_TAGS[@]}"; do
+  has $t && [ $(( DEADLINE - $(date +%s) )) -gt $(( PERF_ONLY ? 15 : 60 )) ] && proof $t --perf
 done
 ts "phase B done"
 # A2: everything else at once
 JOBS=()
 for v in "${TAGS[@]}"; do
   t=${v%%|*}
+  [ "$PERF_ONLY" = 1 ] && break
   case $t in
     p_plain) ( proof $t --samples 2000 ) & ;;
     p_full64|p_full64_cycle) ( mix $t; proof $t --samples 2000 --liveness ) & ;;
     p_full64_bias) ( proof $t --samples 2000 ) & ;;
-    p_*_prof) continue ;;
+    p_*_prof|p_dflash_twin) continue ;;
     p_dflash) ( mix $t; proof $t --samples 2000 --liveness ) & ;;
     p_shadow) ( mix $t; proof $t --liveness ) & ;;
     r_plain|r_dflash_pristine) continue ;;
@@ -61,7 +66,7 @@ for v in "${TAGS[@]}"; do
   esac
   JOBS+=($!)
 done
-wait "${JOBS[@]}"
+[ ${#JOBS[@]} = 0 ] || wait "${JOBS[@]}"  # a bare wait would wait for the watchdog too
 ts "phase A done"
 for t in "${!PID[@]}"; do
   [ "$t" = r_dflash_pristine ] || kill -TERM -- "-${PID[$t]}" 2>/dev/null
@@ -78,14 +83,18 @@ stop_all; trap - EXIT
   MIXC=(python3 $HERE/production_mix.py compare "$OUT")
   echo "--- production mix, graphs on"
   for set in r p; do
-    has ${set}_plain || continue
+    has ${set}_plain && [ "$PERF_ONLY" != 1 ] || continue
     "${MIXC[@]}" ${set}_plain --upstream ${set}_dflash --expect-padded ${set}_full64_cycle -- \
       $(served ${set}_dflash ${set}_shadow ${set}_full16 ${set}_full64 ${set}_full256 ${set}_full64_cycle); echo "rc=$?"
   done
-  echo "--- sampling, liveness, speed (bf16: the walk and the verify kernels' rounding; DFLASH, lossless by upstream's construction, beside it)"
-  "${PROOF[@]}" compare "$OUT" --plain p_plain --cand $(served p_full64 p_full64_cycle p_dflash) --biased p_full64_bias \
-    --liveness $(served p_dflash p_shadow p_full64 p_full64_cycle r_dflash r_full16 r_full64 r_full256 r_dflash_pristine) \
-    --expect-stall r_dflash_pristine --perf $(served p_plain p_dflash p_shadow p_full64 p_full64_prof p_shadow_prof p_full64_unfused_prof r_plain r_dflash r_full64); echo "rc=$?"
+  if [ "$PERF_ONLY" = 1 ]; then
+    echo "--- speed"; "${PROOF[@]}" compare "$OUT" --plain p_plain --perf $(served "${PERF_TAGS[@]}"); echo "rc=$?"
+  else
+    echo "--- sampling, liveness, speed (bf16: the walk and the verify kernels' rounding; DFLASH, lossless by upstream's construction, beside it)"
+    "${PROOF[@]}" compare "$OUT" --plain p_plain --cand $(served p_full64 p_full64_cycle p_dflash) $(has p_full64_bias && echo --biased p_full64_bias) \
+      --liveness $(served p_dflash p_shadow p_full64 p_full64_cycle r_dflash r_full16 r_full64 r_full256 r_dflash_pristine) \
+      --expect-stall r_dflash_pristine --perf $(served "${PERF_TAGS[@]}"); echo "rc=$?"
+  fi
   echo "--- builder and verify-step Triton tests on the GPU"; tail -3 "$OUT/triton_tests.log" 2>/dev/null
 } 2>&1 | tee "$OUT/summary.txt"
 ts "done"

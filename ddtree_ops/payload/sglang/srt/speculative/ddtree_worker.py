@@ -71,7 +71,7 @@ SHADOW_EVERY = max(1, int(os.environ.get("SGLANG_DDTREE_SHADOW_EVERY", "4") or 4
 # Test-only fault (bench/gpu/graphs_proof.py): halve the sampled walk's coins, which biases sampled
 # requests towards drafted tokens; the distribution test must reject it.
 TEST_BIASED_WALK = os.environ.get("SGLANG_DDTREE_TEST_BIASED_WALK", "") == "1"
-# Test-only (bench/gpu/graphs_proof.py): step k may use at most the k-th budget of the ladder, 0 (the
+# Test-only (bench/gpu/run_device.sh token CYCLE): step k may use at most the k-th budget of the ladder, 0 (the
 # root alone) included where the step is padded, as if the KV pool were short on every step; the
 # shrunk and padded paths then run under a real workload, which must stay token-identical.
 TEST_CYCLE_BUDGETS = os.environ.get("SGLANG_DDTREE_TEST_CYCLE_BUDGETS", "") == "1"
@@ -329,8 +329,9 @@ class DDTreeController:
 
     def _check_verify_kernels(self, worker: Any) -> bool:
         """Compile the verify step's Triton kernels (`ddtree_verify_kernels`) at start and check them
-        against the torch path on random trees of the configured budget; a kernel that fails either
-        leaves the torch path for every step (a warning, never a server that does not start)."""
+        against the torch path on random trees of the configured budget and of every smaller one a step
+        may take (own width and padded); a kernel that fails either leaves the torch path for every
+        step (a warning, never a server that does not start)."""
         from sglang.srt.speculative.ddtree_utils import build_ddtree
         from sglang.srt.speculative.ddtree_verify_step import kernels_in_use, self_test
 
@@ -681,8 +682,9 @@ class DDTreeController:
 
 @dataclass
 class DDTreeVerifyInput(DFlashVerifyInput):
-    """TARGET_VERIFY input for a DDTree: `draft_token_num = 1 + budget` tokens per request,
-    node order as built (parents before children), custom mask = prefix + tree ancestors."""
+    """TARGET_VERIFY input for a DDTree: `draft_token_num = 1 + budget` tokens per request (the
+    verify graphs' width when padded), node order as built (parents before children), custom
+    mask = prefix + tree ancestors."""
 
     tree: Any = None
     controller: Any = None
