@@ -51,6 +51,11 @@ class StepLimits:
     max_mask_bytes: int  # the custom mask of the step may not exceed this
 
 
+def _width_fits(n: int, batch_size: int, prefix_total: int, limits: StepLimits) -> bool:
+    """`n` verify tokens per request within the logits and mask limits."""
+    return batch_size * n <= limits.max_verify_tokens and n * prefix_total + batch_size * n * n <= limits.max_mask_bytes
+
+
 def step_budget(
     budget: int,
     *,
@@ -66,13 +71,8 @@ def step_budget(
     """
     for b in budget_ladder(budget):
         n = 1 + b
-        if max_seq_len + n > limits.row_width:
-            continue
-        if batch_size * n > limits.max_verify_tokens:
-            continue
-        if n * prefix_total + batch_size * n * n > limits.max_mask_bytes:
-            continue
-        return b
+        if max_seq_len + n <= limits.row_width and _width_fits(n, batch_size, prefix_total, limits):
+            return b
     return 0
 
 
@@ -94,8 +94,7 @@ def padded_step_budget(
     unpadded, `step_budget`), and the largest ladder budget whose tree fits the row is taken, down to
     0: the root alone, a plain decode step on the same graph.
     """
-    n = int(width)
-    if batch_size * n > limits.max_verify_tokens or n * prefix_total + batch_size * n * n > limits.max_mask_bytes:
+    if not _width_fits(int(width), batch_size, prefix_total, limits):
         return None
     for b in [*budget_ladder(budget), 0]:
         if max_seq_len + 1 + b <= limits.row_width:

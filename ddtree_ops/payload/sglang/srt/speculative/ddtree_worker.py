@@ -53,11 +53,19 @@ from sglang.srt.speculative.ddtree_step_budget import (
 )
 from sglang.srt.speculative.ddtree_utils import (
     DDTreeRefused,
+    build_ddtree,
     follow_verified_tree,
     full_mode_refusal,
     shrink_tree,
 )
-from sglang.srt.speculative.ddtree_verify_step import commit_slots, greedy_walk, pack_walk, tree_custom_mask
+from sglang.srt.speculative.ddtree_verify_step import (
+    commit_slots,
+    greedy_walk,
+    kernels_in_use,
+    pack_walk,
+    self_test,
+    tree_custom_mask,
+)
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.spec_utils import assign_req_to_token_pool_func
 
@@ -316,8 +324,6 @@ class DDTreeController:
         if not str(device).startswith("cuda"):
             return
         vocab = int(worker.model_runner.model_config.vocab_size)
-        from sglang.srt.speculative.ddtree_utils import build_ddtree
-
         t0 = time.perf_counter()
         for bs in (1, 2):
             # The draft logits' dtype is the target LM head's (model dtype): kernels specialise on it.
@@ -332,9 +338,6 @@ class DDTreeController:
         against the torch path on random trees of the configured budget and of every smaller one a step
         may take (own width and padded); a kernel that fails either leaves the torch path for every
         step (a warning, never a server that does not start)."""
-        from sglang.srt.speculative.ddtree_utils import build_ddtree
-        from sglang.srt.speculative.ddtree_verify_step import kernels_in_use, self_test
-
         device = worker.model_runner.device
         error = self_test(torch.device(device), self.budget, self.depth, build_ddtree, follow_verified_tree,
                           shrink_tree, smaller=(*budget_ladder(self.budget)[1:], 0))
@@ -380,8 +383,6 @@ class DDTreeController:
 
     def _build_eagerly(self, tail: torch.Tensor, lm_head: Any) -> Any:
         """Draft hidden states after the bonus [bs, depth, hidden] -> the configured budget's tree."""
-        from sglang.srt.speculative.ddtree_utils import build_ddtree
-
         bs = int(tail.shape[0])
         logits = self.draft_logits(tail.reshape(-1, tail.shape[-1]), lm_head).view(bs, self.depth, -1)
         return build_ddtree(logits, self.budget, topk_cap=self.topk_cap, keep_chain=self.keep_chain)
@@ -693,13 +694,18 @@ class DDTreeVerifyInput(DFlashVerifyInput):
     kv_width: int = 0
     tree_cache_loc: Any = None  # those slots, request-major (set by prepare_for_verify)
 
+    @property
+    def tree_width(self) -> int:
+        """KV slots per request the tree's nodes hold (`kv_width`, or every verify token's)."""
+        return int(self.kv_width or self.draft_token_num)
+
     def prepare_for_verify(self, batch: ScheduleBatch, page_size: int, *, build_custom_mask: bool = True):
         if batch.forward_mode.is_idle():
             return
         if page_size != 1:
             raise DDTreeRefused(f"DDTree full mode needs page_size 1, got {page_size}.")
         n = int(self.draft_token_num)
-        w = int(self.kv_width or n)
+        w = self.tree_width
         bs = batch.batch_size()
         row_width = int(batch.req_to_token_pool.req_to_token.shape[1])
         longest = int(batch.seq_lens_cpu.max().item())
@@ -813,7 +819,7 @@ class DDTreeVerifyInput(DFlashVerifyInput):
 
         # KV: keep the slots of the committed path nodes, in path order; free the tree's others (a
         # padded step's padding holds the dummy slot, never freed).
-        w = int(self.kv_width or n)
+        w = self.tree_width
         kept_slots, path_rows, freed_slots = commit_slots(accepted_nodes, self.tree_cache_loc, commit_lens_cpu, w)
         if w < n:  # rows are b * w + node in the tree's slots; the hidden states are b * n + node
             path_rows = path_rows + (path_rows // w) * (n - w)
