@@ -92,7 +92,7 @@ stop_all; trap - EXIT
   else
     echo "--- sampling, liveness, speed (bf16: the walk and the verify kernels' rounding; DFLASH, lossless by upstream's construction, beside it)"
     "${PROOF[@]}" compare "$OUT" --plain p_plain --cand $(served p_full64 p_full64_cycle p_dflash) $(has p_full64_bias && echo --biased p_full64_bias) \
-      --liveness $(served p_dflash p_shadow p_full64 p_full64_cycle r_dflash r_full16 r_full64 r_full256 r_dflash_pristine) \
+      --liveness $(served p_dflash p_shadow p_full64 p_full64_cycle r_dflash r_full16 r_full64 r_full256 r_full64_cycle r_dflash_pristine) \
       --expect-stall r_dflash_pristine --perf $(served "${PERF_TAGS[@]}"); echo "rc=$?"
   fi
   echo "--- builder and verify-step Triton tests on the GPU"; tail -3 "$OUT/triton_tests.log" 2>/dev/null
