@@ -111,3 +111,48 @@ def test_compare_passes_a_matching_server_rejects_a_biased_one_and_fails_on_miss
     assert _compare(tmp_path, "--plain", "plain", "--cand", "full", "absent").returncode == 1
     no_live = _compare(tmp_path, "--plain", "plain", "--cand", "full", "--liveness", "bias")
     assert no_live.returncode == 1 and "liveness bias: no results" in no_live.stdout
+
+
+def _pass(ms: dict[str, float]) -> dict:
+    return {bs: {"wall_s": m / 100, "steps": 13, "ms_per_step": m, "ms_per_step_range": [m, m], "accept_len": 9.0,
+                 "tok_per_s": 1000.0, "ddtree_delta": {}} for bs, m in ms.items()}
+
+
+def test_perf_runs_on_one_file_add_passes_and_their_median(tmp_path: Path) -> None:
+    _load_proof()
+    srv, _ = _stand_in(accept=4)
+    out = tmp_path / "x_proof.json"
+    try:
+        for _ in range(3):
+            run = subprocess.run([sys.executable, str(GPU / "graphs_proof.py"), "run", "--port", str(srv.server_address[1]),
+                                  "--tag", "x", "--out", str(out), "--perf", "--wait", "10"],
+                                 capture_output=True, text=True, timeout=300)
+            assert run.returncode == 0, run.stdout + run.stderr
+    finally:
+        srv.shutdown()
+    assert "perf pass 3 ms/step bs1" in run.stdout
+    data = json.loads(out.read_text())
+    passes = data["perf_passes"]
+    assert len(passes) == 3
+    for bs in ("1", "8", "32"):
+        per_pass = sorted(p[bs]["ms_per_step"] for p in passes)
+        assert data["perf"][bs]["ms_per_step"] == per_pass[1] and data["perf"][bs]["passes"] == 3
+        assert data["perf"][bs]["ms_per_step_range"] == [per_pass[0], per_pass[-1]]
+
+
+def test_ratios_pair_each_pass_with_the_references_pass(tmp_path: Path) -> None:
+    gp = _load_proof()
+    # The machine slows between passes (4 -> 8 ms): paired ratios stay 1.1; the candidate's extra pass
+    # (no reference pass beside it) and a batch size the reference lacks are left out.
+    ref = [_pass({"1": 4.0, "8": 5.0}), _pass({"1": 8.0, "8": 5.0})]
+    cand = [_pass({"1": 4.4, "8": 4.5, "32": 7.0}), _pass({"1": 8.8, "8": 6.0, "32": 7.0}), _pass({"1": 1.0, "8": 1.0})]
+    assert gp.paired_ratios(cand, ref) == {"1": {"median": 1.1, "ratios": [1.1, 1.1]},
+                                           "8": {"median": 1.05, "ratios": [0.9, 1.2]}}
+    assert gp.merge_passes(ref)["1"]["ms_per_step"] == 6.0 and gp.merge_passes(ref)["1"]["passes"] == 2
+    for tag, passes in (("dflash", ref), ("shadow", cand)):
+        (tmp_path / f"{tag}_proof.json").write_text(json.dumps({"perf": gp.merge_passes(passes), "perf_passes": passes}))
+    res = _compare(tmp_path, "--plain", "plain", "--perf", "dflash", "shadow", "--ratio-to", "dflash")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "shadow | bs 1 | 1.1x | [1.1, 1.1]" in res.stdout
+    summary = json.loads((tmp_path / "graphs_summary.json").read_text())
+    assert set(summary["perf_ratios"]) == {"shadow"} and summary["perf_ratios"]["shadow"]["8"]["median"] == 1.05

@@ -1,6 +1,9 @@
 # Sourced by run_device.sh when GRAPHS=1 (issue 13): the servers are in TAGS, the first one warms up.
 # PERF_ONLY=1: phase B alone (a second speed sample in a short call). Seven servers are up at about
 # t+250 s on a cold machine and each perf run takes ~6 s: BUDGET_S=330 is too short, ~360 is enough.
+# PERF_PASSES=N: phase B measures every server N times, interleaved (pass k of each server, in an order
+# rotated per pass, before pass k+1), and compare reports each server's ms per step over DFLASH's pass by
+# pass: processes with the same flags differ by up to 25 % on this machine, its minutes by as much.
 # Phase A1: the plain servers make the production-mix workloads. Phase B (speed, one server at a
 # time, the others idle): graphs_proof.py --perf on plain / DFLASH / shadow / full.
 # Phase A2 (correctness, clients of different servers in parallel: the verdicts do not depend on timing):
@@ -44,10 +47,15 @@ proof() {  # TAG ARGS...
 # A1: plain makes the workloads
 A1=(); if [ "$PERF_ONLY" != 1 ]; then for t in p_plain r_plain; do if has $t; then mix $t --make & A1+=($!); fi; done; fi; [ ${#A1[@]} = 0 ] || wait "${A1[@]}"
 # B: speed, one server at a time, the others idle
-PERF_TAGS=(p_plain p_dflash p_shadow p_full64 p_full64_prof p_shadow_prof p_full64_unfused_prof p_dflash_twin r_plain r_dflash r_full64)
-for t in "${PERF_TAGS[@]}"; do
-  has $t && [ $(( DEADLINE - $(date +%s) )) -gt $(( PERF_ONLY ? 15 : 60 )) ] && proof $t --perf
+PERF_TAGS=(p_plain p_dflash p_shadow p_full64 p_full64_prof p_shadow_prof p_full64_unfused_prof p_dflash_twin
+           p_shadow_twin p_shadow_every1 r_plain r_dflash r_full64)
+for pass in $(seq "${PERF_PASSES:-1}"); do
+  k=$(( (pass - 1) % ${#PERF_TAGS[@]} ))
+  for t in "${PERF_TAGS[@]:k}" "${PERF_TAGS[@]:0:k}"; do
+    has $t && [ $(( DEADLINE - $(date +%s) )) -gt $(( PERF_ONLY ? 15 : 60 )) ] && proof $t --perf
+  done
 done
+RATIO_TO=$(served p_dflash r_dflash | cut -d' ' -f1)
 ts "phase B done"
 # A2: everything else at once
 JOBS=()
@@ -58,7 +66,7 @@ for v in "${TAGS[@]}"; do
     p_plain) ( proof $t --samples 2000 ) & ;;
     p_full64|p_full64_cycle) ( mix $t; proof $t --samples 2000 --liveness ) & ;;
     p_full64_bias) ( proof $t --samples 2000 ) & ;;
-    p_*_prof|p_dflash_twin) continue ;;
+    p_*_prof|p_dflash_twin|p_shadow_twin|p_shadow_every1) continue ;;
     p_dflash) ( mix $t; proof $t --samples 2000 --liveness ) & ;;
     p_shadow) ( mix $t; proof $t --liveness ) & ;;
     r_plain|r_dflash_pristine) continue ;;
@@ -88,12 +96,12 @@ stop_all; trap - EXIT
       $(served ${set}_dflash ${set}_shadow ${set}_full16 ${set}_full64 ${set}_full256 ${set}_full64_cycle); echo "rc=$?"
   done
   if [ "$PERF_ONLY" = 1 ]; then
-    echo "--- speed"; "${PROOF[@]}" compare "$OUT" --plain p_plain --perf $(served "${PERF_TAGS[@]}"); echo "rc=$?"
+    echo "--- speed"; "${PROOF[@]}" compare "$OUT" --plain p_plain --perf $(served "${PERF_TAGS[@]}") ${RATIO_TO:+--ratio-to $RATIO_TO}; echo "rc=$?"
   else
     echo "--- sampling, liveness, speed (bf16: the walk and the verify kernels' rounding; DFLASH, lossless by upstream's construction, beside it)"
     "${PROOF[@]}" compare "$OUT" --plain p_plain --cand $(served p_full64 p_full64_cycle p_dflash) $(has p_full64_bias && echo --biased p_full64_bias) \
       --liveness $(served p_dflash p_shadow p_full64 p_full64_cycle r_dflash r_full16 r_full64 r_full256 r_full64_cycle r_dflash_pristine) \
-      --expect-stall r_dflash_pristine --perf $(served "${PERF_TAGS[@]}"); echo "rc=$?"
+      --expect-stall r_dflash_pristine --perf $(served "${PERF_TAGS[@]}") ${RATIO_TO:+--ratio-to $RATIO_TO}; echo "rc=$?"
   fi
   echo "--- builder and verify-step Triton tests on the GPU"; tail -3 "$OUT/triton_tests.log" 2>/dev/null
 } 2>&1 | tee "$OUT/summary.txt"

@@ -10,11 +10,13 @@
                 together, one warm-up round then PERF_ROUNDS measured rounds per size; per round wall
                 time, verify steps (the longest request's spec_verify_ct; plain: tokens) and ms per
                 step; the medians over rounds with their range, mean accept length, DDTree stats.
+                Each --perf run on the same --out adds a pass (perf_passes); "perf" is their median.
   compare OUT_DIR --plain TAG --cand TAG [TAG...] [--biased TAG]
       two-sample tests of the first-3-token samples (chi-square homogeneity over the 3-token tuples, rare
       ones pooled, and total variation with its permutation null); every --cand must pass at
       alpha = 1e-3 / prompts; --biased (a server whose walk is deliberately biased) must fail, which
-      shows the test has power. Also prints the liveness and perf tables. Exit 1 on a failed verdict.
+      shows the test has power. Also prints the liveness and perf tables; --ratio-to TAG: every perf
+      server's ms per step over TAG's, pass by pass, and the median. Exit 1 on a failed verdict.
 """
 from __future__ import annotations
 
@@ -162,12 +164,45 @@ def cmd_run(a: argparse.Namespace) -> int:
         res["samples_s"] = round(time.time() - t, 1)
     if a.liveness:
         res["liveness"] = liveness(base, 20, a.bound)
+    perf_line = ""
     if a.perf:
-        res["perf"] = perf(base)
+        # Each --perf run is one pass; phase B interleaves the servers' passes (PERF_PASSES) so that
+        # compare --ratio-to can pair each pass with the reference's pass of the same minutes.
+        res["perf_passes"] = [*res.get("perf_passes", []), perf(base)]
+        res["perf"] = merge_passes(res["perf_passes"])
+        last = res["perf_passes"][-1]
+        perf_line = f"perf pass {len(res['perf_passes'])} ms/step " + " ".join(
+            f"bs{bs} {r['ms_per_step']}" for bs, r in last.items()) + "; "
     res["ddtree"] = ddtree_state(base)
     _write(a.out, res)
-    print(f"[proof] {a.tag}: done; ddtree={json.dumps(res['ddtree'])[:600]}", flush=True)
+    print(f"[proof] {a.tag}: done; {perf_line}ddtree={json.dumps(res['ddtree'])[:600]}", flush=True)
     return 0
+
+
+def merge_passes(passes: list[dict]) -> dict:
+    """Per batch size, the median over passes of each pass's median ms per step (range: the passes'
+    medians); the other figures from the pass nearest that median."""
+    if len(passes) == 1:
+        return passes[0]
+    merged = {}
+    for bs in passes[0]:
+        rows = [p[bs] for p in passes if bs in p]
+        ms = statistics.median(r["ms_per_step"] for r in rows)
+        nearest = min(rows, key=lambda r: abs(r["ms_per_step"] - ms))
+        merged[bs] = {**nearest, "ms_per_step": ms, "passes": len(rows),
+                      "ms_per_step_range": [min(r["ms_per_step"] for r in rows), max(r["ms_per_step"] for r in rows)]}
+    return merged
+
+
+def paired_ratios(cand: list[dict], ref: list[dict]) -> dict:
+    """Per batch size, cand's ms per step over ref's in the same pass (passes run interleaved, so a
+    pair shares the machine's state of those minutes): the ratios and their median."""
+    out = {}
+    for bs in ref[0] if ref else {}:
+        ratios = [round(c[bs]["ms_per_step"] / r[bs]["ms_per_step"], 3) for c, r in zip(cand, ref, strict=False) if bs in c and bs in r]  # a pass cut at the deadline
+        if ratios:
+            out[bs] = {"median": round(statistics.median(ratios), 3), "ratios": ratios}
+    return out
 
 
 # ------------------------------------------------------------------ two-sample tests
@@ -289,6 +324,17 @@ def cmd_compare(a: argparse.Namespace) -> int:
                 lo, hi = r.get("ms_per_step_range", [r["ms_per_step"]] * 2)
                 print(f"  {tag} | {bs} | {r['wall_s']} | {r['steps']} | {r['ms_per_step']} ({lo}-{hi}) | {r['accept_len']} | "
                       f"{r['tok_per_s']} | {d.get('steps', '-')} ({d.get('graph_steps', '-')})")
+    if a.ratio_to and summary["perf"]:
+        ref = part(a.ratio_to, "perf_passes") or []
+        summary["perf_ratios"] = {}
+        print(f"ms per step over {a.ratio_to}'s in the same pass (median over passes; per pass):")
+        for tag in summary["perf"]:
+            passes = part(tag, "perf_passes") or []
+            if tag == a.ratio_to or not passes or not ref:
+                continue
+            summary["perf_ratios"][tag] = paired_ratios(passes, ref)
+            for bs, r in summary["perf_ratios"][tag].items():
+                print(f"  {tag} | bs {bs} | {r['median']}x | {r['ratios']}")
     for tag, pr in summary["perf"].items():  # profiled servers: per-phase medians (ddtree_profile)
         for bs, r in pr.items():
             if r.get("profile"):
@@ -315,6 +361,7 @@ def main() -> int:
     c.add_argument("--liveness", nargs="*", default=[])
     c.add_argument("--expect-stall", nargs="*", default=[])
     c.add_argument("--perf", nargs="*", default=[])
+    c.add_argument("--ratio-to", help="a --perf tag: every other's ms per step over its, paired by pass")
     a = ap.parse_args()
     return cmd_run(a) if a.cmd == "run" else cmd_compare(a)
 

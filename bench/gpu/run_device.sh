@@ -134,6 +134,8 @@ if [ "${GRAPHS:-0}" = 1 ]; then
     "p_shadow_prof|/tmp/tiny_p|DF --speculative-ddtree-mode shadow-linear --speculative-ddtree-budget 64 PROF"
     "p_full64_unfused_prof|/tmp/tiny_p|$FULL 64 UNFUSED PROF"  # the same step without the verify kernels
     "p_dflash_twin|/tmp/tiny_p|DF"  # a second DFLASH process: the speed rows' process-to-process spread
+    "p_shadow_twin|/tmp/tiny_p|DF --speculative-ddtree-mode shadow-linear --speculative-ddtree-budget 64"
+    "p_shadow_every1|/tmp/tiny_p|DF --speculative-ddtree-mode shadow-linear --speculative-ddtree-budget 64 EVERY1"
     "r_plain|/tmp/tiny_r|" "r_dflash|/tmp/tiny_r|DF" "r_dflash_pristine|/tmp/tiny_r|DF PRISTINE"  # queried last
     "r_full16|/tmp/tiny_r|$FULL 16" "r_full64|/tmp/tiny_r|$FULL 64" "r_full256|/tmp/tiny_r|$FULL 256"
     "r_full64_cycle|/tmp/tiny_r|$FULL 64 CYCLE"
@@ -142,7 +144,8 @@ if [ "${GRAPHS:-0}" = 1 ]; then
   # speed), GRAPHS_SET=r the r set (mix, liveness, upstream's stall).
   case "${GRAPHS_SET:-}" in p) VARIANTS=("${VARIANTS[@]/r_*}") ;; r) VARIANTS=("${VARIANTS[@]/p_*}") ;; esac
   rm -rf /tmp/site_pristine && mkdir -p /tmp/site_pristine && tar -C /tmp/site_pristine -xJf .gpu/site312.tar.xz
-  ( python3 $HERE/sampling_kernels_check.py walk > "$OUT/sampling_kernels_check.log" 2>&1; echo "rc=$?" >> "$OUT/sampling_kernels_check.log"
+  # the GPU checks below share the CPU with the servers' start-up: a speed-only call leaves them out
+  [ "${PERF_ONLY:-0}" = 1 ] || ( python3 $HERE/sampling_kernels_check.py walk > "$OUT/sampling_kernels_check.log" 2>&1; echo "rc=$?" >> "$OUT/sampling_kernels_check.log"
     # the builder's Triton-vs-torch tests (skipped on CPU CI), with pytest carried in .gpu/pytest_site
     if [ -d .gpu/pytest_site ]; then PYTHONPATH=/tmp/site:$PWD/.gpu/pytest_site timeout 240 python3 -m pytest -q -p no:cacheprovider \
       tests/test_ddtree_triton.py tests/test_ddtree_verify_step.py > "$OUT/triton_tests.log" 2>&1; echo "rc=$?" >> "$OUT/triton_tests.log"; fi ) &
@@ -198,7 +201,8 @@ launch() {  # TAG MODEL_DIR EXTRA...
       BIAS) envs+=(SGLANG_DDTREE_TEST_BIASED_WALK=1) ;;  # a deliberately wrong sampled walk
       PROF) envs+=(SGLANG_DDTREE_PROFILE=1) ;;  # per-phase step times in /server_info (ddtree_profile)
       UNFUSED) envs+=(SGLANG_DDTREE_VERIFY_KERNELS=0) ;;  # the verify step on torch ops (ddtree_verify_step)
-      CYCLE) envs+=(SGLANG_DDTREE_TEST_CYCLE_BUDGETS=1) ;;  # step k takes the k-th ladder budget (0 included)
+      CYCLE) envs+=(SGLANG_DDTREE_TEST_CYCLE_BUDGETS=1) ;;
+      EVERY1) envs+=(SGLANG_DDTREE_SHADOW_EVERY=1) ;;  # shadow builds on every step, not one in 4: the build's cost x4  # step k takes the k-th ladder budget (0 included)
       TP2) args+=(--tp-size 2 --nccl-port $(( PORT[$tag] + 5 )) "${TP2_EXTRA_ARGS[@]}") ;;
       *) args+=("$a") ;;
     esac
