@@ -199,7 +199,9 @@ def paired_ratios(cand: list[dict], ref: list[dict]) -> dict:
     pair shares the machine's state of those minutes): the ratios and their median."""
     out = {}
     for bs in ref[0] if ref else {}:
-        ratios = [round(c[bs]["ms_per_step"] / r[bs]["ms_per_step"], 3) for c, r in zip(cand, ref, strict=False) if bs in c and bs in r]  # a pass cut at the deadline
+        # zip stops at the shorter list: a pass cut at the deadline has no partner
+        ratios = [round(c[bs]["ms_per_step"] / r[bs]["ms_per_step"], 3)
+                  for c, r in zip(cand, ref, strict=False) if bs in c and bs in r]
         if ratios:
             out[bs] = {"median": round(statistics.median(ratios), 3), "ratios": ratios}
     return out

@@ -201,8 +201,8 @@ launch() {  # TAG MODEL_DIR EXTRA...
       BIAS) envs+=(SGLANG_DDTREE_TEST_BIASED_WALK=1) ;;  # a deliberately wrong sampled walk
       PROF) envs+=(SGLANG_DDTREE_PROFILE=1) ;;  # per-phase step times in /server_info (ddtree_profile)
       UNFUSED) envs+=(SGLANG_DDTREE_VERIFY_KERNELS=0) ;;  # the verify step on torch ops (ddtree_verify_step)
-      CYCLE) envs+=(SGLANG_DDTREE_TEST_CYCLE_BUDGETS=1) ;;
-      EVERY1) envs+=(SGLANG_DDTREE_SHADOW_EVERY=1) ;;  # shadow builds on every step, not one in 4: the build's cost x4  # step k takes the k-th ladder budget (0 included)
+      CYCLE) envs+=(SGLANG_DDTREE_TEST_CYCLE_BUDGETS=1) ;;  # step k takes the k-th ladder budget (0 included)
+      EVERY1) envs+=(SGLANG_DDTREE_SHADOW_EVERY=1) ;;  # shadow builds on every step, not one in 4: the build's cost x4
       TP2) args+=(--tp-size 2 --nccl-port $(( PORT[$tag] + 5 )) "${TP2_EXTRA_ARGS[@]}") ;;
       *) args+=("$a") ;;
     esac
