@@ -19,8 +19,8 @@ pack() {  # only a few files come back from the device: keep the summaries, pack
     && find . -maxdepth 1 -type f ! -name logs.tgz ! -name summary.txt ! -name graphs_summary.json ! -name run.log -delete )
 }
 # A watchdog: whatever is still running at the deadline, the logs come back.
-( sleep $(( DEADLINE - $(date +%s) - 10 )); ts "watchdog: packing at the deadline"; pack ) &
-WATCHDOG=$!
+at_deadline() { ts "watchdog: packing at the deadline"; pack; }
+start_watchdog $(( DEADLINE - $(date +%s) - 10 )) at_deadline
 IFS='|' read -r tag model extra <<< "$first"; launch "$tag" "$model" $extra
 python3 $HERE/wait_all.py 300 "${PORT[$tag]}:${PID[$tag]}"
 ts "$first up (warm-up)"
@@ -106,5 +106,5 @@ stop_all; trap - EXIT
   echo "--- builder and verify-step Triton tests on the GPU"; tail -3 "$OUT/triton_tests.log" 2>/dev/null
 } 2>&1 | tee "$OUT/summary.txt"
 ts "done"
-kill $WATCHDOG 2>/dev/null
+stop_watchdog
 pack

@@ -16,8 +16,8 @@ summarize() {
     | tee "$OUT/summary.txt"
   return "${PIPESTATUS[0]}"
 }
-( sleep $(( DEADLINE - $(date +%s) - 15 )); ts "watchdog: summary and packing at the deadline"; summarize; pack ) &
-WATCHDOG=$!
+at_deadline() { ts "watchdog: summary and packing at the deadline"; summarize; pack; }
+start_watchdog $(( DEADLINE - $(date +%s) - 15 )) at_deadline
 WARM=("${TAGS[@]:0:3}"); REST=("${TAGS[@]:3}")
 for v in "${WARM[@]}"; do IFS='|' read -r tag model extra <<< "$v"; launch "$tag" "$model" $extra; done
 WP=(); for v in "${WARM[@]}"; do t=${v%%|*}; WP+=("${PORT[$t]}:${PID[$t]}"); done
@@ -37,7 +37,7 @@ for v in "${TAGS[@]}"; do
   ts "$t rc=$? $(grep -c '^\[sweep\]' "$OUT/client_$t.log") runs; $(grep '^\[sweep\].*greedy bs1' "$OUT/client_$t.log" | cut -c1-160)"
   kill -TERM -- "-${PID[$t]}" 2>/dev/null  # free its CPU and GPU share
 done
-kill $WATCHDOG 2>/dev/null
+stop_watchdog
 stop_all; trap - EXIT
 for t in "${!PID[@]}"; do grep -hE "Traceback|Error|refused" "$OUT/server_$t.log" | head -3 | sed "s/^/[$t] /" | cut -c1-300; done
 summarize; RC=$?
