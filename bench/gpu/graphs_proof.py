@@ -181,7 +181,8 @@ def cmd_run(a: argparse.Namespace) -> int:
 
 def merge_passes(passes: list[dict]) -> dict:
     """Per batch size, the median over passes of each pass's median ms per step (range: the passes'
-    medians); the other figures from the pass nearest that median."""
+    medians); the other figures from the pass nearest that median. One pass stays as measured (range:
+    its rounds)."""
     if len(passes) == 1:
         return passes[0]
     merged = {}
@@ -314,10 +315,15 @@ def cmd_compare(a: argparse.Namespace) -> int:
         ok &= good
         print(f"liveness {tag}: {'ok' if live['ok'] else 'STALLED'} ({len(live['rounds'])} rounds, max {live['max_s']} s, "
               f"bound {live['bound_s']} s){' (expected: upstream before the fix)' if expected_stall else ''}")
+    perf_passes: dict[str, list[dict]] = {}
     for tag in a.perf:
-        pr = part(tag, "perf")
-        if pr:
-            summary["perf"][tag] = pr
+        try:
+            proof = load(tag)
+        except FileNotFoundError:
+            continue
+        if proof.get("perf"):
+            summary["perf"][tag] = proof["perf"]
+            perf_passes[tag] = proof.get("perf_passes") or []
     if summary["perf"]:
         print("perf (medians over rounds): tag | bs | wall s | steps | ms/step (range) | accept | tok/s | ddtree steps (graph)")
         for tag, pr in summary["perf"].items():
@@ -327,11 +333,10 @@ def cmd_compare(a: argparse.Namespace) -> int:
                 print(f"  {tag} | {bs} | {r['wall_s']} | {r['steps']} | {r['ms_per_step']} ({lo}-{hi}) | {r['accept_len']} | "
                       f"{r['tok_per_s']} | {d.get('steps', '-')} ({d.get('graph_steps', '-')})")
     if a.ratio_to and summary["perf"]:
-        ref = part(a.ratio_to, "perf_passes") or []
+        ref = perf_passes.get(a.ratio_to, [])
         summary["perf_ratios"] = {}
         print(f"ms per step over {a.ratio_to}'s in the same pass (median over passes; per pass):")
-        for tag in summary["perf"]:
-            passes = part(tag, "perf_passes") or []
+        for tag, passes in perf_passes.items():
             if tag == a.ratio_to or not passes or not ref:
                 continue
             summary["perf_ratios"][tag] = paired_ratios(passes, ref)
