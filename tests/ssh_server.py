@@ -69,6 +69,11 @@ def _execute(channel: paramiko.Channel, command: str) -> None:
         channel.sendall(data)
     threads[1].join()
     channel.send_exit_status(proc.wait())
+    # paramiko acknowledges the exec request only after check_channel_exec_request returns, and this
+    # thread starts inside it: a quick command could close the channel before that reply, and the
+    # client's exec_command then fails with "Channel closed" (once in a CI run, 2026-12-02). Close once the
+    # client's EOF has arrived, which it sends only after the acknowledgement, as sshd's order is.
+    threads[0].join(timeout=30)
     channel.close()
 
 
