@@ -97,11 +97,14 @@ class ServerClient:
     byte now and then would hold a call for ever; the call runs in a daemon thread and is abandoned
     at its bound (the tunnel's end closes its connection)."""
 
-    def __init__(self, base_url: str, *, timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> None:
+    def __init__(self, base_url: str, *, timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+                 api_key: str | None = None) -> None:
         import httpx
 
         # No keep-alive: a restarted server must not be talked to over a connection to its predecessor.
-        self._client = httpx.Client(base_url=base_url, timeout=timeout_s,
+        # With --api-key SGLang wants the key as a bearer token (never logged: httpx logs no headers).
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        self._client = httpx.Client(base_url=base_url, timeout=timeout_s, headers=headers,
                                     limits=httpx.Limits(max_keepalive_connections=0, max_connections=64))
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
@@ -145,7 +148,9 @@ class ServerClient:
         """(status, parsed JSON or text); status None when the server could not be reached in time."""
         import httpx
 
-        bound = timeout_s or self.timeout_s
+        bound = self.timeout_s if timeout_s is None else timeout_s
+        if bound <= 0:
+            return None, "not sent: the gate's deadline had passed"
         try:
             resp = self._bounded(lambda: self._client.get(path, timeout=bound), bound)
         except (httpx.HTTPError, TimeoutError) as exc:
@@ -160,7 +165,9 @@ class ServerClient:
         with the status, the transport error, the missed deadline or what is wrong with the answer."""
         import httpx
 
-        bound = timeout_s or self.timeout_s
+        bound = self.timeout_s if timeout_s is None else timeout_s
+        if bound <= 0:
+            raise GenerateError("not sent: the gate's deadline had passed")
         try:
             resp = self._bounded(lambda: self._client.post("/generate", json=body, timeout=bound), bound)
         except (httpx.HTTPError, TimeoutError) as exc:
@@ -362,7 +369,8 @@ def run_canary(client: ServerClient, prompts: Sequence[CanaryPrompt], *, timeout
     for p in prompts:
         phases.setdefault(p.phase, []).append(p)
     for phase in phases.values():
-        bound = deadline.left(timeout_s or client.timeout_s) if deadline else (timeout_s or client.timeout_s)
+        cap = client.timeout_s if timeout_s is None else timeout_s
+        bound = deadline.left(cap) if deadline else cap
         if bound <= 0:
             errors.update({p.name: "not sent: the gate's deadline had passed" for p in phase})
             continue

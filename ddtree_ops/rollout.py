@@ -41,9 +41,11 @@ if TYPE_CHECKING:
 
 DEFAULT_BATCH = "1,25%,100%"
 # Test hook: the CLI SIGKILLs itself at this point of a promote (the crash tests' knife):
-# after_install, during_gates or before_commit.
+# after_install, during_gates, before_commit or after_commit.
 KILL_ENV = "DDTREE_OPS_TEST_KILL_PROMOTE_AT"
-# ...and the agent SIGKILLs itself inside unit_apply at this point (after_journal, after_write).
+HOLD_ENV = "DDTREE_OPS_TEST_HOLD_PROMOTE_AT"
+# ...and the agent SIGKILLs itself inside unit_apply or unit_commit at this point (after_backup,
+# after_journal, after_watchdog, after_write, after_reload, after_restart; after_evidence, after_state).
 AGENT_KILL_ENV = "DDTREE_OPS_TEST_KILL_UNIT_AT"
 DEFAULT_EVIDENCE_DIR = Path("evidence")
 DEFAULT_PAUSE_S = 600.0
@@ -168,8 +170,15 @@ class Clock:
 
 
 def _kill_point(name: str) -> None:
+    """The crash tests' knife (KILL_ENV), and their pause (HOLD_ENV=point:FILE: FILE.reached appears,
+    then the run waits until FILE.go exists), so a test can act on the host while a run is mid-stage."""
     if os.environ.get(KILL_ENV) == name:
         os.kill(os.getpid(), signal.SIGKILL)
+    point, _, path = os.environ.get(HOLD_ENV, "").partition(":")
+    if point == name and path:
+        Path(path + ".reached").touch()
+        while not Path(path + ".go").exists():
+            time.sleep(0.1)
 
 
 # ----------------------------------------------------------------------------- per host
@@ -290,8 +299,7 @@ class _HostRun:
     def wait_ready(self, *, since: float | None = None, restart: dict[str, Any] | None = None,
                    start_if_inactive: bool = False) -> gates.GateVerdict:
         self.ctx.step("waiting for the service")
-        timeout = self.start_timeout() + (self.host.stop_timeout_s if restart else 0)
-        answer = service.wait_ready(self.session, self.host, timeout_s=timeout, since=since,
+        answer = service.wait_ready(self.session, self.host, timeout_s=self.start_timeout(), since=since,
                                     after_invocation=(restart or {}).get("invocation_before"),
                                     start_if_inactive=start_if_inactive)
         self.clock.wait_s += float(answer.get("seconds") or 0)
@@ -425,12 +433,36 @@ def _abandon(run: _HostRun, exc: BaseException) -> str:
     try:
         undone = service.restore(run.session, run.host, lock_id=run.lock_id, operator=run.opts.operator,
                                  to="journal", reason=f"promote stopped: {type(exc).__name__}", timeout=60)
+        if undone.get("committed"):
+            return "the host had confirmed the stage"
         if undone.get("noop"):
-            return "the stage was already undone on the host"
+            return "nothing of the stage stays installed"
         return "the previous unit was put back"
     except Exception as restore_exc:  # noqa: BLE001 - the watchdog is the backstop, say so
         return (f"putting the previous unit back failed ({type(restore_exc).__name__}: {restore_exc}); the host "
                 f"does it by itself within {run.host.confirm_timeout_s}s (its confirm deadline)")
+
+
+def _settle_lost_commit(run: _HostRun, exc: OpsError, summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The commit's answer never came (or came as an error): ask the host how the stage stands. Its
+    commit point is one file rename, so it is either confirmed (then this host passed) or not (then
+    it is undone here and now, or by its watchdog)."""
+    assert run.lease is not None
+    run.lease.follow(None)
+    try:
+        settled = service.restore(run.session, run.host, lock_id=run.lock_id, operator=run.opts.operator,
+                                  to="journal", reason="its commit did not answer", timeout=60)
+    except OpsError as again:
+        raise PromoteFailed(f"{run.host.name}: every gate passed, but the stage could not be confirmed: {exc.message}; "
+                            f"and the host could not be asked how it stands ({again.message}): it puts its previous "
+                            f"unit back by itself within {run.host.confirm_timeout_s}s unless the commit landed",
+                            code="commit_failed", hint="see `ddtree-ops status` once it answers",
+                            detail={"gates": summaries}) from None
+    if settled.get("committed"):
+        run.ctx.notice(f"the commit's answer was lost ({exc.message}), but the host had confirmed the stage")
+        return {"evidence": None}
+    raise PromoteFailed(f"{run.host.name}: every gate passed, but the stage could not be confirmed: {exc.message}; "
+                        "the previous unit is back", code="commit_failed", hint=exc.hint, detail={"gates": summaries})
 
 
 def _stage(run: _HostRun, info: dict[str, Any], mode: str, baseline: dict[str, Any] | None) -> dict[str, Any]:
@@ -440,14 +472,18 @@ def _stage(run: _HostRun, info: dict[str, Any], mode: str, baseline: dict[str, A
     assert run.client is not None and run.lease is not None
     unit = service.render_unit(host, mode)
     run.ctx.step(f"installing the {mode} unit")
-    applied = service.install(run.session, host, unit, lock_id=run.lock_id, operator=opts.operator,
-                              confirm_hard_s=run.confirm_hard_s(), adopt=opts.adopt,
-                              test_kill=os.environ.get(AGENT_KILL_ENV))
+    try:
+        applied = service.install(run.session, host, unit, lock_id=run.lock_id, operator=opts.operator,
+                                  confirm_hard_s=run.confirm_hard_s(), adopt=opts.adopt,
+                                  test_kill=os.environ.get(AGENT_KILL_ENV))
+    except OpsError as exc:  # an install that died half-way (a lost connection) goes back at once
+        raise PromoteFailed(f"{host.name}: installing the {mode} unit failed: {exc.message}; {_abandon(run, exc)}",
+                            code=exc.code, hint=exc.hint, detail=getattr(exc, "detail", None)) from None
     run.lease.follow(applied["unit_id"])
     try:
         return _gate_stage(run, info, mode, baseline, unit, applied)
     except PromoteFailed as exc:
-        if exc.code in ("lease_lost", "commit_failed"):
+        if exc.code == "lease_lost":
             exc.detail["host_side"] = _abandon(run, exc)
         raise
     except BaseException as exc:
@@ -500,10 +536,10 @@ def _gate_stage(run: _HostRun, info: dict[str, Any], mode: str, baseline: dict[s
             committed = service.commit(run.session, host, lock_id=run.lock_id, operator=opts.operator,
                                        unit_id=applied["unit_id"], mode=mode,
                                        record={"gates": summaries, "accept_length": accept},
-                                       evidence=evidence, canary=canary_record)
+                                       evidence=evidence, canary=canary_record,
+                                       test_kill=os.environ.get(AGENT_KILL_ENV))
         except OpsError as exc:
-            raise PromoteFailed(f"{host.name}: every gate passed, but the stage could not be confirmed: {exc.message}",
-                                code="commit_failed", hint=exc.hint, detail={"gates": summaries}) from None
+            committed = _settle_lost_commit(run, exc, summaries)
         run.lease.follow(None)
         _kill_point("after_commit")
         try:  # the stage is confirmed: a late evidence problem is a notice, never a failed host
@@ -604,7 +640,8 @@ def promote_host(ctx: HostContext, inventory: Inventory, opts: PromoteOptions) -
                            f"({settled.get('mode')})")
                 info = service.inspect(session, host, None, mode=opts.mode)
             with tunnel.forward(session, host.serve_host, host.serve_port) as port:
-                run.client = gates.ServerClient(f"http://127.0.0.1:{port}", timeout_s=opts.request_timeout_s)
+                run.client = gates.ServerClient(f"http://127.0.0.1:{port}", timeout_s=opts.request_timeout_s,
+                                                api_key=service.api_key(host))
                 try:
                     stages = []
                     if info["service"].get("LoadState") != "loaded":
@@ -707,7 +744,7 @@ def rollback_host(ctx: HostContext, inventory: Inventory, *, to: str = "previous
         restart = out.get("restart") or unit.get("restart")
         if restart and restart.get("action") == "restart":
             ctx.step("waiting for the service")
-            answer = service.wait_ready(session, host, timeout_s=float(host.start_timeout_s + host.stop_timeout_s),
+            answer = service.wait_ready(session, host, timeout_s=float(host.start_timeout_s),
                                         since=restart.get("since"), after_invocation=restart.get("invocation_before"))
             verdict = gates.ready_verdict(answer)
             out["ready"] = verdict.summary()

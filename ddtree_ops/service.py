@@ -151,6 +151,13 @@ def split_secret_args(argv: Sequence[str]) -> tuple[list[str | SecretArg], dict[
     return words, secrets
 
 
+def api_key(host: HostConfig) -> str | None:
+    """The server's --api-key from extra_args (SGLang then wants it as a bearer token on every path
+    but /health* and /metrics): the gates must send it. A secret: never printed."""
+    _, secrets = split_secret_args(host.extra_args)
+    return secrets.get(secret_arg_name("--api-key"))
+
+
 def exec_line(words: Sequence[str | SecretArg]) -> str:
     return " ".join(f'"{_escape(w.prefix).replace("$", "$$")}${{{w.name}}}"' if isinstance(w, SecretArg)
                     else exec_word(w) for w in words)
@@ -374,19 +381,24 @@ def install(session: HostSession, host: HostConfig, unit: RenderedUnit, *, lock_
 
 def wait_ready(session: HostSession, host: HostConfig, *, timeout_s: float, since: float | None = None,
                after_invocation: str | None = None, start_if_inactive: bool = False) -> dict[str, Any]:
-    """The ready probe, run on the host: /health_generate 200 while the unit stays active (with
-    after_invocation: from a new invocation of the unit, once a queued restart ran)."""
+    """The ready probe, run on the host: /health_generate 200 within timeout_s while the unit stays
+    active (with after_invocation: from a new invocation of the unit, once a queued restart has
+    stopped the old process, which may take the unit's stop timeout first)."""
+    stop_s = float(host.stop_timeout_s) + 30 if after_invocation is not None else 0.0
     args = {"service": host.service, "url": f"http://{_url_host(host.serve_host)}:{host.serve_port}/health_generate",
-            "timeout_s": timeout_s, "since": since, "start_if_inactive": start_if_inactive,
+            "timeout_s": timeout_s, "stop_timeout_s": stop_s, "since": since, "start_if_inactive": start_if_inactive,
             "after_invocation": after_invocation, "env_path": unit_paths(host).env_path}
-    return _call(session, "unit_wait", args, timeout=timeout_s + 60)
+    return _call(session, "unit_wait", args, timeout=stop_s + timeout_s + 60)
 
 
 def commit(session: HostSession, host: HostConfig, *, lock_id: str, operator: str, unit_id: str, mode: str,
-           record: dict[str, Any], evidence: dict[str, Any], canary: dict[str, Any] | None) -> dict[str, Any]:
+           record: dict[str, Any], evidence: dict[str, Any], canary: dict[str, Any] | None,
+           test_kill: str | None = None) -> dict[str, Any]:
     """Confirm the stage in flight (refused, and the stage undone, once its deadline has passed)."""
     args = {"state_dir": host.state_dir, "lock_id": lock_id, "operator": operator, "unit_id": unit_id,
             "mode": mode, "record": record, "evidence": evidence, "canary": canary}
+    if test_kill:
+        args["test_kill"] = test_kill
     return _call(session, "unit_commit", args, timeout=STEP_TIMEOUT_S)
 
 

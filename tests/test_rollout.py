@@ -142,3 +142,22 @@ def test_keep_chain_settings_expected_and_gated(tmp_path: Path) -> None:
     with _info_server(info(True, None)) as client:
         worker = gates.settings_gate(client, expect)
     assert worker.verdict == "fail" and "keep_chain=None" in worker.reason
+
+
+def test_unwritable_evidence_dir_is_a_usage_error_before_any_host(tmp_path: Path) -> None:
+    """A stage must never confirm and then be reported failed for want of a place for its evidence:
+    the evidence dir is checked before any host is contacted (these hosts do not exist)."""
+    inv = _inv(tmp_path, 2)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    out = CliRunner().invoke(app, ["promote", "--mode", "shadow-linear", "-i", str(inv.path), "--evidence-dir",
+                                   str(blocker / "evidence")])
+    assert out.exit_code == 2 and "cannot write evidence" in out.output and "--evidence-dir" in out.output
+
+
+def test_empty_limit_is_a_usage_error_for_every_fleet_command(tmp_path: Path) -> None:
+    inv = _inv(tmp_path, 2)
+    for argv in (["promote", "--mode", "full"], ["rollback"], ["status"], ["hosts"]):
+        for limit in ("", ","):
+            out = CliRunner().invoke(app, [*argv, "-i", str(inv.path), "--limit", limit])
+            assert out.exit_code == 2 and "names no host or group" in out.output, (argv, limit, out.output)

@@ -8,7 +8,7 @@ miss, or loses the network can never leave an unconfirmed unit serving.
 
 The deadline lives in the unit journal (`confirm`), on CLOCK_BOOTTIME (wall-clock jumps cannot
 move it; a reboot makes it expired). The watchdog is a transient systemd service started with
-`systemd-run` before the new unit is written: PID 1 owns it, so neither the SSH session's end nor
+`systemd-run` before the journal and the new unit are written: PID 1 owns it, so neither the SSH session's end nor
 the agent's death stops it, and it restarts if killed. It runs this same agent (`unit_watch`),
 fed from a file written here: its sources and its request.
 
@@ -33,6 +33,9 @@ from . import bootstrap
 from .atomic import AgentError, remove_durably, write_bytes_atomic
 
 GUARD = ".confirm.guard"
+# The watchdog starts before its stage's journal is written; an install that dies in between wrote
+# nothing, and the watchdog gives up waiting for the journal after this long.
+JOURNAL_GRACE_S = 10.0
 WATCH_DIR = "watch"
 UNIT_PREFIX = "ddtree-ops-confirm-"
 _UNIT_SAFE = re.compile(r"[^A-Za-z0-9:_.-]")

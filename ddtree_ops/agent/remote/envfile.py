@@ -6,7 +6,8 @@ reads the env file with it to know the values it must redact. `parse` follows th
 of systemd's parse_env_file_internal (src/basic/env-file.c): `#`/`;` comment lines, whitespace
 around keys and unquoted values dropped, '…' literal, "…" with \\ \" \\$ \\` unescaped (any other
 backslash kept), an unquoted backslash escaping the next character, backslash-newline a
-continuation, quoted and unquoted pieces of one value joined.
+continuation; a quote opens a quoted piece only where a piece begins (after `=` or a closing
+quote), elsewhere it is a character of the value.
 """
 
 from __future__ import annotations
@@ -67,9 +68,9 @@ def parse(text: str) -> list:
                     del value[value_ws:]
                 push()
                 state, line = "pre_key", line + 1
-            elif c == "'":
+            elif c == "'" and state == "pre_value":  # a quote opens only where a value (piece) begins
                 state = "single"
-            elif c == '"':
+            elif c == '"' and state == "pre_value":
                 state = "double"
             elif c == "\\":
                 state, value_ws = "value_escape", None

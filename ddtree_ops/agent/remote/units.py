@@ -518,16 +518,25 @@ def _backup(sd: Path, unit_id: str, files: list, service: str, mode: str, from_m
     return record
 
 
-def _prune_retired(sd: Path, keep: list) -> None:
-    """Records a crash left between a stage's retirement and its forget."""
+def _prune_orphans(sd: Path, env_path: Path, keep: list) -> None:
+    """Under the lock, with no stage in flight: every stage record and kept env file that is not on the
+    stack is what a crash left (a stage retired but not yet forgotten, an install killed before its
+    journal): it goes, a kept env file first of all (it may hold a rotated secret)."""
     try:
-        entries = list((sd / UNITS).iterdir())
+        entries = [e for e in (sd / UNITS).iterdir() if not e.name.startswith(".")]
     except FileNotFoundError:
-        return
+        entries = []
     for entry in entries:
-        rec = read_json(entry / "record.json") if entry.is_dir() and not entry.name.startswith(".") else None
-        if isinstance(rec, dict) and rec.get("retired") and entry.name not in keep and not _record_problem(rec):
-            _forget(sd, rec)
+        if entry.name not in keep:
+            rec = read_json(entry / "record.json") if entry.is_dir() else None
+            if isinstance(rec, dict) and not _record_problem(rec):
+                _forget(sd, rec)
+            shutil.rmtree(entry, ignore_errors=True)
+    folder = env_path.parent / ENV_BACKUP_DIR
+    if folder.is_dir() and not folder.is_symlink():
+        for entry in folder.iterdir():
+            if entry.is_file() and not entry.is_symlink() and entry.name.split(".", 1)[0] not in keep:
+                remove_durably(entry)
 
 
 def op_unit_apply(args: dict) -> dict:
@@ -555,24 +564,27 @@ def op_unit_apply(args: dict) -> dict:
         stack = _stack(st)
         if stack and not adopt:
             _refuse_drift(_record(sd, stack[-1]), "promote")
-        _prune_retired(sd, stack)
+        _prune_orphans(sd, env_path, stack)
         active_before = show(service).get("ActiveState") in _ACTIVE
         unit_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}-{mode}"
         rec = _backup(sd, unit_id, [("unit", unit_path, text.encode()), ("env", env_path, env_text.encode())],
                       service, mode, st.get("mode"), active_before)
         _kill_point("after_backup", args)
+        # The watchdog first: no journal (and so no change) ever exists without one. It waits a
+        # moment for the journal; an install that dies before writing it changed nothing.
+        confirm.arm(window, hard)  # refuses a bad window before anything starts
+        try:
+            confirm.start_watchdog(sd, unit_id, service)
+        except AgentError:
+            _forget(sd, rec)
+            raise
+        _kill_point("after_watchdog", args)
         jr = {"unit_id": unit_id, "mode": mode, "operator": operator, "started": state.now_iso(),
               "confirm": confirm.arm(window, hard), "watchdog": confirm.unit_name(unit_id),
               "files": [{"path": str(unit_path)}, {"path": str(env_path)}]}
         with confirm.guard(sd):
             write_json_atomic(sd / UNIT_JOURNAL, jr)
         _kill_point("after_journal", args)
-        try:
-            confirm.start_watchdog(sd, unit_id, service)
-        except AgentError:
-            undo_journal(sd, reason="its confirm watchdog could not start")  # nothing was written yet
-            raise
-        _kill_point("after_watchdog", args)
         env_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         write_bytes_atomic(env_path, env_text.encode(), mode=0o600)
         unit_path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
@@ -626,30 +638,38 @@ def op_unit_watch(args: dict) -> dict:
     at its deadline."""
     sd = statefs.state_dir(args, scan_tree=False)
     unit_id = safe_name(str(args.get("unit_id") or ""), "unit id")
+    started = time.monotonic()
     while True:
         with confirm.guard(sd):
-            try:
-                jr = read_json(sd / UNIT_JOURNAL)
-            except AgentError as exc:
-                # Unreadable: it proves no deadline, so the stage is undone (the damaged file is kept).
-                from . import repair
-
-                repair.set_aside(sd / UNIT_JOURNAL)
-                jr = {"unit_id": unit_id, "operator": "watchdog", "confirm": None, "damaged": exc.message}
-            if not isinstance(jr, dict) or jr.get("unit_id") != unit_id:
-                outcome = {"outcome": "settled"}
-                break
-            why = confirm.expired(jr.get("confirm"))
-            if why:
-                try:
-                    outcome = {"outcome": "undone", "undone": _undo_stage(sd, jr, adopt=False, reason=why)}
-                except AgentError as exc:
-                    outcome = _stop_unconfirmed(sd, jr, exc)
-                break
-            pause = max(0.2, min(1.0, confirm.remaining_s(jr["confirm"])))
+            outcome, pause = _watch_once(sd, unit_id, time.monotonic() - started)
+        if outcome is not None:
+            break
         time.sleep(pause)
     confirm.finish_watchdog(sd, unit_id)
     return {"unit_id": unit_id, **outcome}
+
+
+def _watch_once(sd: Path, unit_id: str, waited_s: float) -> tuple[dict | None, float]:
+    """One look (under confirm.guard): the outcome once the stage is settled, else how long to sleep."""
+    try:
+        jr = read_json(sd / UNIT_JOURNAL)
+    except AgentError as exc:
+        # Unreadable: it proves no deadline, so the stage is undone (the damaged file is kept).
+        from . import repair
+
+        repair.set_aside(sd / UNIT_JOURNAL)
+        jr = {"unit_id": unit_id, "operator": "watchdog", "confirm": None, "damaged": exc.message}
+    if jr is None and waited_s < confirm.JOURNAL_GRACE_S:
+        return None, 0.2  # its install has not written the journal yet
+    if not isinstance(jr, dict) or jr.get("unit_id") != unit_id:
+        return {"outcome": "settled"}, 0.0
+    why = confirm.expired(jr.get("confirm"))
+    if why:
+        try:
+            return {"outcome": "undone", "undone": _undo_stage(sd, jr, adopt=False, reason=why)}, 0.0
+        except AgentError as exc:
+            return _stop_unconfirmed(sd, jr, exc), 0.0
+    return None, max(0.2, min(1.0, confirm.remaining_s(jr["confirm"])))
 
 
 # ---------------------------------------------------------------- ready
@@ -675,11 +695,14 @@ def op_unit_wait(args: dict) -> dict:
     if not re.fullmatch(r"http://[A-Za-z0-9.:\[\]%-]+:[0-9]{1,5}/[A-Za-z0-9_/]*", url):
         raise AgentError("bad_request", f"bad url {url!r}")
     timeout_s = float(args.get("timeout_s") or 600)
+    # With a queued restart: first the old process stops (up to its TimeoutStopSec), and only then
+    # does the new invocation's start timeout begin.
+    stop_s = float(args.get("stop_timeout_s") or 0)
     env_path = _abs(args, "env_path") if args.get("env_path") else None
     since = args.get("since")
     old = args.get("after_invocation")
     notes = []
-    started = time.monotonic()
+    started = began = time.monotonic()
     props = show(service)
     if args.get("start_if_inactive") and props.get("ActiveState") not in _ACTIVE:
         if props.get("LoadState") != "loaded":
@@ -704,6 +727,8 @@ def op_unit_wait(args: dict) -> dict:
         props = show(service)
         active = props.get("ActiveState")
         new = old is None or props.get("InvocationID") != old
+        if not new:
+            began = time.monotonic()
         # A crash with restarts left is systemd's to retry (activating/auto-restart); once the start
         # limit is hit the unit is `failed` (Result=start-limit-hit), and a unit that stopped is
         # `inactive`: both end the wait at once, once it is the new invocation that ended.
@@ -715,10 +740,12 @@ def op_unit_wait(args: dict) -> dict:
             last_http, last_error = _http_status(url, 5.0)
             if last_http == 200:
                 return answer(True, invocation=props.get("InvocationID"))
-        if time.monotonic() - started > timeout_s:
-            waiting = "for the restart to begin" if not new else f"for a 200 from /health_generate (last: " \
-                      f"{last_http or last_error or active})"
-            return answer(False, failed=False, reason=f"not ready within {timeout_s:.0f}s: still waiting {waiting}")
+        if not new and time.monotonic() - started > stop_s + timeout_s:
+            return answer(False, failed=False, reason=f"the restart did not begin within {stop_s + timeout_s:.0f}s "
+                          f"(the old process still {active})")
+        if new and time.monotonic() - began > timeout_s:
+            return answer(False, failed=False, reason=f"not ready within {timeout_s:.0f}s: no 200 from "
+                          f"/health_generate (last: {last_http or last_error or active})")
         time.sleep(0.5)
 
 
@@ -827,6 +854,8 @@ def op_unit_restore(args: dict) -> dict:
                 # What the stage's server said, before its unit goes (evidence for any failed gate).
                 excerpt = journal_excerpt(_service(args), args.get("since"), env_path) if args.get("service") else None
                 undone = _undo_locked(sd, adopt=adopt, reason=str(args.get("reason") or "a gate did not pass"))
+            if undone and undone.get("committed"):  # its commit had landed: nothing to undo
+                return {"noop": True, "committed": True, "to": to, "undone": undone, "mode": mode}
             evidence = args.get("evidence")
             if isinstance(evidence, dict):
                 evidence = {**evidence, "journal": excerpt}
