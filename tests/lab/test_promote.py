@@ -164,6 +164,11 @@ def test_dry_run_shows_diff_and_plan_and_changes_nothing(lab_fleet, lab):
         assert sha_of(lab_fleet, h, UNIT) is None
         assert ssh(lab_fleet, h, f"find {STATE_DIR} -type f | sort | xargs sha256sum").stdout == before[h]
     assert doc["batches"] == [["lab-1"], ["lab-2"], ["lab-3"]]
+    # What a real run would refuse, the dry run refuses too, with the same exit code.
+    refused = promote_json(inv, "--mode", "full", "--dry-run", evidence=tmp / "ev", expect=1)
+    for r in by_host(refused).values():
+        assert r["status"] == "failed" and r["error"]["code"] == "shadow_linear_not_passed", r
+        assert "would be refused" in r["error"]["message"] and r["error"]["detail"]["unit_diff"]
 
 
 def test_full_rollout_on_three_hosts(lab_fleet, lab):
@@ -484,7 +489,9 @@ def test_a_second_operators_rollback_during_a_long_gate_is_refused(lab_fleet, la
     both, so a second operator's rollback and unlock are refused, and the stage still confirms."""
     invs, tmp = lab
     inv = _changed(invs, "lab-1", confirm_timeout_s=10, lock_ttl_s=10)
-    proc, hold = _promote_held(inv, tmp, "during_gates")
+    prompts = tmp / "operator.jsonl"
+    prompts.write_text(json.dumps({"text": "An operator's own prompt, run at every stage:", "max_new_tokens": 24}) + "\n")
+    proc, hold = _promote_held(inv, tmp, "during_gates", "--prompts", str(prompts))
     try:
         time.sleep(25)
         other = run_cli("rollback", "-i", str(inv), "--limit", "lab-1", "--json")
@@ -497,7 +504,10 @@ def test_a_second_operators_rollback_during_a_long_gate_is_refused(lab_fleet, la
         Path(f"{hold}.go").touch()
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
-    assert by_host(json.loads(out))["lab-1"]["data"]["result"] == "passed"
+    data = by_host(json.loads(out))["lab-1"]["data"]
+    assert data["result"] == "passed" and "operator prompt" in data["baseline"]["source"], data["baseline"]
+    canary = next(g for g in json.loads(Path(data["evidence"]["local"]).read_text())["gates"] if g["gate"] == "canary")
+    assert any(row["prompt"] == "operator-1-now" and row["identical"] for row in canary["evidence"]["comparison"])
     assert ssh(lab_fleet, "lab-1", f"test -e {STATE_DIR}/units-journal.json").returncode != 0
 
 
@@ -523,7 +533,8 @@ def test_secrets_live_only_in_the_env_file(lab_fleet, lab):
     go with their stage, and are all gone after rollback --to pristine."""
     invs, tmp = lab
     key = "sk-l4b-$HOME-%n-key"
-    inv = _changed(invs, "lab-3", extra_args=["--served-model-name", HOSTILE_NAME, "--api-key", key])
+    lab_args = yaml.safe_load(lab_fleet.inventory_path.read_text())["all"]["vars"].get("extra_args", [])
+    inv = _changed(invs, "lab-3", extra_args=[*lab_args, "--served-model-name", HOSTILE_NAME, "--api-key", key])
     texts = [run_cli("promote", "-i", str(inv), "--mode", "full", "--limit", "lab-3", "--dry-run", "--json").stdout]
     doc = promote_json(inv, "--mode", "full", "--limit", "lab-3", evidence=tmp / "ev-secrets", outputs=texts)
     assert by_host(doc)["lab-3"]["status"] == "ok", by_host(doc)["lab-3"]

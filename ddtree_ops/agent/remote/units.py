@@ -337,6 +337,17 @@ def _put_back(sd: Path, rec: dict, *, adopt: bool, keep_found: bool) -> dict:
     return {"restored": restored, "kept_as_found": kept_as_found, "found_kept": found}
 
 
+def _adopt(sd: Path, rec: dict | None, paths: list) -> None:
+    """Files kept as found (their backup was gone, --adopt): the stage below now counts them as what
+    it wrote, so the next rollback does not take the operator's choice for a change by hand."""
+    if rec is None or not paths:
+        return
+    for f in rec["files"]:
+        if f["path"] in paths:
+            f["after"] = sha256_file(f["path"])
+    write_json_atomic(_unit_dir(sd, rec["unit_id"]) / "record.json", rec)
+
+
 def _restart(service: str, run: bool) -> dict:
     """Queue a fresh start of the (restored or new) unit, or its stop when nothing should run. Queued,
     not waited for: the old process may take TimeoutStopSec to drain, and unit_wait watches for the
@@ -379,6 +390,9 @@ def _undo_stage(sd: Path, jr: dict, *, adopt: bool, reason: str) -> dict:
     run = bool(rec.get("active_before"))
     restart = None if run else _restart(rec["service"], False)  # stopped while its unit is still known
     put = _put_back(sd, rec, adopt=adopt, keep_found=True)
+    if put["kept_as_found"]:
+        stack = _stack(state.load(sd))
+        _adopt(sd, _record(sd, stack[-1]) if stack else None, put["kept_as_found"])
     _daemon_reload()
     if run:
         restart = _restart(rec["service"], True)
@@ -470,7 +484,9 @@ def op_unit_inspect(args: dict) -> dict:
         "mode": st.get("mode"),
         "promotion": {k: promotion.get(k) for k in ("mode", "stack", "last", "passed")},
         "journal": jr,
-        "drift": drifted(_record(sd, stack[-1])) if stack else [],
+        # With a stage in flight the files are that stage's: it is settled first, and unit_apply checks
+        # for drift again after that, under the lock.
+        "drift": drifted(_record(sd, stack[-1])) if stack and jr is None else [],
     }
     text = args.get("lint_text")
     if isinstance(text, str):
@@ -848,8 +864,9 @@ def op_unit_restore(args: dict) -> dict:
             with confirm.guard(sd):
                 jr = read_json(sd / UNIT_JOURNAL)
                 if not isinstance(jr, dict):
+                    # The mode says whether ddtree-ops manages the service (a release rollback then restarts it).
                     return {"noop": True, "message": "no stage in flight (its confirm deadline may have undone it "
-                            "already)", "mode": None}
+                            "already)", "mode": state.load(sd).get("mode")}
                 mode = str(jr.get("mode"))
                 # What the stage's server said, before its unit goes (evidence for any failed gate).
                 excerpt = journal_excerpt(_service(args), args.get("since"), env_path) if args.get("service") else None
@@ -903,6 +920,8 @@ def op_unit_restore(args: dict) -> dict:
         for rec in records:
             _retire(sd, rec)
         popped = [r["unit_id"] for r in records]
+        remaining = [u for u in (_stack(st) if st is not None else []) if u not in popped]
+        _adopt(sd, _record(sd, remaining[-1]) if remaining else None, put["kept_as_found"])
 
         def change(s: dict) -> None:
             promo = s.setdefault("promotion", {})
