@@ -10,14 +10,22 @@ The canary is built to catch what short prompts miss: requests sent concurrently
 ends near the server's context length, long generations, and a shared prefix sent twice (the second
 round is served from the radix cache). Its prompts are fixed when the baseline is recorded and
 replayed unchanged, so "token-identical" compares like with like.
+
+Nothing a server answers can make a gate pass by accident or raise: every request and every gate
+has a wall-clock deadline (a server that drips its reply byte by byte is cut off at it), an answer
+of the wrong shape is an error of that request, a gate that raises anyway is a failed verdict with
+the exception as evidence, and a canary that compared fewer than MIN_CANARY_TOKENS tokens is
+inconclusive, never a pass.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -42,6 +50,9 @@ SHARED_PREFIX = ("You are a careful assistant. Read the following notes and answ
 SHARED_SUFFIXES = ("Question: when is the inventory counted?", "Question: when does the loading dock close?")
 CONCURRENT_TOKENS, LONG_TOKENS, NEAR_CONTEXT_TOKENS, SHARED_TOKENS = 48, 192, 8, 32
 LIVENESS_TOKENS = 48
+DEFAULT_GATE_TIMEOUT_S = 600.0
+# A canary that compared fewer greedy tokens than this judged nothing.
+MIN_CANARY_TOKENS = 32
 
 
 @dataclass
@@ -63,15 +74,39 @@ class GateVerdict:
         return {"gate": self.gate, "verdict": self.verdict, "reason": self.reason, "seconds": round(self.seconds, 3)}
 
 
-class ServerClient:
-    """httpx against one server (through the tunnel); counts the seconds spent waiting on it."""
+class Deadline:
+    """A gate's wall-clock bound: what is left of it, for each request it sends."""
 
-    def __init__(self, base_url: str, *, timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> None:
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.end = time.monotonic() + seconds
+
+    def left(self, cap: float | None = None) -> float:
+        left = max(0.0, self.end - time.monotonic())
+        return min(left, cap) if cap is not None else left
+
+    @property
+    def passed(self) -> bool:
+        return time.monotonic() >= self.end
+
+
+class ServerClient:
+    """httpx against one server (through the tunnel); counts the seconds spent waiting on it.
+
+    Every call has a wall-clock bound: httpx's timeouts count per read, so a server that sends a
+    byte now and then would hold a call for ever; the call runs in a daemon thread and is abandoned
+    at its bound (the tunnel's end closes its connection)."""
+
+    def __init__(self, base_url: str, *, timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+                 api_key: str | None = None) -> None:
         import httpx
 
         # No keep-alive: a restarted server must not be talked to over a connection to its predecessor.
-        self._client = httpx.Client(base_url=base_url, timeout=timeout_s,
+        # With --api-key SGLang wants the key as a bearer token (never logged: httpx logs no headers).
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        self._client = httpx.Client(base_url=base_url, timeout=timeout_s, headers=headers,
                                     limits=httpx.Limits(max_keepalive_connections=0, max_connections=64))
+        self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._in_flight = 0
         self._busy_since = 0.0
@@ -80,26 +115,45 @@ class ServerClient:
     def close(self) -> None:
         self._client.close()
 
-    def _timed(self, fn: Callable[[], Any]) -> Any:
+    def _bounded(self, fn: Callable[[], Any], bound_s: float) -> Any:
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # handed to the caller's thread
+                box["error"] = exc
+            finally:
+                done.set()
+
         with self._lock:
             if self._in_flight == 0:
                 self._busy_since = time.monotonic()
             self._in_flight += 1
         try:
-            return fn()
+            threading.Thread(target=run, daemon=True, name="ddtree-http").start()
+            if not done.wait(bound_s):
+                raise TimeoutError(f"no complete answer within {bound_s:.0f}s")
         finally:
             with self._lock:
                 self._in_flight -= 1
                 if self._in_flight == 0:
                     self.wait_s += time.monotonic() - self._busy_since
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
 
-    def get(self, path: str) -> tuple[int | None, Any]:
-        """(status, parsed JSON or text); status None when the server could not be reached."""
+    def get(self, path: str, timeout_s: float | None = None) -> tuple[int | None, Any]:
+        """(status, parsed JSON or text); status None when the server could not be reached in time."""
         import httpx
 
+        bound = self.timeout_s if timeout_s is None else timeout_s
+        if bound <= 0:
+            return None, "not sent: the gate's deadline had passed"
         try:
-            resp = self._timed(lambda: self._client.get(path))
-        except httpx.HTTPError as exc:
+            resp = self._bounded(lambda: self._client.get(path, timeout=bound), bound)
+        except (httpx.HTTPError, TimeoutError) as exc:
             return None, f"{type(exc).__name__}: {exc}"
         try:
             return resp.status_code, resp.json()
@@ -107,44 +161,93 @@ class ServerClient:
             return resp.status_code, resp.text[:2000]
 
     def generate(self, body: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
-        """POST /generate; raises GenerateError with the status or transport error."""
+        """POST /generate → the answer object (a dict with a list of int `output_ids`); raises GenerateError
+        with the status, the transport error, the missed deadline or what is wrong with the answer."""
         import httpx
 
+        bound = self.timeout_s if timeout_s is None else timeout_s
+        if bound <= 0:
+            raise GenerateError("not sent: the gate's deadline had passed")
         try:
-            resp = self._timed(lambda: self._client.post("/generate", json=body,
-                                                         timeout=timeout_s or self._client.timeout))
-        except httpx.HTTPError as exc:
+            resp = self._bounded(lambda: self._client.post("/generate", json=body, timeout=bound), bound)
+        except (httpx.HTTPError, TimeoutError) as exc:
             raise GenerateError(f"{type(exc).__name__}: {exc}") from None
         if resp.status_code != 200:
             raise GenerateError(f"HTTP {resp.status_code}: {resp.text[:300]}")
-        data = resp.json()
-        return data[0] if isinstance(data, list) else data
+        try:
+            data = resp.json()
+        except ValueError:
+            raise GenerateError(f"the answer is not JSON: {resp.text[:200]!r}") from None
+        return generate_answer(data)
 
 
 class GenerateError(Exception):
     pass
 
 
+def generate_answer(data: Any) -> dict[str, Any]:
+    """The one answer of a /generate call (SGLang answers a list for batched input), checked: a dict
+    whose `output_ids` is a list of ints and whose `meta_info`, when present, is an object."""
+    if isinstance(data, list):
+        if len(data) != 1:
+            raise GenerateError(f"expected one answer, got a list of {len(data)}")
+        data = data[0]
+    if not isinstance(data, dict):
+        raise GenerateError(f"the answer is a JSON {type(data).__name__}, not an object")
+    ids = data.get("output_ids")
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        what = "missing" if ids is None else f"a {type(ids).__name__}" if not isinstance(ids, list) else "not all ints"
+        raise GenerateError(f"`output_ids` is {what}")
+    meta = data.get("meta_info", {})
+    if not isinstance(meta, dict):
+        raise GenerateError(f"`meta_info` is a JSON {type(meta).__name__}, not an object")
+    return {**data, "meta_info": meta}
+
+
+def guarded(gate: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A gate that raises is a failed gate, with the exception as its evidence: never an exception
+    that leaves the stage unjudged."""
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            started = time.monotonic()
+            try:
+                return fn(*args, **kwargs)
+            except Exception as exc:
+                verdict = GateVerdict(gate, "fail", f"the gate could not judge the server's answers: "
+                                      f"{type(exc).__name__}: {exc}", time.monotonic() - started,
+                                      {"exception": traceback.format_exc(limit=6)[-3000:]})
+                return (verdict, None) if gate == "canary" else verdict
+
+        return run
+
+    return wrap
+
+
 # ----------------------------------------------------------------------------- server facts
 
 
-def server_info(client: ServerClient) -> dict[str, Any]:
+def server_info(client: ServerClient, deadline: Deadline | None = None) -> dict[str, Any]:
     """/server_info (0.5.x) and /get_server_info (older); both probed, both kept as evidence."""
     answers = {}
     for path in ("/server_info", "/get_server_info"):
-        status, body = client.get(path)
+        status, body = client.get(path, deadline.left(client.timeout_s) if deadline else None)
         answers[path] = {"status": status, "body": body if status == 200 else str(body)[:300]}
     chosen = next((a["body"] for a in answers.values() if a["status"] == 200 and isinstance(a["body"], dict)), None)
     return {"info": chosen, "probes": answers}
 
 
+def first_internal_state(info: dict[str, Any] | None) -> dict[str, Any]:
+    """internal_states[0] of /server_info when it is an object, else {}."""
+    states = (info or {}).get("internal_states")
+    return states[0] if isinstance(states, list) and states and isinstance(states[0], dict) else {}
+
+
 def ddtree_stats(info: dict[str, Any] | None) -> dict[str, Any] | None:
     """The payload worker's `ddtree` stats dict from internal_states[0], or None."""
-    states = (info or {}).get("internal_states")
-    if isinstance(states, list) and states and isinstance(states[0], dict):
-        stats = states[0].get("ddtree")
-        return stats if isinstance(stats, dict) else None
-    return None
+    stats = first_internal_state(info).get("ddtree")
+    return stats if isinstance(stats, dict) else None
 
 
 def context_limit(info: dict[str, Any] | None) -> int | None:
@@ -229,13 +332,22 @@ class CanaryRun:
     errors: dict[str, str]
     seconds: float
 
+    def merge(self, other: CanaryRun) -> None:
+        self.outputs.update(other.outputs)
+        self.meta.update(other.meta)
+        self.errors.update(other.errors)
+        self.seconds += other.seconds
+
+    def tokens(self) -> int:
+        return sum(len(ids) for ids in self.outputs.values())
+
     def accept_length(self) -> float | None:
         """Mean accepted tokens per verify step over the run (weighted by verify steps)."""
         num = den = 0.0
         plain = []
         for m in self.meta.values():
             length, steps = m.get("spec_accept_length"), m.get("spec_verify_ct")
-            if isinstance(length, int | float):
+            if isinstance(length, int | float) and not isinstance(length, bool):
                 plain.append(float(length))
                 if isinstance(steps, int | float) and steps > 0:
                     num += float(length) * steps
@@ -245,7 +357,10 @@ class CanaryRun:
         return round(sum(plain) / len(plain), 4) if plain else None
 
 
-def run_canary(client: ServerClient, prompts: Sequence[CanaryPrompt], *, timeout_s: float | None = None) -> CanaryRun:
+def run_canary(client: ServerClient, prompts: Sequence[CanaryPrompt], *, timeout_s: float | None = None,
+               deadline: Deadline | None = None) -> CanaryRun:
+    """Phases in order, each phase's requests at once; each request bounded by timeout_s and by what
+    is left of the gate's deadline (prompts not sent before it are errors)."""
     started = time.monotonic()
     outputs: dict[str, list[int]] = {}
     meta: dict[str, dict[str, Any]] = {}
@@ -254,35 +369,37 @@ def run_canary(client: ServerClient, prompts: Sequence[CanaryPrompt], *, timeout
     for p in prompts:
         phases.setdefault(p.phase, []).append(p)
     for phase in phases.values():
+        cap = client.timeout_s if timeout_s is None else timeout_s
+        bound = deadline.left(cap) if deadline else cap
+        if bound <= 0:
+            errors.update({p.name: "not sent: the gate's deadline had passed" for p in phase})
+            continue
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(phase))) as pool:
-            futures = {p.name: pool.submit(client.generate, p.body(), timeout_s) for p in phase}
+            futures = {p.name: pool.submit(client.generate, p.body(), bound) for p in phase}
             for name, fut in futures.items():
                 try:
                     answer = fut.result()
-                    outputs[name] = [int(t) for t in answer.get("output_ids") or []]
-                    m = answer.get("meta_info") or {}
+                    outputs[name] = list(answer["output_ids"])
+                    m = answer["meta_info"]
                     meta[name] = {k: m.get(k) for k in ("spec_accept_length", "spec_verify_ct", "completion_tokens",
                                                         "prompt_tokens", "finish_reason")}
-                except (GenerateError, ValueError, TypeError) as exc:
+                except GenerateError as exc:
                     errors[name] = str(exc)
     return CanaryRun(outputs, meta, errors, time.monotonic() - started)
 
 
-def build_baseline(client: ServerClient, extra: Sequence[CanaryPrompt] = ()) -> tuple[list[CanaryPrompt], CanaryRun, dict]:
+def build_baseline(client: ServerClient, extra: Sequence[CanaryPrompt] = (), *,
+                   deadline: Deadline | None = None) -> tuple[list[CanaryPrompt], CanaryRun, dict]:
     """Fix the prompt set against the running server and record its greedy outputs."""
     prompts = default_prompts() + list(extra)
-    info = server_info(client)["info"]
-    first = run_canary(client, prompts)
+    info = server_info(client, deadline)["info"]
+    first = run_canary(client, prompts, deadline=deadline)
     seed_ids = next((ids for ids in first.outputs.values() if ids), [])
     near, note = near_context_prompt(context_limit(info), seed_ids)
     notes = {"near_context": note}
     if near is not None:
         prompts.append(near)
-        extra_run = run_canary(client, [near])
-        first.outputs.update(extra_run.outputs)
-        first.meta.update(extra_run.meta)
-        first.errors.update(extra_run.errors)
-        first.seconds += extra_run.seconds
+        first.merge(run_canary(client, [near], deadline=deadline))
     return prompts, first, notes
 
 
@@ -314,11 +431,12 @@ def ready_verdict(answer: dict[str, Any]) -> GateVerdict:
     return GateVerdict("ready", "fail", str(answer.get("reason")), float(answer.get("seconds") or 0), evidence)
 
 
-def settings_gate(client: ServerClient, expect: dict[str, Any]) -> GateVerdict:
+@guarded("settings")
+def settings_gate(client: ServerClient, expect: dict[str, Any], *, deadline: Deadline | None = None) -> GateVerdict:
     """/server_info reports what the unit asked for: DFLASH, the DDTree mode, budget, cap and keep-chain
     (the last also from the DDTree worker's own stats)."""
     started = time.monotonic()
-    probed = server_info(client)
+    probed = server_info(client, deadline)
     info = probed["info"]
     evidence: dict[str, Any] = {"expected": expect, "probes": {p: a["status"] for p, a in probed["probes"].items()}}
     if info is None:
@@ -363,23 +481,31 @@ def compare_canary(baseline: dict[str, list[int]], run: CanaryRun) -> tuple[list
     return rows, failed
 
 
+@guarded("canary")
 def canary_gate(client: ServerClient, prompts: Sequence[CanaryPrompt], baseline: dict[str, list[int]],
-                *, timeout_s: float | None = None) -> tuple[GateVerdict, CanaryRun]:
-    """Greedy outputs token-identical to the baseline, prompt by prompt."""
-    run = run_canary(client, prompts, timeout_s=timeout_s)
+                *, timeout_s: float | None = None,
+                deadline: Deadline | None = None) -> tuple[GateVerdict, CanaryRun | None]:
+    """Greedy outputs token-identical to the baseline, prompt by prompt, over at least
+    MIN_CANARY_TOKENS compared tokens."""
+    run = run_canary(client, prompts, timeout_s=timeout_s, deadline=deadline)
     rows, failed = compare_canary(baseline, run)
     differing = [r for r in rows if not r["identical"]]
-    evidence = {"prompts": len(prompts), "comparison": rows, "errors": run.errors,
+    compared = sum(r.get("tokens", 0) for r in rows if r["identical"])
+    evidence = {"prompts": len(prompts), "compared_tokens": compared, "comparison": rows, "errors": run.errors,
                 "accept_length": run.accept_length()}
     if differing:
         names = ", ".join(f"{r['prompt']}@{r.get('first_difference')}" for r in differing[:6])
         reason = (f"{len(differing)} of {len(rows)} prompts differ from the baseline (first differing position: "
                   f"{names})") if not failed else f"{len(failed)} canary requests failed: {run.errors[failed[0]]}"
         return GateVerdict("canary", "fail", reason, run.seconds, evidence), run
-    return GateVerdict("canary", "pass", f"{len(rows)} prompts token-identical to the baseline", run.seconds,
-                       evidence), run
+    if compared < MIN_CANARY_TOKENS:
+        return GateVerdict("canary", "inconclusive", f"only {compared} tokens compared over {len(rows)} prompts "
+                           f"(minimum {MIN_CANARY_TOKENS}): too little to judge", run.seconds, evidence), run
+    return GateVerdict("canary", "pass", f"{len(rows)} prompts token-identical to the baseline ({compared} tokens)",
+                       run.seconds, evidence), run
 
 
+@guarded("liveness")
 def liveness_gate(client: ServerClient, *, bound_s: float = DEFAULT_LIVENESS_BOUND_S, requests: int = 3) -> GateVerdict:
     """Greedy and sampled requests at once must all finish within bound_s (upstream DFLASH
     0.5.13.post1 was seen to stall on exactly this mix)."""
@@ -410,21 +536,22 @@ def liveness_gate(client: ServerClient, *, bound_s: float = DEFAULT_LIVENESS_BOU
                        seconds, evidence)
 
 
-def acceptance_gate(client: ServerClient, run: CanaryRun, shadow_accept: float | None, margin: float) -> GateVerdict:
+@guarded("acceptance")
+def acceptance_gate(client: ServerClient, run: CanaryRun, shadow_accept: float | None, margin: float, *,
+                    deadline: Deadline | None = None) -> GateVerdict:
     """Full mode pays off: mean spec_accept_length over the canary ≥ shadow-linear's × (1 + margin),
     and the payload's stats show tree steps (tree verify really ran)."""
     started = time.monotonic()
-    info = server_info(client)["info"]
+    info = server_info(client, deadline)["info"]
     stats = ddtree_stats(info)
     accept = run.accept_length()
     evidence = {"accept_length": accept, "shadow_linear_accept_length": shadow_accept, "margin": margin,
-                "ddtree": stats, "avg_spec_accept_length": ((info or {}).get("internal_states") or [{}])[0]
-                .get("avg_spec_accept_length") if info else None}
+                "ddtree": stats, "avg_spec_accept_length": first_internal_state(info).get("avg_spec_accept_length")}
     seconds = time.monotonic() - started
     if accept is None or shadow_accept is None:
         missing = "this run's spec_accept_length" if accept is None else "the recorded shadow-linear accept length"
         return GateVerdict("acceptance", "inconclusive", f"{missing} is missing", seconds, evidence)
-    if stats is None or not isinstance(stats.get("tree_steps"), int):
+    if stats is None or not isinstance(stats.get("tree_steps"), int) or isinstance(stats.get("tree_steps"), bool):
         return GateVerdict("acceptance", "inconclusive", "no `ddtree` tree_steps in internal_states[0]", seconds,
                            evidence)
     if stats["tree_steps"] <= 0:

@@ -99,10 +99,19 @@ def _check_user(value: str) -> str:
     return value
 
 
+def _reject_trailing_backslash(value: str, what: str) -> None:
+    if value.endswith("\\"):
+        raise _invalid(
+            f"{what} ends with a backslash",
+            "remove it: in a unit file a trailing `\\` joins the next line to this one, changing the unit",
+        )
+
+
 def _check_remote_path(value: str) -> str:
     # Remote paths travel as JSON to the agent or through shlex.quote, so quotes, `;`, `$()` and
     # backticks are carried safely; control characters and relative paths are rejected.
     _reject_control_chars(value, "path")
+    _reject_trailing_backslash(value, "path")
     if not value.startswith("/"):
         raise _invalid(f"`{value}` is not an absolute path", "remote paths must start with `/` (they are resolved on the host)")
     if ".." in value.split("/"):
@@ -121,6 +130,7 @@ def _check_local_path(value: str, info: ValidationInfo) -> str:
 
 
 def _check_service(value: str) -> str:
+    _reject_trailing_backslash(value, "service name")
     if not _UNIT_RE.fullmatch(value) or value.startswith("-"):
         raise _invalid(f"`{value}` is not a systemd unit name", "use a unit name such as `sglang.service` (letters, digits, `:_.@-`)")
     # `systemctl` treats a bare name as `.service`; normalizing keeps state and logs consistent.
@@ -145,8 +155,21 @@ def _check_env_name(value: str) -> str:
     return value
 
 
+def _check_plain_env_name(value: str) -> str:
+    """service_environment lands in the unit file (mode 0644): a credential belongs in the secrets file."""
+    from ddtree_ops.agent.remote.redaction import is_secret_name
+
+    if is_secret_name(value):
+        raise _invalid(f"`{value}` looks like a credential, and service_environment is written into the unit "
+                       "file (readable by every user of the host)",
+                       "move it to service_secrets_file: those values reach the server only through the 0600 "
+                       "EnvironmentFile")
+    return _check_env_name(value)
+
+
 def _check_text(value: str) -> str:
     _reject_control_chars(value, "value")
+    _reject_trailing_backslash(value, "value")
     if not value:
         raise _invalid("empty string", "remove the field or give it a value")
     return value
@@ -161,6 +184,7 @@ JumpHost = Annotated[str, AfterValidator(_check_jump_host)]
 ModuleName = Annotated[str, AfterValidator(_check_module)]
 Text = Annotated[str, AfterValidator(_check_text)]
 EnvName = Annotated[str, AfterValidator(_check_env_name)]
+PlainEnvName = Annotated[str, AfterValidator(_check_plain_env_name)]
 
 
 class HostConfig(BaseModel):
@@ -199,7 +223,12 @@ class HostConfig(BaseModel):
     start_timeout_s: int = Field(900, ge=10, le=86400)
     stop_timeout_s: int = Field(120, ge=5, le=3600)
     restart_sec: int = Field(10, ge=1, le=3600)
-    service_environment: dict[EnvName, Text] = Field(default_factory=dict)
+    # Commit-confirmed stages: an installed stage puts the previous unit back by itself unless the
+    # control side renews it (by heartbeat, while its gates run) or confirms it within this window.
+    confirm_timeout_s: int = Field(60, ge=5, le=3600)
+    # A dead run's lock goes stale this long after its last heartbeat (a live run renews it).
+    lock_ttl_s: int = Field(120, ge=10, le=3600)
+    service_environment: dict[PlainEnvName, Text] = Field(default_factory=dict)
     service_secrets_file: LocalPath | None = None
     env_file: RemotePath | None = None
     read_write_paths: list[RemotePath] = Field(default_factory=list)
@@ -330,15 +359,19 @@ class Inventory:
     def select(self, limit: str | None) -> list[HostConfig]:
         """Hosts named by `limit` (comma-separated host names, group names or globs), in file order.
 
-        No limit selects every host. A pattern that matches nothing is a usage error, so a typo
-        in `--limit` cannot silently shrink a rollout.
+        No limit selects every host. An empty limit, and a pattern that matches nothing, are usage
+        errors, so an unset shell variable or a typo in `--limit` cannot silently grow or shrink a rollout.
         """
-        if limit is None or not limit.strip():
+        if limit is None:
             return list(self.hosts.values())
+        patterns = [p.strip() for p in limit.split(",") if p.strip()]
+        if not patterns:
+            # `--limit "$HOSTS"` with HOSTS unset must never mean the whole fleet (nor silently nothing).
+            raise LimitError(f"--limit {limit!r} names no host or group",
+                             hint="name hosts, groups or globs (comma-separated), or leave --limit out to select "
+                                  "every host")
         chosen: set[str] = set()
-        for pattern in (p.strip() for p in limit.split(",")):
-            if not pattern:
-                continue
+        for pattern in patterns:
             matched = self._match(pattern)
             if not matched:
                 raise LimitError(

@@ -167,7 +167,7 @@ def status_row(host: HostConfig, result: HostResult) -> dict[str, str]:
         # No state file: ddtree-ops never installed here. current null: everything rolled back.
         "release": "-" if not result.ok else ("none" if release is None else (release.get("current") or "pristine")),
         "mode": (release or {}).get("mode") or "-",
-        "last_promote": _promotion_cell((release or {}).get("promotion")),
+        "last_promote": _promotion_cell((release or {}).get("promotion"), (release or {}).get("in_flight")),
         "lock": (str(lock.get("who") or lock.get("owner") or "held") if lock else ("free" if result.ok else "-")),
         "gpus": _gpus_cell(facts.get("gpus")),
         "free_disk": human_bytes((facts.get("disk") or {}).get("free_bytes")),
@@ -175,8 +175,12 @@ def status_row(host: HostConfig, result: HostResult) -> dict[str, str]:
     }
 
 
-def _promotion_cell(promotion: dict[str, Any] | None) -> str:
-    """The last promote on a host: mode, result, gate verdicts, accept length."""
+def _promotion_cell(promotion: dict[str, Any] | None, in_flight: dict[str, Any] | None = None) -> str:
+    """The last promote on a host: mode, result, gate verdicts, accept length; first, a stage in flight."""
+    if in_flight:
+        left = in_flight.get("restores_in_s")
+        return (f"{in_flight.get('mode')} UNCONFIRMED" + (f" (restores itself in {left:.0f}s unless confirmed)"
+                                                          if isinstance(left, int | float) else ""))
     if not promotion or not promotion.get("last_mode"):
         return "-"
     marks = {"pass": "✓", "fail": "✗", "inconclusive": "?"}

@@ -45,13 +45,19 @@ steps seen). A gate that fails rolls the host back to its previous unit, restart
 serves the baseline again; the host is reported failed with the gate, the reason and the evidence
 (JSON under the host's state dir and in --evidence-dir).
 
+Every stage is commit-confirmed: the host installs it with a confirm deadline (confirm_timeout_s,
+renewed by this run's heartbeat while its gates run) and puts the previous unit back by itself
+unless promote confirms the stage in time. If promote is killed, hangs or loses the network, each
+host ends on its previous unit or on a confirmed new one, never on an unconfirmed one.
+
 Fleet order: the `canary` group (or the first --batch) alone, then the --batch sizes (Ansible
 serial: counts or percentages, the last repeats). The rollout stops after a batch once more hosts
 failed than --max-fail allows; hosts not reached are untouched and listed.
 
 Stage order: full needs a passed shadow-linear on that host (unless --force); full on a hybrid
 target is refused before any change. A host whose release is not a DDTree payload is refused
-(push first). An interrupted promote is undone by the next promote, rollback or unlock.
+(push first), and so is a unit changed by hand since ddtree-ops installed it (unless --adopt).
+--dry-run reports the refusals a real run would make, and exits as it would.
 """
 
 
@@ -126,6 +132,15 @@ def register(app: typer.Typer) -> None:
                                                           '"max_new_tokens": N}.')] = None,
         liveness_bound: Annotated[float, typer.Option("--liveness-bound", min=1, metavar="SECONDS",
                                                       help="Mixed greedy/sampled requests must finish within this.")] = 120.0,
+        gate_timeout: Annotated[float, typer.Option("--gate-timeout", min=1, metavar="SECONDS",
+                                                    help="Wall-clock bound of the settings, canary and acceptance "
+                                                         "gates each (a server that drips its answers fails it).")] = 600.0,
+        pause_for: Annotated[float, typer.Option("--pause-for", min=1, metavar="SECONDS",
+                                                 help="With --on-inconclusive pause: how long the paused stage stays "
+                                                      "installed for inspection before the host puts its previous "
+                                                      "unit back by itself.")] = 600.0,
+        adopt: Annotated[bool, typer.Option("--adopt", help="Replace a unit or env file changed by hand since "
+                                                              "ddtree-ops installed it (what was found is kept).")] = False,
         start_timeout: Annotated[float | None, typer.Option("--start-timeout", min=1, metavar="SECONDS",
                                                             help="Ready gate timeout (default: the host's "
                                                                  "start_timeout_s).")] = None,
@@ -148,7 +163,8 @@ def register(app: typer.Typer) -> None:
             opts = rollout.PromoteOptions(mode=mode, dry_run=dry_run, force=force, on_inconclusive=on_inconclusive,
                                           prompts=gates.load_prompt_file(prompts) if prompts else [],
                                           liveness_bound_s=liveness_bound, start_timeout_s=start_timeout,
-                                          evidence_dir=evidence_dir, lock_wait_s=lock_wait)
+                                          evidence_dir=evidence_dir, lock_wait_s=lock_wait, gate_timeout_s=gate_timeout,
+                                          pause_for_s=pause_for, adopt=adopt)
             title = f"promote {mode}" + (" (dry run)" if dry_run else "")
             progress = progress_for(hosts, title, json_mode=json_output)
             with terminate_like_ctrl_c(), progress or nullcontext():

@@ -30,9 +30,9 @@ from ddtree_ops.fleet import DEFAULT_CONCURRENCY, FleetProgress, HostContext, Ho
 
 if TYPE_CHECKING:
     from ddtree_ops.inventory import HostConfig, Inventory
+    from ddtree_ops.lease import HostLease
     from ddtree_ops.ssh import HostSession
 
-DEFAULT_LOCK_TTL_S = 900.0
 # Agent steps that touch only small files; install/rollback hash and copy a few MB at most.
 STEP_TIMEOUT_S = 120.0
 
@@ -111,10 +111,12 @@ def _base_args(host: HostConfig, operator: str) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _host_lock(ctx: HostContext, session: HostSession, *, command: str, operator: str, wait_s: float,
-               ttl_s: float = DEFAULT_LOCK_TTL_S) -> Iterator[str]:
-    """Hold the host lock across several agent calls; released on every exit path."""
+def _host_lock(ctx: HostContext, session: HostSession, *, command: str, operator: str,
+               wait_s: float) -> Iterator[HostLease]:
+    """Hold the host lock across several agent calls, kept fresh by heartbeat while this run lives;
+    released on every exit path."""
     from ddtree_ops.agent.remote import lock as agent_lock
+    from ddtree_ops.lease import HostLease, beat_interval
 
     ctx.step("waiting for lock" if wait_s else "locking")
     # host and pid are for people reading the lock; the run id is what tells two runs apart (a control
@@ -122,7 +124,7 @@ def _host_lock(ctx: HostContext, session: HostSession, *, command: str, operator
     # a later run on this same machine see that this one died.
     request = {
         **_base_args(ctx.host, operator), "who": operator, "command": command, "run_id": secrets.token_hex(8),
-        "host": socket.gethostname(), "pid": os.getpid(), "ttl_s": ttl_s, "wait_s": wait_s,
+        "host": socket.gethostname(), "pid": os.getpid(), "ttl_s": ctx.host.lock_ttl_s, "wait_s": wait_s,
         "control_process": agent_lock.control_process(),
     }
     try:
@@ -134,14 +136,18 @@ def _host_lock(ctx: HostContext, session: HostSession, *, command: str, operator
             raise
         _break_dead_run(ctx, session, holder, operator)
         answer = _call(session, "lock", request, timeout=STEP_TIMEOUT_S + wait_s)
-    lock_id = answer["lock_id"]
+    lease = HostLease(session, ctx.host, answer["lock_id"], beat_interval(ctx.host)).start()
     try:
-        yield lock_id
+        yield lease
     finally:
+        lease.stop()
         # Best effort on the way out: if the connection is gone the lock's TTL (or `unlock`) frees it,
         # and a failure here must not mask the error that got us here.
         with contextlib.suppress(Exception):
-            _call(session, "unlock", {"state_dir": ctx.host.state_dir, "lock_id": lock_id})
+            released = _call(session, "unlock", {"state_dir": ctx.host.state_dir, "lock_id": lease.lock_id})
+            if released.get("busy"):
+                ctx.notice("the host lock stays until an agent step of this run still running there ends "
+                           f"({', '.join(op.get('op', '?') for op in released['busy'])}), then expires with its TTL")
 
 
 def _break_dead_run(ctx: HostContext, session: HostSession, holder: dict[str, Any], operator: str) -> None:
@@ -204,10 +210,10 @@ def push_host(ctx: HostContext, inventory: Inventory, bundle: LocalBundle, *, dr
         if plan["noop"]:
             return {"release": plan["release"], "noop": True,
                     "message": f"{plan['release']} is already current; nothing to do", "files": plan["files"]}
-        with _host_lock(ctx, session, command="push", operator=operator, wait_s=lock_wait_s) as lock_id:
+        with _host_lock(ctx, session, command="push", operator=operator, wait_s=lock_wait_s) as lease:
             name = _upload(ctx, session, bundle, operator)
             ctx.step("installing")
-            args = {**_base_args(ctx.host, operator), "lock_id": lock_id, "bundle": name,
+            args = {**_base_args(ctx.host, operator), "lock_id": lease.lock_id, "bundle": name,
                     "bundle_sha256": bundle.sha256, "adopt": adopt}
             if test_kill_after_files is not None:
                 args["test_kill_after_files"] = test_kill_after_files
@@ -233,9 +239,9 @@ def rollback_host(ctx: HostContext, inventory: Inventory, *, to: str = "previous
                   lock_wait_s: float = 0.0, operator: str | None = None) -> dict[str, Any]:
     operator = operator or operator_name()
     with _session(ctx, inventory) as session, \
-            _host_lock(ctx, session, command=f"rollback --to {to}", operator=operator, wait_s=lock_wait_s) as lock_id:
+            _host_lock(ctx, session, command=f"rollback --to {to}", operator=operator, wait_s=lock_wait_s) as lease:
         ctx.step("rolling back")
-        return _call(session, "rollback", {**_base_args(ctx.host, operator), "lock_id": lock_id, "to": to,
+        return _call(session, "rollback", {**_base_args(ctx.host, operator), "lock_id": lease.lock_id, "to": to,
                                            "adopt": adopt})
 
 
@@ -280,16 +286,23 @@ def lock_holders(inventory: Inventory, hosts: Sequence[HostConfig], *, concurren
 
 def unlock(inventory: Inventory, hosts: Sequence[HostConfig], *, operator: str | None = None,
            concurrency: int = DEFAULT_CONCURRENCY, progress: FleetProgress | None = None) -> list[HostResult]:
-    """Break the host lock whoever holds it (the CLI confirms first), removing links planted in the
-    state dir. Also finishes an interrupted install or rollback left by the dead holder, or clears its
-    journal when that is damaged and no file is mixed, and undoes an interrupted promote stage, so the
-    host is consistent when the lock goes."""
+    """Break a dead run's host lock (the CLI confirms first), removing links planted in the state dir.
+    A lock whose heartbeat is fresh belongs to a live run and is refused, unless that run is one of
+    this machine that is gone. Also finishes an interrupted install or rollback left by the dead
+    holder, or clears its journal when that is damaged and no file is mixed, and settles an
+    interrupted promote stage, so the host is consistent when the lock goes."""
+    from ddtree_ops.agent.remote import lock as agent_lock
+
     who = operator or operator_name()
 
     def one(ctx: HostContext) -> dict[str, Any]:
         with _session(ctx, inventory) as session:
             ctx.step("unlocking")
-            released = _call(session, "unlock", {"state_dir": ctx.host.state_dir, "force": True})
+            holder = _call(session, "lock_status", {"state_dir": ctx.host.state_dir}).get("holder") or {}
+            proc = holder.get("control_process")
+            dead = holder.get("run_id") if isinstance(proc, dict) and agent_lock.died_here(proc) else None
+            released = _call(session, "unlock", {"state_dir": ctx.host.state_dir, "force": True,
+                                                 "dead_run_id": dead})
             recovered = _call(session, "recover", {**_base_args(ctx.host, who), "repair": True})
             # A promote killed mid-stage left its unit journal: undo it (its gates never passed).
             units = _call(session, "unit_recover", {**_base_args(ctx.host, who)})

@@ -25,7 +25,7 @@ import re
 import signal
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,15 +36,20 @@ from ddtree_ops.release import _call, _host_lock, _session, operator_name
 
 if TYPE_CHECKING:
     from ddtree_ops.inventory import HostConfig, Inventory
+    from ddtree_ops.lease import HostLease
     from ddtree_ops.ssh import HostSession
 
 DEFAULT_BATCH = "1,25%,100%"
 # Test hook: the CLI SIGKILLs itself at this point of a promote (the crash tests' knife):
-# after_install, during_gates or before_commit.
+# after_install, during_gates, before_commit or after_commit.
 KILL_ENV = "DDTREE_OPS_TEST_KILL_PROMOTE_AT"
-# ...and the agent SIGKILLs itself inside unit_apply at this point (after_journal, after_write).
+HOLD_ENV = "DDTREE_OPS_TEST_HOLD_PROMOTE_AT"
+# ...and the agent SIGKILLs itself inside unit_apply or unit_commit at this point (after_backup,
+# after_journal, after_watchdog, after_write, after_reload, after_restart; after_evidence, after_state).
 AGENT_KILL_ENV = "DDTREE_OPS_TEST_KILL_UNIT_AT"
 DEFAULT_EVIDENCE_DIR = Path("evidence")
+DEFAULT_PAUSE_S = 600.0
+CONFIRM_SLACK_S = 120.0
 
 
 class PromoteFailed(OpsError):
@@ -137,6 +142,9 @@ class PromoteOptions:
     operator: str = ""
     lock_wait_s: float = 0.0
     start_timeout_s: float | None = None  # default: the host's start_timeout_s
+    gate_timeout_s: float = gates.DEFAULT_GATE_TIMEOUT_S  # wall-clock bound of each gate but ready and liveness
+    pause_for_s: float = DEFAULT_PAUSE_S  # --on-inconclusive pause: how long the stage stays for inspection
+    adopt: bool = False  # replace a unit changed by hand since ddtree-ops installed it (kept as found)
 
     def __post_init__(self) -> None:
         if self.mode not in service.DDTREE_MODES:
@@ -162,8 +170,15 @@ class Clock:
 
 
 def _kill_point(name: str) -> None:
+    """The crash tests' knife (KILL_ENV), and their pause (HOLD_ENV=point:FILE: FILE.reached appears,
+    then the run waits until FILE.go exists), so a test can act on the host while a run is mid-stage."""
     if os.environ.get(KILL_ENV) == name:
         os.kill(os.getpid(), signal.SIGKILL)
+    point, _, path = os.environ.get(HOLD_ENV, "").partition(":")
+    if point == name and path:
+        Path(path + ".reached").touch()
+        while not Path(path + ".go").exists():
+            time.sleep(0.1)
 
 
 # ----------------------------------------------------------------------------- per host
@@ -196,6 +211,20 @@ def gate_plan(host: HostConfig, mode: str, start_timeout_s: float) -> list[str]:
     return plan
 
 
+def shadow_pass(info: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+    """The host's recorded shadow-linear pass, when it was made on the release installed now (release id
+    and bundle sha256); else (None, why it does not count)."""
+    passed = (info["promotion"].get("passed") or {}).get("shadow-linear")
+    if not passed:
+        return None, "no shadow-linear pass is recorded on this host"
+    release = info["release"]
+    if passed.get("release") != release.get("current") or passed.get("bundle_sha256") != release.get("bundle_sha256"):
+        return None, (f"the recorded shadow-linear pass ran on release {passed.get('release')} (bundle "
+                      f"{str(passed.get('bundle_sha256'))[:12]}), the host now runs {release.get('current')} (bundle "
+                      f"{str(release.get('bundle_sha256'))[:12]})")
+    return passed, None
+
+
 def _refusals(host: HostConfig, opts: PromoteOptions, info: dict[str, Any],
               ctx_notes: list[str]) -> list[dict[str, str]]:
     """Why this host must not be promoted, found before any change (notes: what could not be checked)."""
@@ -205,10 +234,10 @@ def _refusals(host: HostConfig, opts: PromoteOptions, info: dict[str, Any],
                     "message": f"the installed release ({info['release']['current'] or 'pristine sglang'}) is not "
                                "a DDTree payload", "hint": "push the DDTree bundle first: ddtree-ops push"})
     if opts.mode == "full":
-        passed = (info["promotion"].get("passed") or {}).get("shadow-linear")
+        passed, why = shadow_pass(info)
         if not passed and not opts.force:
             out.append({"code": "shadow_linear_not_passed",
-                        "message": "full needs a passed shadow-linear stage on this host (none recorded)",
+                        "message": f"full needs a passed shadow-linear stage on this host's current release ({why})",
                         "hint": "run promote --mode shadow-linear first (or --force to take the baseline "
                                 "from the service as it runs now)"})
         check = info.get("full_mode") or {}
@@ -218,6 +247,10 @@ def _refusals(host: HostConfig, opts: PromoteOptions, info: dict[str, Any],
         if check.get("refusal"):
             out.append({"code": "full_mode_refused", "message": check["refusal"],
                         "hint": "use --mode shadow-linear on this target"})
+    if info.get("drift") and not opts.adopt:
+        out.append({"code": "unit_drift", "message": "changed by hand since ddtree-ops installed it: "
+                    + ", ".join(info["drift"]), "hint": "inspect the change; promote --adopt replaces it (and keeps "
+                    "what it found)"})
     lint = info.get("lint") or {}
     if lint and not lint.get("ok"):
         out.append({"code": "unit_lint_failed", "message": "the rendered unit fails systemd-analyze verify: "
@@ -233,7 +266,7 @@ class _HostRun:
     session: HostSession
     opts: PromoteOptions
     secrets: tuple[str, ...]
-    lock_id: str = ""
+    lease: HostLease | None = None
     clock: Clock = field(default_factory=Clock)
     client: gates.ServerClient | None = None
 
@@ -241,12 +274,33 @@ class _HostRun:
     def host(self) -> HostConfig:
         return self.ctx.host
 
+    @property
+    def lock_id(self) -> str:
+        assert self.lease is not None
+        return self.lease.lock_id
+
     def start_timeout(self) -> float:
         return float(self.opts.start_timeout_s or self.host.start_timeout_s)
 
-    def wait_ready(self, *, since: float | None = None, start_if_inactive: bool = False) -> gates.GateVerdict:
+    def confirm_hard_s(self) -> float:
+        """A stage's whole life: the old process's stop, the new one's start, every gate's bound."""
+        return (self.host.stop_timeout_s + self.start_timeout() + 3 * self.opts.gate_timeout_s
+                + self.opts.liveness_bound_s + CONFIRM_SLACK_S)
+
+    def deadline(self) -> gates.Deadline:
+        return gates.Deadline(self.opts.gate_timeout_s)
+
+    def check_held(self) -> None:
+        """Between gates: stop at once when the host says this run's lock or stage is gone."""
+        if self.lease is not None and self.lease.lost:
+            raise PromoteFailed(f"{self.host.name}: {self.lease.lost}", code="lease_lost",
+                                hint="see `ddtree-ops status`; re-run promote")
+
+    def wait_ready(self, *, since: float | None = None, restart: dict[str, Any] | None = None,
+                   start_if_inactive: bool = False) -> gates.GateVerdict:
         self.ctx.step("waiting for the service")
         answer = service.wait_ready(self.session, self.host, timeout_s=self.start_timeout(), since=since,
+                                    after_invocation=(restart or {}).get("invocation_before"),
                                     start_if_inactive=start_if_inactive)
         self.clock.wait_s += float(answer.get("seconds") or 0)
         for note in answer.get("notes") or []:
@@ -257,87 +311,199 @@ class _HostRun:
         return service.redact(value, self.secrets)
 
 
-def _baseline(run: _HostRun, info: dict[str, Any]) -> dict[str, Any]:
-    """The outputs the new stage must reproduce: full → the recorded shadow-linear canary; otherwise
-    (or full with --force and no record) the canary on the service as it runs now."""
-    assert run.client is not None
-    record = info.get("shadow_linear_canary") if run.opts.mode == "full" else None
-    if isinstance(record, dict) and record.get("outputs"):
-        return {"source": "recorded shadow-linear canary", "prompts": gates.prompts_from_json(record["prompts"]),
-                "outputs": record["outputs"], "accept_length": record.get("accept_length"), "notes": {}}
+def _prompt_key(p: gates.CanaryPrompt) -> tuple[Any, ...]:
+    return (p.text, tuple(p.input_ids or ()), p.max_new_tokens)
+
+
+def _serving_as_is(run: _HostRun) -> None:
+    """The service as it runs now answers (started as it is if it was stopped): nothing changed yet."""
     ready = run.wait_ready(start_if_inactive=True)
     if not ready.passed:
         raise PromoteFailed(f"{run.host.name}: baseline: {run.host.service} does not serve as it is now: "
                             f"{ready.reason}", code="baseline_not_ready",
                             hint="nothing was changed; fix the running service first",
                             detail=run.redact({"gate": ready.to_dict()}))
-    run.ctx.step("baseline canary")
-    prompts, canary, notes = gates.build_baseline(run.client, run.opts.prompts)
+
+
+def _baseline(run: _HostRun, info: dict[str, Any]) -> dict[str, Any]:
+    """The outputs the new stage must reproduce: full → the shadow-linear canary recorded on this release,
+    plus the operator's prompts it does not hold, run on the service as it runs now; otherwise (or full
+    with --force and no such record) the canary on the service as it runs now."""
+    assert run.client is not None
+    record = info.get("shadow_linear_canary") if run.opts.mode == "full" and shadow_pass(info)[0] else None
+    if isinstance(record, dict) and record.get("outputs"):
+        prompts = gates.prompts_from_json(record["prompts"])
+        canary = gates.CanaryRun(dict(record["outputs"]), {}, {}, 0.0)
+        recorded = {_prompt_key(p) for p in prompts}
+        extra = [replace(p, name=f"{p.name}-now") for p in run.opts.prompts if _prompt_key(p) not in recorded]
+        source = "recorded shadow-linear canary"
+        if extra:
+            _serving_as_is(run)
+            run.ctx.step("baseline: operator prompts")
+            canary.merge(gates.run_canary(run.client, extra, timeout_s=run.opts.request_timeout_s,
+                                          deadline=run.deadline()))
+            prompts += extra
+            source += f" + {len(extra)} operator prompt(s) on the service as it runs now"
+        base = {"source": source, "prompts": prompts, "outputs": canary.outputs,
+                "accept_length": record.get("accept_length"), "notes": {}}
+    else:
+        _serving_as_is(run)
+        run.ctx.step("baseline canary")
+        prompts, canary, notes = gates.build_baseline(run.client, run.opts.prompts, deadline=run.deadline())
+        base = {"source": f"service as it ran ({info.get('mode') or 'not promoted'})", "prompts": prompts,
+                "outputs": canary.outputs, "accept_length": canary.accept_length(), "notes": notes}
     if canary.errors:
         raise PromoteFailed(f"{run.host.name}: baseline canary failed on the running service: "
                             f"{next(iter(canary.errors.values()))}", code="baseline_failed",
                             hint="nothing was changed", detail=run.redact({"errors": canary.errors}))
-    return {"source": f"service as it ran ({info.get('mode') or 'not promoted'})", "prompts": prompts,
-            "outputs": canary.outputs, "accept_length": canary.accept_length(), "notes": notes}
+    if canary.tokens() < gates.MIN_CANARY_TOKENS:
+        raise PromoteFailed(f"{run.host.name}: the baseline canary produced only {canary.tokens()} tokens (minimum "
+                            f"{gates.MIN_CANARY_TOKENS}): a comparison with it would judge nothing",
+                            code="baseline_too_short", hint="nothing was changed; check the running service, or add "
+                            "--prompts with longer generations")
+    return base
 
 
-def _run_gates(run: _HostRun, mode: str, baseline: dict[str, Any], since: float | None,
+def _run_gates(run: _HostRun, mode: str, baseline: dict[str, Any] | None, restart: dict[str, Any],
                shadow_accept: float | None) -> tuple[list[gates.GateVerdict], gates.CanaryRun | None]:
-    """Gates in order; stops at the first that does not pass."""
+    """Gates in order; stops at the first that does not pass. baseline None: the off stage on a host
+    that had no unit; it *is* the baseline, so only ready and settings apply to it."""
     assert run.client is not None
-    verdicts = [run.wait_ready(since=since)]
+    verdicts = [run.wait_ready(since=restart.get("since"), restart=restart)]
     if not verdicts[-1].passed:
         return verdicts, None
     _kill_point("during_gates")
+    run.check_held()
     run.ctx.step("gate: settings")
-    verdicts.append(gates.settings_gate(run.client, expected_settings(run.host, mode)))
-    if not verdicts[-1].passed:
+    verdicts.append(gates.settings_gate(run.client, expected_settings(run.host, mode), deadline=run.deadline()))
+    if not verdicts[-1].passed or baseline is None:
         return verdicts, None
+    run.check_held()
     run.ctx.step("gate: canary")
     verdict, canary = gates.canary_gate(run.client, baseline["prompts"], baseline["outputs"],
-                                        timeout_s=run.opts.request_timeout_s)
+                                        timeout_s=run.opts.request_timeout_s, deadline=run.deadline())
     verdicts.append(verdict)
     if not verdict.passed:
         return verdicts, canary
+    run.check_held()
     run.ctx.step("gate: liveness")
     verdicts.append(gates.liveness_gate(run.client, bound_s=run.opts.liveness_bound_s))
     if not verdicts[-1].passed or mode != "full":
         return verdicts, canary
+    run.check_held()
     run.ctx.step("gate: acceptance")
-    verdicts.append(gates.acceptance_gate(run.client, canary, shadow_accept, run.host.acceptance_margin))
+    assert canary is not None
+    verdicts.append(gates.acceptance_gate(run.client, canary, shadow_accept, run.host.acceptance_margin,
+                                          deadline=run.deadline()))
     return verdicts, canary
 
 
 def _write_local_evidence(opts: PromoteOptions, host: str, evidence: dict[str, Any]) -> str:
     path = opts.evidence_dir / opts.run_id / f"{host}-{evidence.get('mode')}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(evidence, indent=2, default=str) + "\n")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(evidence, indent=2, default=str) + "\n")
     os.replace(tmp, path)
     return str(path)
 
 
-def _stage(run: _HostRun, info: dict[str, Any], mode: str, baseline: dict[str, Any] | None) -> dict[str, Any]:
-    """Install one stage, gate it, commit it or roll it back. Returns the host's result data.
+def check_evidence_dir(opts: PromoteOptions) -> Path:
+    """Before any host: the run's evidence dir can be written (0700), so that no stage confirms and is
+    then reported failed for want of a place to put its evidence."""
+    folder = opts.evidence_dir / opts.run_id
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        probe = folder / ".writable"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise UsageError(f"cannot write evidence to {folder}: {exc.strerror or exc}",
+                         hint="pass --evidence-dir DIR (a directory you can write)", code="evidence_dir_unwritable") \
+            from None
+    return folder
 
-    baseline None: the off stage on a host that had no unit; it *is* the baseline, so only ready and
-    settings apply to it."""
+
+def _abandon(run: _HostRun, exc: BaseException) -> str:
+    """Something other than a gate verdict ended this stage (an error, a lost lease, an interrupt): put
+    the previous unit back now if the host still answers; else its watchdog does at the deadline."""
+    assert run.lease is not None
+    run.lease.follow(None)  # from here the deadline runs out by itself
+    try:
+        undone = service.restore(run.session, run.host, lock_id=run.lock_id, operator=run.opts.operator,
+                                 to="journal", reason=f"promote stopped: {type(exc).__name__}", timeout=60)
+        if undone.get("committed"):
+            return "the host had confirmed the stage"
+        if undone.get("noop"):
+            return "nothing of the stage stays installed"
+        return "the previous unit was put back"
+    except Exception as restore_exc:  # noqa: BLE001 - the watchdog is the backstop, say so
+        return (f"putting the previous unit back failed ({type(restore_exc).__name__}: {restore_exc}); the host "
+                f"does it by itself within {run.host.confirm_timeout_s}s (its confirm deadline)")
+
+
+def _settle_lost_commit(run: _HostRun, exc: OpsError, summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The commit's answer never came (or came as an error): ask the host how the stage stands. Its
+    commit point is one file rename, so it is either confirmed (then this host passed) or not (then
+    it is undone here and now, or by its watchdog)."""
+    assert run.lease is not None
+    run.lease.follow(None)
+    try:
+        settled = service.restore(run.session, run.host, lock_id=run.lock_id, operator=run.opts.operator,
+                                  to="journal", reason="its commit did not answer", timeout=60)
+    except OpsError as again:
+        raise PromoteFailed(f"{run.host.name}: every gate passed, but the stage could not be confirmed: {exc.message}; "
+                            f"and the host could not be asked how it stands ({again.message}): it puts its previous "
+                            f"unit back by itself within {run.host.confirm_timeout_s}s unless the commit landed",
+                            code="commit_failed", hint="see `ddtree-ops status` once it answers",
+                            detail={"gates": summaries}) from None
+    if settled.get("committed"):
+        run.ctx.notice(f"the commit's answer was lost ({exc.message}), but the host had confirmed the stage")
+        return {"evidence": None}
+    raise PromoteFailed(f"{run.host.name}: every gate passed, but the stage could not be confirmed: {exc.message}; "
+                        "the previous unit is back", code="commit_failed", hint=exc.hint, detail={"gates": summaries})
+
+
+def _stage(run: _HostRun, info: dict[str, Any], mode: str, baseline: dict[str, Any] | None) -> dict[str, Any]:
+    """Install one stage, commit-confirmed; gate it; confirm it, or roll it back. Returns the host's result
+    data. Whatever ends this function early, the host ends on its previous unit or the confirmed new one."""
     host, opts = run.host, run.opts
-    assert run.client is not None
+    assert run.client is not None and run.lease is not None
     unit = service.render_unit(host, mode)
     run.ctx.step(f"installing the {mode} unit")
-    applied = service.install(run.session, host, unit, lock_id=run.lock_id, operator=opts.operator,
-                              test_kill=os.environ.get(AGENT_KILL_ENV))
+    try:
+        applied = service.install(run.session, host, unit, lock_id=run.lock_id, operator=opts.operator,
+                                  confirm_hard_s=run.confirm_hard_s(), adopt=opts.adopt,
+                                  test_kill=os.environ.get(AGENT_KILL_ENV))
+    except OpsError as exc:  # an install that died half-way (a lost connection) goes back at once
+        raise PromoteFailed(f"{host.name}: installing the {mode} unit failed: {exc.message}; {_abandon(run, exc)}",
+                            code=exc.code, hint=exc.hint, detail=getattr(exc, "detail", None)) from None
+    run.lease.follow(applied["unit_id"])
+    try:
+        return _gate_stage(run, info, mode, baseline, unit, applied)
+    except PromoteFailed as exc:
+        if exc.code == "lease_lost":
+            exc.detail["host_side"] = _abandon(run, exc)
+        raise
+    except BaseException as exc:
+        outcome = _abandon(run, exc)
+        if not isinstance(exc, Exception):  # an interrupt: the CLI reports it, the host is safe
+            run.ctx.notice(f"interrupted during the {mode} stage: {outcome}")
+            raise
+        raise PromoteFailed(f"{host.name}: the {mode} stage stopped: {type(exc).__name__}: {run.redact(str(exc))}; "
+                            f"{outcome}", code="stage_error", hint="rerun with --debug for the traceback",
+                            detail={"host_side": outcome}) from exc
+
+
+def _gate_stage(run: _HostRun, info: dict[str, Any], mode: str, baseline: dict[str, Any] | None,
+                unit: service.RenderedUnit, applied: dict[str, Any]) -> dict[str, Any]:
+    host, opts = run.host, run.opts
+    assert run.lease is not None
     _kill_point("after_install")
-    since = applied["restart"]["since"]
-    canary: gates.CanaryRun | None = None
-    if baseline is None:
-        verdicts = [run.wait_ready(since=since)]
-        if verdicts[0].passed:
-            verdicts.append(gates.settings_gate(run.client, expected_settings(host, mode)))
-    else:
-        shadow = ((info["promotion"].get("passed") or {}).get("shadow-linear") or {}).get("accept_length")
-        verdicts, canary = _run_gates(run, mode, baseline, since, shadow)
+    restart = applied["restart"]
+    shadow = ((info["promotion"].get("passed") or {}).get("shadow-linear") or {}).get("accept_length")
+    verdicts, canary = _run_gates(run, mode, baseline, restart, shadow)
     failed = next((v for v in verdicts if not v.passed), None)
     lint = applied.get("lint") or {}
     accept = canary.accept_length() if canary else None
@@ -348,13 +514,14 @@ def _stage(run: _HostRun, info: dict[str, Any], mode: str, baseline: dict[str, A
         "unit": {"path": unit.paths.unit_path, "kind": unit.paths.kind, "argv": unit.argv,
                  "diff": service.unit_diff(info.get("installed_text"), unit.text, unit.paths.unit_path),
                  "lint_warnings": lint.get("warnings"), "exposure": lint.get("exposure"),
-                 "exposure_level": lint.get("exposure_level"), "unit_id": applied["unit_id"]},
+                 "exposure_level": lint.get("exposure_level"), "unit_id": applied["unit_id"],
+                 "confirm": applied.get("confirm")},
         "baseline": {k: v for k, v in (baseline or {}).items() if k in ("source", "accept_length", "notes")},
         "gates": [v.to_dict() for v in verdicts], "accept_length": accept,
     }
     pause = failed is not None and failed.verdict == "inconclusive" and opts.on_inconclusive == "pause"
     if failed is None:
-        _kill_point("before_commit")
+        run.check_held()
         evidence.update(result="passed", timing=run.clock.report(run.client))
         evidence = run.redact(evidence)
         canary_record = None
@@ -363,45 +530,67 @@ def _stage(run: _HostRun, info: dict[str, Any], mode: str, baseline: dict[str, A
             canary_record = {"mode": mode, "prompts": gates.prompts_to_json(baseline["prompts"]),
                              "outputs": canary.outputs, "accept_length": accept}
         run.ctx.step("recording")
-        committed = service.commit(run.session, host, lock_id=run.lock_id, operator=opts.operator,
-                                   unit_id=applied["unit_id"], mode=mode,
-                                   record={"gates": summaries, "accept_length": accept},
-                                   evidence=evidence, canary=canary_record)
-        local = _write_local_evidence(opts, host.name, evidence)
+        local = _write_local_evidence(opts, host.name, evidence)  # before the commit: a stage never
+        _kill_point("before_commit")                               # confirms without its evidence
+        try:
+            committed = service.commit(run.session, host, lock_id=run.lock_id, operator=opts.operator,
+                                       unit_id=applied["unit_id"], mode=mode,
+                                       record={"gates": summaries, "accept_length": accept},
+                                       evidence=evidence, canary=canary_record,
+                                       test_kill=os.environ.get(AGENT_KILL_ENV))
+        except OpsError as exc:
+            committed = _settle_lost_commit(run, exc, summaries)
+        run.lease.follow(None)
+        _kill_point("after_commit")
+        try:  # the stage is confirmed: a late evidence problem is a notice, never a failed host
+            local = _write_local_evidence(opts, host.name, {**evidence, "host_evidence": committed.get("evidence")})
+        except OSError as exc:
+            run.ctx.notice(f"stage confirmed; the local evidence {local} was not updated: {exc}")
         return {"mode": mode, "result": "passed", "gates": summaries, "accept_length": accept,
                 "exposure": lint.get("exposure"), "evidence": {"host": committed.get("evidence"), "local": local},
                 "timing": evidence["timing"], "unit_diff": evidence["unit"]["diff"]}
     if pause:
+        # The stage stays for inspection until a deadline pushed out once, then the host puts the
+        # previous unit back by itself: pausing never leaves an unconfirmed unit serving for good.
+        answer = run.lease.beat(extend_s=opts.pause_for_s, pause=True)
+        run.lease.follow(None)
         evidence.update(result="paused", timing=run.clock.report(run.client))
         local = _write_local_evidence(opts, host.name, run.redact(evidence))
         raise PromoteFailed(f"{host.name}: paused at gate {failed.gate} (inconclusive: {failed.reason}); the "
-                            f"{mode} unit stays installed and is not recorded as passed",
-                            code="gate_inconclusive_paused",
-                            hint="inspect the evidence, then re-run promote (it undoes this stage first) or rollback",
+                            f"{mode} unit stays installed, unconfirmed, for {answer.get('remaining_s')}s, then the host "
+                            "puts its previous unit back by itself", code="gate_inconclusive_paused",
+                            hint="inspect it now; re-run promote to try again (it undoes this stage first), or "
+                                 "rollback to undo it at once",
                             detail={"gate": failed.gate, "evidence": local, "gates": summaries})
     # A gate failed: the host goes back to the unit it had before this stage, and must serve again.
     run.ctx.step(f"gate {failed.gate} failed: rolling back")
+    run.lease.follow(None)
     evidence.update(result="rolled-back", failed_gate=failed.gate, reason=failed.reason,
                     summary={"gates": summaries, "failed_gate": failed.gate, "reason": failed.reason})
     restored = service.restore(run.session, host, lock_id=run.lock_id, operator=opts.operator, to="journal",
-                               evidence=run.redact(evidence), since=since)
+                               evidence=run.redact(evidence), since=restart.get("since"),
+                               reason=f"gate {failed.gate} {failed.verdict}")
     evidence["journal"] = restored.get("journal")
     check: dict[str, Any]
-    if ((restored.get("undone") or {}).get("restart") or {}).get("action") == "stop":
+    back_restart = restored.get("restart") or {}
+    if back_restart.get("action") == "stop":
         # Nothing ran before this stage (the host had no unit): back to that, nothing to serve.
         check, serving_again = {"stopped": "no unit before this stage: removed again, nothing runs"}, True
         again = "back to no unit, as before"
     else:
-        back = run.wait_ready(since=restored.get("since"))
+        back = run.wait_ready(since=restored.get("since"), restart=back_restart or None)
         check = {"ready": back.to_dict()}
         if back.passed and baseline is not None:
             verdict, _ = gates.canary_gate(run.client, baseline["prompts"], baseline["outputs"],
-                                           timeout_s=opts.request_timeout_s)
+                                           timeout_s=opts.request_timeout_s, deadline=run.deadline())
             check["canary"] = verdict.to_dict()
         serving_again = back.passed and check.get("canary", {}).get("verdict", "pass") == "pass"
         again = "serving its previous unit again" if serving_again else "NOT serving correctly after the rollback"
     evidence.update(rollback=check, serving_again=serving_again, timing=run.clock.report(run.client))
-    local = _write_local_evidence(opts, host.name, run.redact(evidence))
+    try:
+        local = _write_local_evidence(opts, host.name, run.redact(evidence))
+    except OSError as exc:
+        local = f"(not written: {exc})"
     raise PromoteFailed(
         f"{host.name}: gate {failed.gate} {failed.verdict}: {run.redact(failed.reason)}; rolled back, {again}",
         code=f"gate_{failed.gate}_failed",
@@ -421,31 +610,38 @@ def promote_host(ctx: HostContext, inventory: Inventory, opts: PromoteOptions) -
         ctx.step("inspect")
         info = service.inspect(session, host, unit, mode=opts.mode, check_full=opts.mode == "full")
         refusals = _refusals(host, opts, info, ctx.notices)
-        diff = service.unit_diff(info.get("installed_text"), unit.text, unit.paths.unit_path)
         if opts.dry_run:
-            return run.redact({
+            diff = service.unit_diff(info.get("installed_text"), unit.text, unit.paths.unit_path)
+            plan = run.redact({
                 "dry_run": True, "mode": opts.mode, "unit_path": unit.paths.unit_path, "unit_diff": diff,
                 "service": {k: info["service"].get(k) for k in ("LoadState", "ActiveState", "SubState")},
                 "current_mode": info.get("mode"), "lint": {k: (info.get("lint") or {}).get(k)
                                                              for k in ("ok", "warnings", "exposure")},
                 "gate_plan": gate_plan(host, opts.mode, run.start_timeout()), "refusals": refusals,
-                "interrupted": info.get("journal"),
+                "interrupted": info.get("journal"), "drift": info.get("drift"),
                 "first_installs_off_stage": info["service"].get("LoadState") != "loaded"})
+            if refusals:  # what a real run would do, with its exit code
+                raise PromoteFailed(f"{host.name}: would be refused: " + "; ".join(r["message"] for r in refusals),
+                                    code=refusals[0]["code"], hint=refusals[0].get("hint"), detail=plan)
+            return plan
         if refusals:
             first = refusals[0]
             raise PromoteFailed(f"{host.name}: " + "; ".join(r["message"] for r in refusals), code=first["code"],
                                 hint=first.get("hint"), detail={"refusals": refusals})
         with _host_lock(ctx, session, command=f"promote --mode {opts.mode}", operator=opts.operator,
-                        wait_s=opts.lock_wait_s) as lock_id:
-            run.lock_id = lock_id
+                        wait_s=opts.lock_wait_s) as lease:
+            run.lease = lease
             if info.get("journal"):
-                ctx.step("undoing an interrupted promote")
-                undone = _call(session, "unit_recover", {"state_dir": host.state_dir, "lock_id": lock_id,
-                                                         "operator": opts.operator})
-                ctx.notice(f"undid an interrupted promote ({(undone.get('recovered') or {}).get('mode')})")
+                ctx.step("settling an interrupted promote")
+                undone = _call(session, "unit_recover", {"state_dir": host.state_dir, "lock_id": lease.lock_id,
+                                                         "operator": opts.operator, "adopt": opts.adopt})
+                settled = undone.get("recovered") or {}
+                ctx.notice(f"{'confirmed' if settled.get('committed') else 'undid'} an interrupted promote "
+                           f"({settled.get('mode')})")
                 info = service.inspect(session, host, None, mode=opts.mode)
             with tunnel.forward(session, host.serve_host, host.serve_port) as port:
-                run.client = gates.ServerClient(f"http://127.0.0.1:{port}", timeout_s=opts.request_timeout_s)
+                run.client = gates.ServerClient(f"http://127.0.0.1:{port}", timeout_s=opts.request_timeout_s,
+                                                api_key=service.api_key(host))
                 try:
                     stages = []
                     if info["service"].get("LoadState") != "loaded":
@@ -489,6 +685,8 @@ def promote(inventory: Inventory, hosts: Sequence[HostConfig], opts: PromoteOpti
                          code="hybrid_unsafe_unsupported")
     for h in hosts:  # inventory-level mistakes stop the whole run before any host is touched
         service.render_unit(h, opts.mode)
+    if not opts.dry_run:
+        check_evidence_dir(opts)
     budget = FailBudget.parse(max_fail)
     batches = plan_batches(hosts, batch)
     results: list[HostResult] = []
@@ -519,14 +717,15 @@ def rollback_host(ctx: HostContext, inventory: Inventory, *, to: str = "previous
     operator = operator or operator_name()
     host = ctx.host
     with _session(ctx, inventory) as session, \
-            _host_lock(ctx, session, command=f"rollback --to {to}", operator=operator, wait_s=lock_wait_s) as lock_id:
-        base = {"state_dir": host.state_dir, "operator": operator, "lock_id": lock_id}
+            _host_lock(ctx, session, command=f"rollback --to {to}", operator=operator, wait_s=lock_wait_s) as lease:
+        base = {"state_dir": host.state_dir, "operator": operator, "lock_id": lease.lock_id}
         out: dict[str, Any] = {}
         ctx.step("restoring the unit")
         # previous/pristine restore promoted units; a release id only undoes a stage left in flight
         # (and says whether ddtree-ops manages the service). pristine restarts once, after the files.
-        unit = service.restore(session, host, lock_id=lock_id, operator=operator,
-                               to=to if to in ("previous", "pristine") else "journal", restart=to == "previous")
+        unit = service.restore(session, host, lock_id=lease.lock_id, operator=operator, adopt=adopt,
+                               to=to if to in ("previous", "pristine") else "journal", restart=to == "previous",
+                               reason=f"rollback --to {to}")
         out["unit"] = unit
         managed = not unit.get("noop") or unit.get("mode") is not None
         if to == "previous" and not unit.get("noop"):
@@ -546,7 +745,7 @@ def rollback_host(ctx: HostContext, inventory: Inventory, *, to: str = "previous
         if restart and restart.get("action") == "restart":
             ctx.step("waiting for the service")
             answer = service.wait_ready(session, host, timeout_s=float(host.start_timeout_s),
-                                        since=restart.get("since"))
+                                        since=restart.get("since"), after_invocation=restart.get("invocation_before"))
             verdict = gates.ready_verdict(answer)
             out["ready"] = verdict.summary()
             if not verdict.passed:

@@ -340,10 +340,20 @@ def test_a_dead_control_run_is_told_apart_and_its_lock_broken_by_run_id_only(hos
     assert bad["error"]["code"] == "bad_request"
 
 
-def test_force_unlock(host: Host) -> None:
-    host.call("lock", who="alice", command="push", host="laptop", pid=99999)
-    ans = host.call("unlock", force=True)
+def test_force_unlock_breaks_only_a_dead_runs_lock(host: Host) -> None:
+    """`unlock` never breaks a lock whose heartbeat is fresh (a live run's): only a stale one, or one
+    whose run the control side saw die (by its run id)."""
+    host.call("lock", who="alice", command="push", host="laptop", pid=99999, run_id="run-a", ttl_s=60)
+    refused = host.call("unlock", force=True)
+    assert refused["error"]["code"] == "lock_alive" and "alice" in refused["error"]["message"], refused
+    assert "wait" in refused["error"]["hint"] and host.call("lock_status")["result"]["holder"]["who"] == "alice"
+    assert host.call("unlock", force=True, dead_run_id="run-b")["error"]["code"] == "lock_alive"
+    ans = host.call("unlock", force=True, dead_run_id="run-a")
     assert ans["result"]["released"] and ans["result"]["holder"]["who"] == "alice"
+    host.call("lock", who="ghost", command="push", host="laptop", pid=99999, ttl_s=0.2)
+    time.sleep(0.4)
+    ans = host.call("unlock", force=True)
+    assert ans["result"]["released"] and ans["result"]["holder"]["who"] == "ghost"
 
 
 def _fill_leaving(d: Path, leave: int) -> None:

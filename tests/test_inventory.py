@@ -116,7 +116,6 @@ def test_host_in_two_groups_is_fine_and_conflicts_need_the_host_to_decide(tmp_pa
     ("limit", "expected"),
     [
         (None, ["gpu-1", "gpu-2", "gpu-3"]),
-        ("", ["gpu-1", "gpu-2", "gpu-3"]),
         ("gpu-3", ["gpu-3"]),
         ("main", ["gpu-2", "gpu-3"]),
         ("gpu-3,canary", ["gpu-1", "gpu-3"]),
@@ -128,6 +127,14 @@ def test_host_in_two_groups_is_fine_and_conflicts_need_the_host_to_decide(tmp_pa
 def test_limit_selects_by_name_group_and_glob_in_file_order(tmp_path: Path, limit, expected) -> None:
     inv = load_inventory(write(tmp_path, GOOD))
     assert [h.name for h in inv.select(limit)] == expected
+
+
+@pytest.mark.parametrize("limit", ["", " ", ",", " , "])
+def test_empty_limit_is_a_usage_error_not_the_whole_fleet(tmp_path: Path, limit: str) -> None:
+    """`--limit "$HOSTS"` with HOSTS unset must not select every host (nor, silently, none)."""
+    inv = load_inventory(write(tmp_path, GOOD))
+    with pytest.raises(LimitError, match="names no host or group"):
+        inv.select(limit)
 
 
 @pytest.mark.parametrize("limit", ["gpu-9", "gpu-1,nope", "x*"])

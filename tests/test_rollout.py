@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from ddtree_ops import gates, rollout
 from ddtree_ops.cli import app
 from ddtree_ops.errors import UsageError
 from ddtree_ops.inventory import load_inventory
+from tests.http_stand_in import JSONHandler, serve
 
 
 def _inv(tmp_path: Path, n: int, canary: bool = True, **vars_: object):
@@ -99,14 +101,24 @@ def test_prompt_file(tmp_path: Path) -> None:
         gates.load_prompt_file(path)
 
 
-class _InfoClient:
-    """A ServerClient stand-in: /server_info answers `info`."""
+@contextlib.contextmanager
+def _info_server(info: dict):
+    """A real HTTP server whose /server_info answers `info`, and the real client to it."""
 
-    def __init__(self, info: dict) -> None:
-        self.info = info
+    class Handler(JSONHandler):
+        def do_GET(self) -> None:
+            if self.path == "/server_info":
+                self.send_json(info)
+            else:
+                self.send_error(404)
 
-    def get(self, path: str):
-        return (200, self.info) if path == "/server_info" else (404, "not found")
+    srv = serve(Handler)
+    client = gates.ServerClient(f"http://127.0.0.1:{srv.server_address[1]}", timeout_s=10)
+    try:
+        yield client
+    finally:
+        client.close()
+        srv.shutdown()
 
 
 def test_keep_chain_settings_expected_and_gated(tmp_path: Path) -> None:
@@ -122,8 +134,30 @@ def test_keep_chain_settings_expected_and_gated(tmp_path: Path) -> None:
                 "speculative_ddtree_budget": 20, "speculative_ddtree_keep_chain": server_flag,
                 "internal_states": [{"ddtree": stats}]}
 
-    assert gates.settings_gate(_InfoClient(info(True, True)), expect).verdict == "pass"
-    refused = gates.settings_gate(_InfoClient(info(False, False)), expect)
+    with _info_server(info(True, True)) as client:
+        assert gates.settings_gate(client, expect).verdict == "pass"
+    with _info_server(info(False, False)) as client:
+        refused = gates.settings_gate(client, expect)
     assert refused.verdict == "fail" and "speculative_ddtree_keep_chain=False (want True)" in refused.reason
-    worker = gates.settings_gate(_InfoClient(info(True, None)), expect)
+    with _info_server(info(True, None)) as client:
+        worker = gates.settings_gate(client, expect)
     assert worker.verdict == "fail" and "keep_chain=None" in worker.reason
+
+
+def test_unwritable_evidence_dir_is_a_usage_error_before_any_host(tmp_path: Path) -> None:
+    """A stage must never confirm and then be reported failed for want of a place for its evidence:
+    the evidence dir is checked before any host is contacted (these hosts do not exist)."""
+    inv = _inv(tmp_path, 2)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    out = CliRunner().invoke(app, ["promote", "--mode", "shadow-linear", "-i", str(inv.path), "--evidence-dir",
+                                   str(blocker / "evidence")])
+    assert out.exit_code == 2 and "cannot write evidence" in out.output and "--evidence-dir" in out.output
+
+
+def test_empty_limit_is_a_usage_error_for_every_fleet_command(tmp_path: Path) -> None:
+    inv = _inv(tmp_path, 2)
+    for argv in (["promote", "--mode", "full"], ["rollback"], ["status"], ["hosts"]):
+        for limit in ("", ","):
+            out = CliRunner().invoke(app, [*argv, "-i", str(inv.path), "--limit", limit])
+            assert out.exit_code == 2 and "names no host or group" in out.output, (argv, limit, out.output)

@@ -11,11 +11,12 @@ import pytest
 import yaml
 
 from ddtree_ops import service
+from ddtree_ops.agent.remote.redaction import redact_text
 from ddtree_ops.errors import UsageError
 from ddtree_ops.inventory import load_inventory
 
 HOSTILE_MODEL = "/models/with space/\"dq\" 'sq' %n $HOME ${X} \\back"
-HOSTILE_ARGS = ["--served-model-name", "a b;c", ";", "$X", "${HOME}", "%i", "\\", "'", '"', "--", "%%"]
+HOSTILE_ARGS = ["--served-model-name", "a b;c", ";", "$X", "${HOME}", "%i", "\\x", "'", '"', "--", "%%", "$$"]
 SECRET = 'pl4nted-$ecret "quoted" `tick` \\ %h'
 
 
@@ -73,7 +74,7 @@ def test_drop_in_clears_execstart_first(tmp_path: Path) -> None:
     unit = service.render_unit(_host(tmp_path, unit_kind="drop-in"), "shadow-linear", secrets={})
     assert unit.paths.unit_path == "/etc/systemd/system/sglang.service.d/50-ddtree-ops.conf"
     lines = unit.text.splitlines()
-    assert lines.index("ExecStart=") < next(i for i, line in enumerate(lines) if line.startswith("ExecStart=:"))
+    assert lines.index("ExecStart=") < next(i for i, line in enumerate(lines) if line.startswith('ExecStart="'))
 
 
 def test_strict_undefined(tmp_path: Path) -> None:
@@ -87,7 +88,7 @@ def test_strict_undefined(tmp_path: Path) -> None:
 def test_hostile_values_verify_clean_with_systemd(tmp_path: Path) -> None:
     """systemd parses the rendered unit without a single warning (it exits 0 on unknown keys, so
     any output fails), whatever the paths and args hold."""
-    exe_dir = tmp_path / "ven v %n $x"
+    exe_dir = tmp_path / "ven v %n"
     exe_dir.mkdir()
     (exe_dir / "python").symlink_to(sys.executable)
     host = _host(tmp_path, python=str(exe_dir / "python"), model_path=HOSTILE_MODEL, extra_args=HOSTILE_ARGS,
@@ -98,32 +99,69 @@ def test_hostile_values_verify_clean_with_systemd(tmp_path: Path) -> None:
         path.write_text(unit.text)
         proc = subprocess.run(["systemd-analyze", "verify", "--man=no", str(path)], capture_output=True, text=True)
         assert proc.returncode == 0 and not (proc.stdout + proc.stderr).strip(), proc.stdout + proc.stderr
-        assert SECRET not in unit.text and "HF_TOKEN" not in unit.text.replace("(e.g. HF_TOKEN)", "")
+        assert SECRET not in unit.text and "HF_TOKEN" not in unit.text.replace("(e.g. HF_TOKEN,", "")
 
 
 def test_quoting_words() -> None:
-    assert service.exec_word('a "b" %i \\ $X') == '"a \\"b\\" %%i \\\\ $X"'
+    assert service.exec_word('a "b" %i \\ $X') == '"a \\"b\\" %%i \\\\ $$X"'
     assert service.env_file_value('x$y"z`\\') == '"x\\$y\\"z\\`\\\\"'
     with pytest.raises(UsageError):
         service.exec_word("a\nExecStartPre=/bin/evil")
 
 
 def test_python_path_systemd_refuses(tmp_path: Path) -> None:
-    with pytest.raises(UsageError, match="systemd refuses"):
-        service.server_argv(_host(tmp_path, python="/opt/it's/python"), "off")
+    for python in ("/opt/it's/python", "/opt/$venv/python"):
+        with pytest.raises(UsageError, match="systemd"):
+            service.server_argv(_host(tmp_path, python=python), "off")
 
 
 def test_secrets_file_only_in_env_text(tmp_path: Path) -> None:
     secrets = tmp_path / "s.env"
-    secrets.write_text(f"# comment\nHF_TOKEN={SECRET}\n\nexport OTHER=second-secret\n")
+    quoted = SECRET.replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$").replace("`", "\\`")
+    secrets.write_text(f'# comment\nHF_TOKEN="{quoted}"\n\n  OTHER = second-secret  \nSINGLE=\'a "b" $c\'\n')
     unit = service.render_unit(_host(tmp_path, service_secrets_file=str(secrets)), "full")
     assert SECRET not in unit.text and SECRET not in repr(unit)
+    # KEY="v" is v, as systemd reads it: the quotes never reach the server or defeat redaction.
     assert f"HF_TOKEN={service.env_file_value(SECRET)}" in unit.env_text.splitlines()
+    assert set(unit.secret_values) == {SECRET, "second-secret", 'a "b" $c'}
     assert service.redact({"a": [f"x{SECRET}y"]}, unit.secret_values) == {"a": ["x[secret]y"]}
-    secrets.write_text(f"not an assignment {SECRET}\n")
-    with pytest.raises(UsageError) as err:
-        service.render_unit(_host(tmp_path, service_secrets_file=str(secrets)), "full")
-    assert SECRET not in str(err.value) and ":1:" in str(err.value)
+    for bad in (f"not an assignment {SECRET}\n", f"export HF_TOKEN={SECRET}\n", f'HF_TOKEN="{SECRET}\n'):
+        secrets.write_text(bad)
+        with pytest.raises(UsageError) as err:
+            service.render_unit(_host(tmp_path, service_secrets_file=str(secrets)), "full")
+        assert SECRET not in str(err.value) and ":1:" in str(err.value)
+
+
+def test_credential_flags_go_to_the_env_file(tmp_path: Path) -> None:
+    """An --api-key in extra_args: its value only in the 0600 env file, the unit says ${NAME}."""
+    host = _host(tmp_path, extra_args=["--api-key", SECRET, "--admin-api-key=sk-admin", "--port-offset", "3"])
+    unit = service.render_unit(host, "full", secrets={"HF_TOKEN": "hf-x"})
+    assert SECRET not in unit.text and "sk-admin" not in unit.text and "hf-x" not in unit.text
+    exec_line = next(line for line in unit.text.splitlines() if line.startswith("ExecStart="))
+    assert '"--api-key" "${DDTREE_OPS_ARG_API_KEY}"' in exec_line
+    assert '"--admin-api-key=${DDTREE_OPS_ARG_ADMIN_API_KEY}"' in exec_line and '"--port-offset" "3"' in exec_line
+    assert f"DDTREE_OPS_ARG_API_KEY={service.env_file_value(SECRET)}" in unit.env_text.splitlines()
+    assert "--api-key" in unit.argv and "${DDTREE_OPS_ARG_API_KEY}" in unit.argv and SECRET not in unit.argv
+    assert set(unit.secret_values) >= {SECRET, "sk-admin", "hf-x"}
+    with pytest.raises(UsageError, match="no value"):
+        service.render_unit(_host(tmp_path, extra_args=["--api-key"]), "full", secrets={})
+
+
+def test_credential_names_refused_in_the_unit_environment(tmp_path: Path) -> None:
+    from ddtree_ops.inventory import InventoryError
+
+    with pytest.raises(InventoryError, match="service_secrets_file"):
+        _host(tmp_path, service_environment={"HF_TOKEN": "x"})
+
+
+@pytest.mark.parametrize("field,value", [("env_file", "/etc/x.env\\"), ("service", "sglang\\"),
+                                         ("model_path", "/m\\"), ("extra_args", ["--x", "y\\"])])
+def test_trailing_backslash_refused(tmp_path: Path, field: str, value: object) -> None:
+    """In a unit a trailing backslash joins the next line to this one: refused at load time."""
+    from ddtree_ops.inventory import InventoryError
+
+    with pytest.raises(InventoryError, match="backslash"):
+        _host(tmp_path, **{field: value})
 
 
 def test_unit_diff(tmp_path: Path) -> None:
@@ -142,4 +180,4 @@ def test_host_side_redaction_reads_the_env_file_we_write(tmp_path: Path) -> None
     env = tmp_path / "sglang.env"
     env.write_text(unit.env_text)
     assert sorted(units._secret_values(env)) == sorted([SECRET, "plain"])
-    assert units.redact(f"token={SECRET} ok", units._secret_values(env)) == "token=[secret] ok"
+    assert redact_text(f"value={SECRET} ok", units._secret_values(env)) == "value=[secret] ok"

@@ -16,58 +16,27 @@ written on the host and the agent always matches the operator's ddtree-ops versi
 
 from __future__ import annotations
 
-import base64
 import functools
 import json
-import zlib
 from pathlib import Path
 
-REMOTE_PACKAGE = "ddtree_agent"
+from ddtree_ops.agent.remote import bootstrap
+
+REMOTE_PACKAGE = bootstrap.PACKAGE
 _REMOTE_SOURCE = Path(__file__).with_name("remote")
-
-# Readable source of the bootstrap; it is base64-encoded into the command line so the line holds
-# only [A-Za-z0-9+/=] and survives any login shell unchanged. It contains no inventory value.
-BOOTSTRAP_SOURCE = """\
-import sys, json, zlib, base64, linecache
-from importlib.machinery import ModuleSpec
-SOURCES = json.loads(zlib.decompress(base64.b64decode(sys.stdin.buffer.readline())))
-class AgentFinder:
-    def find_spec(self, name, path=None, target=None):
-        if name in SOURCES:
-            return ModuleSpec(name, self, is_package=SOURCES[name][0])
-    def create_module(self, spec):
-        return None
-    def exec_module(self, module):
-        is_package, source = SOURCES[module.__name__]
-        filename = "<ddtree-agent>/" + module.__name__.replace(".", "/") + ("/__init__.py" if is_package else ".py")
-        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-        exec(compile(source, filename, "exec"), module.__dict__)
-sys.meta_path.insert(0, AgentFinder())
-from ddtree_agent.main import main
-sys.exit(main())
-"""
-
-BOOTSTRAP_LINE = 'import base64;exec(base64.b64decode("' + base64.b64encode(BOOTSTRAP_SOURCE.encode()).decode() + '"))'
+BOOTSTRAP_SOURCE = bootstrap.SOURCE
+BOOTSTRAP_LINE = bootstrap.LINE
 
 
 @functools.cache
 def agent_sources() -> dict[str, tuple[bool, str]]:
     """The remote package as {module name: (is_package, source)}."""
-    sources: dict[str, tuple[bool, str]] = {}
-    for path in sorted(_REMOTE_SOURCE.rglob("*.py")):
-        rel = path.relative_to(_REMOTE_SOURCE).with_suffix("")
-        parts = [REMOTE_PACKAGE, *rel.parts]
-        is_package = parts[-1] == "__init__"
-        if is_package:
-            parts.pop()
-        sources[".".join(parts)] = (is_package, path.read_text(encoding="utf-8"))
-    return sources
+    return bootstrap.package_sources(_REMOTE_SOURCE, REMOTE_PACKAGE)
 
 
 @functools.cache
 def agent_payload_line() -> bytes:
-    packed = zlib.compress(json.dumps(agent_sources(), separators=(",", ":")).encode(), 9)
-    return base64.b64encode(packed) + b"\n"
+    return bootstrap.payload_line(agent_sources())
 
 
 def agent_argv(python: str) -> list[str]:

@@ -34,6 +34,7 @@ from ddtree_ops.lab.config import (
     VENV_DIR,
     LabPaths,
 )
+from ddtree_ops.lab.engine import faults
 from ddtree_ops.lab.engine.decoding import Decoder, Request
 from ddtree_ops.lab.engine.model import TinyLM
 from ddtree_ops.lab.engine.model_files import EOS_ID, MODELS
@@ -232,13 +233,18 @@ def test_pristine_host_serves_dflash_and_refuses_ddtree_flags(lab_fleet, pristin
     assert "unrecognized arguments: --speculative-ddtree-mode shadow-linear" in shadow.journal()
 
 
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
 def test_pushed_payload_runs_all_modes_refuses_bad_flags_and_drains(lab_fleet, inv, pristine_host, bundle, engines, oracle):
     push(inv, pristine_host, bundle)
     bad_budget = engines(*DFLASH, "--speculative-ddtree-mode", "full", "--speculative-ddtree-budget", "0")
     hybrid_full = engines(*DFLASH[:1], HYBRID_TARGET_MODEL, *DFLASH[2:], "--speculative-ddtree-mode", "full")
     hybrid_allowed = engines(*DFLASH[:1], HYBRID_TARGET_MODEL, *DFLASH[2:], "--speculative-ddtree-mode", "full",
                              "--speculative-ddtree-allow-hybrid-unsafe")
-    full = engines(*DFLASH, "--speculative-ddtree-mode", "full", "--enable-metrics")
+    pause = f"/run/ddtree-lab-pause-{uuid.uuid4().hex[:8]}"
+    full = engines(*DFLASH, "--speculative-ddtree-mode", "full", "--enable-metrics", env={faults.PAUSE_WHILE: pause})
     for unit in (bad_budget, hybrid_full, hybrid_allowed):
         assert unit.wait_failed()["Result"] == "exit-code"
     assert "--speculative-ddtree-budget must be in 1..512" in bad_budget.journal()
@@ -254,15 +260,26 @@ def test_pushed_payload_runs_all_modes_refuses_bad_flags_and_drains(lab_fleet, i
     hybrid_shadow.wait_healthy()
     assert hybrid_shadow.greedy(PROMPTS) == oracle
 
-    # SIGTERM under systemd: /health 503 at once, the in-flight batch finishes, the unit stops in bound
+    # SIGTERM under systemd: /health 503 at once, the in-flight batch finishes, the unit stops in bound.
+    # The batch is held in flight by the engine's pause file, not by a race with the clock: on a fast
+    # machine 300 tokens were done (and the engine gone) before the 503 probe.
     body = {"input_ids": PROMPTS, "sampling_params": {"temperature": 0, "max_new_tokens": 300, "ignore_eos": True}}
+    assert lab_fleet.ssh(HOST, f"touch {pause}").returncode == 0
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         pending = pool.submit(httpx.post, full.url + "/generate", json=body, timeout=120)
-        time.sleep(1.0)
+        deadline = time.monotonic() + 60
+        while "sglang:num_running_reqs" not in (metrics := httpx.get(full.url + "/metrics", timeout=5).text) or \
+                _metric(metrics, "sglang:num_running_reqs") < len(PROMPTS):
+            assert time.monotonic() < deadline, metrics
+            time.sleep(0.1)
         started = time.monotonic()
         stopping = pool.submit(lab_fleet.ssh, HOST, f"systemctl stop {full.name}")
-        time.sleep(0.5)
-        assert httpx.get(full.url + "/health", timeout=5).status_code == 503
+        deadline = time.monotonic() + 30
+        while (status := httpx.get(full.url + "/health", timeout=5).status_code) != 503:
+            assert status == 200 and time.monotonic() < deadline, status
+            time.sleep(0.1)
+        assert not pending.done()  # still in flight while the engine says 503: it is draining
+        assert lab_fleet.ssh(HOST, f"rm {pause}").returncode == 0
         answer = pending.result(timeout=120)
         assert stopping.result(timeout=120).returncode == 0
         stop_s = time.monotonic() - started

@@ -15,12 +15,14 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from ddtree_ops import release, rollout, service
+from ddtree_ops.agent.remote import envfile
 from ddtree_ops.bundle import build_bundle
 from ddtree_ops.inventory import load_inventory
 from ddtree_ops.lab.config import HYBRID_TARGET_MODEL, TARGET_MODEL
@@ -33,7 +35,7 @@ UNIT = "/etc/systemd/system/sglang.service"
 SECRET = "hf_pl4nted-S3CRET-$HOME-%n-\"q\"-value"
 # A model directory name and a served name that a shell, or careless unit quoting, would split or expand.
 HOSTILE_DIR = "/opt/ddtree-lab/ho st 'q' \"dq\" %n $HOME ${X}"
-HOSTILE_NAME = "served name; $X ${HOME} %i 'q' \"dq\" \\"
+HOSTILE_NAME = "served name; $X ${HOME} %i 'q' \"dq\" \\ $$ end"
 SERVER_INFO = ("import json, urllib.request; print(urllib.request.urlopen("
                "'http://127.0.0.1:30000/server_info', timeout=30).read().decode())")
 
@@ -133,7 +135,8 @@ def lab(lab_fleet, bundle, tmp_path_factory):
     """Fresh hosts with the DDTree bundle pushed; the hostile model directory on lab-3."""
     tmp = tmp_path_factory.mktemp("promote")
     secrets_file = tmp / "secrets.env"
-    secrets_file.write_text(f"HF_TOKEN={SECRET}\n")
+    # Written in systemd's EnvironmentFile syntax, as the operator's file is read: "…" with \" \$ escaped.
+    secrets_file.write_text(f"HF_TOKEN={envfile.quote(SECRET)}\n")
     secrets_file.chmod(0o600)
     reset_hosts(lab_fleet)
     ssh(lab_fleet, "lab-3", f"ln -sfn {TARGET_MODEL} {shlex.quote(HOSTILE_DIR)}")
@@ -156,11 +159,16 @@ def test_dry_run_shows_diff_and_plan_and_changes_nothing(lab_fleet, lab):
     for h, r in by_host(doc).items():
         d = r["data"]
         assert d["dry_run"] and d["first_installs_off_stage"] and d["lint"]["ok"], d
-        assert d["unit_diff"].startswith("--- /dev/null") and "+ExecStart=:" in d["unit_diff"]
+        assert d["unit_diff"].startswith("--- /dev/null") and '+ExecStart="' in d["unit_diff"]
         assert any(g.startswith("ready:") for g in d["gate_plan"]) and not any("acceptance" in g for g in d["gate_plan"])
         assert sha_of(lab_fleet, h, UNIT) is None
         assert ssh(lab_fleet, h, f"find {STATE_DIR} -type f | sort | xargs sha256sum").stdout == before[h]
     assert doc["batches"] == [["lab-1"], ["lab-2"], ["lab-3"]]
+    # What a real run would refuse, the dry run refuses too, with the same exit code.
+    refused = promote_json(inv, "--mode", "full", "--dry-run", evidence=tmp / "ev", expect=1)
+    for r in by_host(refused).values():
+        assert r["status"] == "failed" and r["error"]["code"] == "shadow_linear_not_passed", r
+        assert "would be refused" in r["error"]["message"] and r["error"]["detail"]["unit_diff"]
 
 
 def test_full_rollout_on_three_hosts(lab_fleet, lab):
@@ -317,6 +325,11 @@ def test_bundle_with_altered_walk_caught_by_the_canary(lab_fleet, lab, bundle):
     pushed = release.push(inventory, hosts, altered)[0]
     assert pushed.ok and not pushed.data["noop"], pushed.to_dict()
     try:
+        # A shadow-linear pass counts for the release it ran on only: full is refused until it runs again.
+        stale = promote_json(invs.write(), "--mode", "full", "--limit", "lab-1", evidence=tmp / "ev", expect=1)
+        err = by_host(stale)["lab-1"]["error"]
+        assert err["code"] == "shadow_linear_not_passed" and "ran on release" in err["message"], err
+        promote_json(invs.write(), "--mode", "shadow-linear", "--limit", "lab-1", evidence=tmp / "ev")
         doc = promote_json(invs.write(), "--mode", "full", "--limit", "lab-1", evidence=tmp / "ev", expect=1)
         err = by_host(doc)["lab-1"]["error"]
         assert err["code"] == "gate_canary_failed" and err["detail"]["serving_again"], err
@@ -324,6 +337,8 @@ def test_bundle_with_altered_walk_caught_by_the_canary(lab_fleet, lab, bundle):
     finally:
         good = rollout.rollback(inventory, hosts, to=pushed.data["previous"])[0]
         assert good.ok and good.data.get("ready", {}).get("verdict") == "pass", good.to_dict()
+        # The good release again: its shadow-linear pass is recorded anew, for full later on.
+        promote_json(invs.write(), "--mode", "shadow-linear", "--limit", "lab-1", evidence=tmp / "ev")
 
 
 def test_interrupted_promote_converges(lab_fleet, lab):
@@ -365,12 +380,255 @@ def test_interrupted_promote_converges(lab_fleet, lab):
 
     lost = run_cli("promote", "-i", str(inv), "--mode", "full", "--limit", "lab-1", "--json", "--evidence-dir",
                    str(tmp / "ev"), env={rollout.AGENT_KILL_ENV: "after_write"})
-    assert lost.returncode == 1 and by_host(json.loads(lost.stdout))["lab-1"]["error"]["code"] == "agent_no_answer"
-    assert sha_of(lab_fleet, "lab-1", UNIT) != unit  # the new unit is written, not yet reloaded
+    err = by_host(json.loads(lost.stdout))["lab-1"]["error"]
+    assert lost.returncode == 1 and err["code"] == "agent_no_answer", err
+    # The unit was written, not yet reloaded: the run put the previous one back at once.
+    assert "previous unit was put back" in err["message"] and sha_of(lab_fleet, "lab-1", UNIT) == unit
     again = promote_json(inv, "--mode", "full", "--limit", "lab-1", evidence=tmp / "ev")
     assert by_host(again)["lab-1"]["status"] == "ok"
     assert ssh(lab_fleet, "lab-1", f"test -e {STATE_DIR}/units-journal.json").returncode != 0
     assert server_info(lab_fleet, "lab-1")["speculative_ddtree_mode"] == "full"
+
+
+# ----------------------------------------------------------------------------- fail closed (issue 22)
+
+
+def _changed(invs, host: str, **extra: object) -> Path:
+    """An inventory whose unit for `host` differs from the installed one (so a stage really changes it)."""
+    env = {"PROMOTE_TEST_CHANGE": str(time.monotonic_ns()), **extra.pop("service_environment", {})}
+    return invs.write({host: {"service_environment": env, **extra}})
+
+
+def _wait_for(check, timeout: float, what: str):
+    end = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < end, f"not within {timeout:.0f}s: {what}"
+        time.sleep(0.5)
+
+
+def _serving(lab_fleet, host: str, unit_sha: str | None):
+    """True once the host's unit is these bytes, no stage is in flight and the server answers."""
+    if sha_of(lab_fleet, host, UNIT) != unit_sha:
+        return False
+    if ssh(lab_fleet, host, f"test -e {STATE_DIR}/units-journal.json").returncode == 0:
+        return False
+    r = ssh(lab_fleet, host, shlex.join(["/opt/sglang/venv/bin/python", "-c",
+                                          "import urllib.request; print(urllib.request.urlopen("
+                                          "'http://127.0.0.1:30000/health_generate', timeout=10).status)"]))
+    return r.stdout.strip() == "200"
+
+
+def _audit(lab_fleet, host: str) -> list[dict]:
+    return [json.loads(line) for line in ssh(lab_fleet, host, f"cat {STATE_DIR}/audit.log").stdout.splitlines()]
+
+
+def test_cli_killed_mid_gates_the_host_puts_its_previous_unit_back_by_itself(lab_fleet, lab):
+    """Nobody helps: the CLI dies mid-gates, its heartbeat stops, and within the confirm deadline the
+    host's watchdog puts the previous unit back and restarts it; the record says why."""
+    invs, tmp = lab
+    unit = sha_of(lab_fleet, "lab-1", UNIT)
+    stack = state(lab_fleet, "lab-1")["promotion"]["stack"]
+    inv = _changed(invs, "lab-1", confirm_timeout_s=10)
+    killed = run_cli("promote", "-i", str(inv), "--mode", "full", "--limit", "lab-1", "--evidence-dir",
+                     str(tmp / "ev"), env={rollout.KILL_ENV: "during_gates"})
+    dead_at = time.monotonic()
+    assert killed.returncode == -9, killed.stderr
+    assert sha_of(lab_fleet, "lab-1", UNIT) != unit  # the unconfirmed stage is installed, for now
+    _wait_for(lambda: _serving(lab_fleet, "lab-1", unit), 10 + 60, "lab-1 back on its previous unit")
+    took = time.monotonic() - dead_at
+    undone = [a for a in _audit(lab_fleet, "lab-1") if a.get("result") == "undone"][-1]
+    assert "not confirmed within its deadline" in undone["reason"], undone
+    assert state(lab_fleet, "lab-1")["promotion"]["stack"] == stack
+    assert server_info(lab_fleet, "lab-1")["speculative_ddtree_mode"] == "full"
+    print(f"confirm: control side killed -> previous unit serving again in {took:.1f}s (window 10s)")
+
+
+def _promote_held(inv: Path, tmp: Path, point: str, *args: str) -> tuple[subprocess.Popen, Path]:
+    """A promote of lab-1 that stops at `point` until released (rollout.HOLD_ENV)."""
+    hold = tmp / f"hold-{time.monotonic_ns()}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDTREE_")}
+    env[rollout.HOLD_ENV] = f"{point}:{hold}"
+    proc = subprocess.Popen([sys.executable, "-c", "from ddtree_ops.cli import main; main()", "promote", "-i", str(inv),
+                             "--mode", "full", "--limit", "lab-1", "--json", "--evidence-dir", str(tmp / "ev"), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    _wait_for(lambda: Path(f"{hold}.reached").exists() or proc.poll() is not None, 300, f"promote reaching {point}")
+    assert proc.poll() is None, proc.communicate()
+    return proc, hold
+
+
+def test_control_traffic_dropped_mid_gates_the_host_restores_itself(lab_fleet, lab):
+    """The control side's link to lab-1 goes dark mid-gates (the host's side of the lab bridge is
+    cut): its heartbeats stop arriving and the host's watchdog restores the previous unit by itself."""
+    invs, tmp = lab
+    unit = sha_of(lab_fleet, "lab-1", UNIT)
+    proc, hold = _promote_held(_changed(invs, "lab-1", confirm_timeout_s=10), tmp, "during_gates",
+                               "--gate-timeout", "20", "--liveness-bound", "10")
+    link = "vb-lab-1"
+    subprocess.run(["ip", "link", "set", link, "down"], check=True)
+    cut_at = time.time()
+    try:
+        Path(f"{hold}.go").touch()
+        time.sleep(10 + 15)  # the confirm window, the watchdog's poll and a restart
+    finally:
+        subprocess.run(["ip", "link", "set", link, "up"], check=True)
+    _wait_for(lambda: _serving(lab_fleet, "lab-1", unit), 120, "lab-1 back on its previous unit")
+    undone = [a for a in _audit(lab_fleet, "lab-1") if a.get("result") == "undone"][-1]
+    assert "not confirmed within its deadline" in undone["reason"], undone
+    restored = time.mktime(time.strptime(undone["time"], "%Y-%m-%dT%H:%M:%SZ")) - time.timezone
+    assert restored - cut_at < 10 + 10, (restored, cut_at)  # the window, plus beats and polls
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 1 and by_host(json.loads(out))["lab-1"]["status"] != "ok", err[-2000:]
+    print(f"confirm: link cut -> stage undone by the host after {restored - cut_at:.0f}s (window 10s)")
+
+
+def test_a_second_operators_rollback_during_a_long_gate_is_refused(lab_fleet, lab):
+    """A run held mid-gates far longer than the lock's TTL and the confirm window: its heartbeat keeps
+    both, so a second operator's rollback and unlock are refused, and the stage still confirms."""
+    invs, tmp = lab
+    inv = _changed(invs, "lab-1", confirm_timeout_s=10, lock_ttl_s=10)
+    prompts = tmp / "operator.jsonl"
+    prompts.write_text(json.dumps({"text": "An operator's own prompt, run at every stage:", "max_new_tokens": 24}) + "\n")
+    proc, hold = _promote_held(inv, tmp, "during_gates", "--prompts", str(prompts))
+    try:
+        time.sleep(25)
+        other = run_cli("rollback", "-i", str(inv), "--limit", "lab-1", "--json")
+        assert other.returncode == 1, other.stdout + other.stderr
+        err = json.loads(other.stdout)["results"][0]["error"]
+        assert err["code"] == "locked" and "promote --mode full" in err["message"], err
+        breaker = run_cli("unlock", "-i", str(inv), "lab-1", "--yes", "--json")
+        assert breaker.returncode == 1 and "live run" in breaker.stdout + breaker.stderr, breaker.stdout
+    finally:
+        Path(f"{hold}.go").touch()
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    data = by_host(json.loads(out))["lab-1"]["data"]
+    assert data["result"] == "passed" and "operator prompt" in data["baseline"]["source"], data["baseline"]
+    canary = next(g for g in json.loads(Path(data["evidence"]["local"]).read_text())["gates"] if g["gate"] == "canary")
+    assert any(row["prompt"] == "operator-1-now" and row["identical"] for row in canary["evidence"]["comparison"])
+    assert ssh(lab_fleet, "lab-1", f"test -e {STATE_DIR}/units-journal.json").returncode != 0
+
+
+@pytest.mark.parametrize("lie", ["drip", "meta-list", "empty-output"])
+def test_a_lying_server_fails_its_gate_within_the_bound(lab_fleet, lab, lie):
+    invs, tmp = lab
+    unit = sha_of(lab_fleet, "lab-1", UNIT)
+    inv = _changed(invs, "lab-1", service_environment={faults.LIE: lie})
+    started = time.monotonic()
+    doc = promote_json(inv, "--mode", "full", "--limit", "lab-1", "--gate-timeout", "15", evidence=tmp / "ev",
+                       expect=1)
+    took = time.monotonic() - started
+    err = by_host(doc)["lab-1"]["error"]
+    assert err["code"] == "gate_canary_failed" and err["detail"]["serving_again"], err
+    assert took < 300, took  # engine restarts twice, the gate itself 15 s at most
+    assert sha_of(lab_fleet, "lab-1", UNIT) == unit
+
+
+def test_secrets_live_only_in_the_env_file(lab_fleet, lab):
+    """An --api-key in extra_args and a token in the secrets file: the server gets both (the lab
+    engine, like SGLang, refuses requests without the key: the gates pass only by sending it); no
+    unit, diff, dry run, --json, evidence, audit or journal line holds either; env backups are 0600,
+    go with their stage, and are all gone after rollback --to pristine."""
+    invs, tmp = lab
+    key = "sk-l4b-$HOME-%n-key"
+    lab_args = yaml.safe_load(lab_fleet.inventory_path.read_text())["all"]["vars"].get("extra_args", [])
+    inv = _changed(invs, "lab-3", extra_args=[*lab_args, "--served-model-name", HOSTILE_NAME, "--api-key", key])
+    texts = [run_cli("promote", "-i", str(inv), "--mode", "full", "--limit", "lab-3", "--dry-run", "--json").stdout]
+    doc = promote_json(inv, "--mode", "full", "--limit", "lab-3", evidence=tmp / "ev-secrets", outputs=texts)
+    assert by_host(doc)["lab-3"]["status"] == "ok", by_host(doc)["lab-3"]
+    pid = main_pid(lab_fleet, "lab-3")
+    assert key in ssh(lab_fleet, "lab-3", f"cat /proc/{pid}/cmdline").stdout.split("\0")
+    assert "${DDTREE_OPS_ARG_API_KEY}" in ssh(lab_fleet, "lab-3", f"cat {UNIT}").stdout
+    assert ssh(lab_fleet, "lab-3", "stat -c %a /etc/ddtree-ops/sglang.env").stdout.strip() == "600"
+    texts += [p.read_text() for p in (tmp / "ev-secrets").rglob("*.json")]
+    assert all(oct(p.stat().st_mode & 0o777) == "0o600" for p in (tmp / "ev-secrets").rglob("*.json"))
+    for value in (key, SECRET):
+        assert not any(value in t for t in texts), value
+        needle = shlex.quote(value)
+        found = ssh(lab_fleet, "lab-3", f"grep -rlF -e {needle} {STATE_DIR} {UNIT} /etc/systemd; "
+                                        f"journalctl --no-pager -u sglang.service | grep -cF -e {needle}")
+        assert found.stdout.split() == ["0"], (value, found.stdout)
+    backups = ssh(lab_fleet, "lab-3", "stat -c '%a %n' /etc/ddtree-ops/.ddtree-ops-backup/*").stdout.split("\n")
+    assert backups and all(line.startswith("600 ") for line in backups if line), backups
+    # Back one stage: that stage's env copy goes with it.
+    before = set(backups)
+    back = rollout.rollback(load_inventory(inv), load_inventory(inv).select("lab-3"))[0]
+    assert back.ok, back.to_dict()
+    after = set(ssh(lab_fleet, "lab-3", "stat -c '%a %n' /etc/ddtree-ops/.ddtree-ops-backup/*").stdout.split("\n"))
+    assert after < before, (before, after)
+
+
+def test_a_unit_edited_by_hand_is_drift(lab_fleet, lab):
+    """A unit changed by hand since ddtree-ops installed it is not overwritten without --adopt, by a
+    rollback or a promote; with --adopt, what was found is kept."""
+    invs, tmp = lab
+    inv = invs.write()
+    r = ssh(lab_fleet, "lab-3", f"echo '# tuned by hand at 3 a.m.' >> {UNIT}")
+    assert r.returncode == 0
+    hand = sha_of(lab_fleet, "lab-3", UNIT)
+    refused = run_cli("rollback", "-i", str(inv), "--limit", "lab-3", "--json")
+    err = json.loads(refused.stdout)["results"][0]["error"]
+    assert refused.returncode == 1 and err["code"] == "unit_drift" and UNIT in err["message"], err
+    assert "--adopt" in err["hint"] and sha_of(lab_fleet, "lab-3", UNIT) == hand
+    doc = promote_json(_changed(invs, "lab-3"), "--mode", "full", "--limit", "lab-3", evidence=tmp / "ev", expect=1)
+    assert by_host(doc)["lab-3"]["error"]["code"] == "unit_drift"
+    adopted = run_cli("rollback", "-i", str(inv), "--limit", "lab-3", "--adopt", "--json")
+    assert adopted.returncode == 0, adopted.stdout[-2000:] + adopted.stderr[-2000:]
+    kept = ssh(lab_fleet, "lab-3", f"grep -rl 'tuned by hand' {STATE_DIR}/units-found").stdout.split()
+    assert kept and sha_of(lab_fleet, "lab-3", kept[0]) == hand
+
+
+def test_repairs_run_on_the_damage_they_repair(lab_fleet, lab):
+    """A stage's env backup gone: a clear refusal that names the file and the repair (never an agent
+    crash), and --adopt runs. A damaged state.json: the agent's own file repair keeps the promotion
+    stack (rebuilt from the stage records), and rollback --to pristine runs on it."""
+    invs, tmp = lab
+    inv = invs.write()
+    inventory = load_inventory(inv)
+    hosts = inventory.select("lab-3")
+    rotated = tmp / "rotated.env"
+    rotated.write_text(f"HF_TOKEN={envfile.quote(SECRET + '-rotated')}\n")
+    assert promote_json(_changed(invs, "lab-3", service_secrets_file=str(rotated)), "--mode", "full", "--limit",
+                        "lab-3", evidence=tmp / "ev")
+    stack = state(lab_fleet, "lab-3")["promotion"]["stack"]
+    top = stack[-1]
+    ssh(lab_fleet, "lab-3", f"rm /etc/ddtree-ops/.ddtree-ops-backup/{top}.env")
+    refused = rollout.rollback(inventory, hosts)[0]
+    assert refused.error.code == "unit_backup_missing" and f"{top}.env" in refused.error.message, refused.to_dict()
+    assert "--adopt" in refused.error.hint and "sha256" in refused.error.hint
+    assert rollout.rollback(inventory, hosts, adopt=True)[0].ok
+    ssh(lab_fleet, "lab-3", f"echo '{{not json' > {STATE_DIR}/state.json")
+    files_only = release.rollback(inventory, hosts, to="pristine")[0]
+    assert files_only.ok, files_only.to_dict()
+    rebuilt = state(lab_fleet, "lab-3")["promotion"]
+    assert rebuilt["stack"] == stack[:-1] and rebuilt["rebuilt"], rebuilt
+    ssh(lab_fleet, "lab-3", f"echo '{{not json' > {STATE_DIR}/state.json")
+    gone = rollout.rollback(inventory, hosts, to="pristine")[0]
+    assert gone.ok, gone.to_dict()
+    assert sha_of(lab_fleet, "lab-3", UNIT) is None
+    assert ssh(lab_fleet, "lab-3", "ls -A /etc/ddtree-ops/.ddtree-ops-backup 2>/dev/null").stdout.strip() == ""
+    st = state(lab_fleet, "lab-3")
+    assert st["current"] is None and not (st.get("promotion") or {}).get("stack")
+    assert ssh(lab_fleet, "lab-3", f"ls {STATE_DIR} | grep -c state.json.damaged").stdout.strip() != "0"
+
+
+def test_a_commit_whose_answer_is_lost(lab_fleet, lab):
+    """The agent dies inside unit_commit: after the commit point the stage stands (and the run says
+    so, ok); before it, the stage is undone at once and the host serves its previous unit."""
+    invs, tmp = lab
+    unit = sha_of(lab_fleet, "lab-1", UNIT)
+    lost = promote_json(_changed(invs, "lab-1"), "--mode", "full", "--limit", "lab-1", evidence=tmp / "ev",
+                        env={rollout.AGENT_KILL_ENV: "after_evidence"}, expect=1)
+    assert by_host(lost)["lab-1"]["error"]["code"] == "commit_failed"
+    assert _serving(lab_fleet, "lab-1", unit)
+    landed = promote_json(_changed(invs, "lab-1"), "--mode", "full", "--limit", "lab-1", evidence=tmp / "ev",
+                          env={rollout.AGENT_KILL_ENV: "after_state"})
+    r = by_host(landed)["lab-1"]
+    assert r["status"] == "ok" and any("had confirmed the stage" in n for n in r["notices"]), r
+    assert ssh(lab_fleet, "lab-1", f"test -e {STATE_DIR}/units-journal.json").returncode != 0
+    assert sha_of(lab_fleet, "lab-1", UNIT) != unit
 
 
 def test_rollback_steps_back_then_to_pristine(lab_fleet, lab):

@@ -3,8 +3,13 @@
 The lock is the directory `<state_dir>/lock/` (mkdir is atomic) with `owner.json` inside.
 It outlives the agent process on purpose: the control side takes it once and then makes
 several agent calls (stage, install, record) under its `lock_id`, and releases it in a
-`finally`. Because a crashed control side cannot release it, a lock is *stale* when
-  - its heartbeat is older than its TTL (every call made under the lock refreshes it), or
+`finally`. While it holds the lock the control side sends a heartbeat every fraction of the TTL
+(and every call made under the lock refreshes it too), so the TTL only has to cover a missed beat
+or two, never the longest wait of a run. Because a crashed control side cannot release it, a lock
+is *stale* when
+  - its heartbeat is older than its TTL and no agent op of its run is still executing on this host
+    (an op registers itself in `ops` while it runs: a control side that gave up waiting must not
+    let a second run in while the first run's op carries on), or
   - it was taken by an agent process itself (an install or rollback called without a lock_id)
     and that very process is gone: same boot id, same pid *and* same process start time, read
     from /proc. The control side's host name and pid are recorded for people only and never
@@ -26,7 +31,7 @@ import secrets
 import shutil
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from . import statefs
@@ -34,7 +39,9 @@ from .atomic import AgentError, fsync_dir, is_enospc, write_json_atomic
 
 LOCK_DIR = "lock"
 OWNER = "owner.json"
-DEFAULT_TTL_S = 900.0
+# Short on purpose: a live run renews it by heartbeat, so it only bounds how long a dead run's
+# lock keeps others out.
+DEFAULT_TTL_S = 120.0
 # A lock dir without owner.json is one being created right now; only after this long
 # do we believe its creator died between mkdir and writing owner.json.
 UNOWNED_GRACE_S = 30.0
@@ -139,7 +146,16 @@ def _owner_problem(owner: object) -> str | None:
     for key in ("agent_process", "control_process"):
         if _process_problem(owner.get(key)):
             return f"`{key}` is not {{boot_id, pid, start_ticks}}"
+    ops = owner.get("ops", [])
+    if not isinstance(ops, list) or any(_process_problem(op) or op is None or not isinstance(op.get("op"), str)
+                                        for op in ops):
+        return "`ops` is not a list of {op, boot_id, pid, start_ticks}"
     return None
+
+
+def live_ops(owner: dict) -> list[dict]:
+    """The agent ops of the holder's run still executing on this host."""
+    return [op for op in owner.get("ops") or [] if not _process_gone(op)]
 
 
 def _unknown_holder(problem: str, stale: bool = False) -> dict:
@@ -174,8 +190,8 @@ def holder(state_dir: str | os.PathLike[str]) -> dict | None:
     now = time.time()
     beat, ttl = float(owner["heartbeat"]), float(owner["ttl_s"])
     reason = ""
-    if now > beat + ttl:
-        reason = f"TTL of {ttl:.0f}s expired {now - beat - ttl:.0f}s ago"
+    if now > beat + ttl and not live_ops(owner):
+        reason = f"no heartbeat for {now - beat:.0f}s (TTL {ttl:.0f}s)"
     elif owner["agent_process"] is not None and _process_gone(owner["agent_process"]):
         reason = f"the agent process {owner['agent_process']['pid']} that took it on this host is gone"
     return {**owner, "damaged": None, "stale": bool(reason), "stale_reason": reason}
@@ -262,19 +278,42 @@ def acquire(state_dir: str | os.PathLike[str], *, who: str, command: str, host: 
         time.sleep(POLL_S)
 
 
-def check(state_dir: str | os.PathLike[str], lock_id: str) -> None:
+def _rewrite_owner(state_dir: Path, lock_id: str, change: Callable[[dict], None]) -> dict:
+    """Under the guard: raise unless lock_id holds the lock; refresh its heartbeat and apply change."""
+    with _guard(state_dir):
+        current = holder(state_dir)
+        if current is None or current.get("lock_id") != lock_id:
+            who = describe(current) if current else "nobody"
+            raise AgentError("lock_lost", f"this run does not hold the host lock (held by {who})",
+                             "someone broke the lock; re-run the command")
+        owner = {k: v for k, v in current.items() if k not in ("stale", "stale_reason", "damaged")}
+        owner["heartbeat"] = time.time()
+        change(owner)
+        # A full disk must not fail the operation here: the heartbeat only extends the TTL.
+        with contextlib.suppress(OSError):
+            write_json_atomic(_lock_path(state_dir) / OWNER, owner)
+        return owner
+
+
+def check(state_dir: str | os.PathLike[str], lock_id: str) -> dict:
     """Raise unless the lock is held under lock_id; refresh its heartbeat (best effort)."""
-    state_dir = Path(state_dir)
-    current = holder(state_dir)
-    if current is None or current.get("lock_id") != lock_id:
-        who = describe(current) if current else "nobody"
-        raise AgentError("lock_lost", f"this run does not hold the host lock (held by {who})",
-                         "someone broke the lock; re-run the command")
-    owner = {k: v for k, v in current.items() if k not in ("stale", "stale_reason", "damaged")}
-    owner["heartbeat"] = time.time()
-    # A full disk must not fail the operation here: the heartbeat only extends the TTL.
-    with contextlib.suppress(OSError):
-        write_json_atomic(_lock_path(state_dir) / OWNER, owner)
+    return _rewrite_owner(Path(state_dir), lock_id, lambda owner: None)
+
+
+def _register(state_dir: Path, lock_id: str, op: str) -> dict:
+    me = {**this_process(), "op": op}
+    _rewrite_owner(state_dir, lock_id, lambda owner: owner.setdefault("ops", []).append(me))
+    return me
+
+
+def _unregister(state_dir: Path, lock_id: str, me: dict) -> None:
+    def drop(owner: dict) -> None:
+        # Also forget ops whose process is gone (a killed agent never unregisters itself).
+        owner["ops"] = [op for op in owner.get("ops") or [] if op != me and not _process_gone(op)]
+
+    # The lock may have been broken meanwhile (unlock of a dead run): nothing left to unregister.
+    with contextlib.suppress(AgentError):
+        _rewrite_owner(state_dir, lock_id, drop)
 
 
 def release(state_dir: str | os.PathLike[str], lock_id: str | None, *, force: bool = False,
@@ -289,6 +328,11 @@ def release(state_dir: str | os.PathLike[str], lock_id: str | None, *, force: bo
         mine = current.get("lock_id") == lock_id if lock_id else bool(run_id) and current.get("run_id") == run_id
         if not force and not mine:
             return {"released": False, "holder": current}
+        busy = live_ops(current) if not current.get("damaged") else []
+        if busy:
+            # An op of the holder's run still changes this host: the lock stays until it ends (and
+            # then expires with the TTL), so no second run starts beside it.
+            return {"released": False, "holder": current, "busy": busy}
         try:
             _break(state_dir)
         except OSError as exc:
@@ -300,10 +344,14 @@ def release(state_dir: str | os.PathLike[str], lock_id: str | None, *, force: bo
 @contextlib.contextmanager
 def held(state_dir: str | os.PathLike[str], lock_id: str | None, *, who: str, command: str,
          wait_s: float = 0.0) -> Iterator[str]:
-    """Run a block under the lock: reuse the caller's lock_id, or take and release our own."""
+    """Run a block under the lock: reuse the caller's lock_id (registering this op as running under
+    it, so the lock cannot go stale or be released while it runs), or take and release our own."""
     if lock_id:
-        check(state_dir, lock_id)
-        yield lock_id
+        me = _register(Path(state_dir), lock_id, command)
+        try:
+            yield lock_id
+        finally:
+            _unregister(Path(state_dir), lock_id, me)
         return
     owner = acquire(state_dir, who=who, command=command, wait_s=wait_s, host=socket.gethostname(), pid=os.getpid(),
                     agent_process=this_process())
@@ -327,12 +375,26 @@ def op_lock(request: dict) -> dict:
 
 
 def op_unlock(request: dict) -> dict:
-    """Release by lock_id (or by run_id: a dead run's lock); with force (the `unlock` command) break it,
-    and clear planted entries first."""
+    """Release by lock_id (or by run_id: a dead run's lock); with force (the `unlock` command) break a
+    lock that is stale or damaged, or whose run the control side saw die (`dead_run_id`), and clear
+    planted entries first. A lock whose heartbeat is fresh belongs to a live run and is never broken."""
     force = bool(request.get("force"))
     sd = statefs.state_dir(request, scan_tree=not force)
-    removed = statefs.remove_planted(sd) if force else []
     run_id = request.get("run_id") if isinstance(request.get("run_id"), str) else None
+    if force:
+        current = holder(sd)
+        dead = request.get("dead_run_id")
+        if current is not None and not current["stale"] and not current.get("damaged") \
+                and not (isinstance(dead, str) and current.get("run_id") == dead):
+            age = time.time() - float(current["heartbeat"])
+            busy = live_ops(current)
+            raise AgentError(
+                "lock_alive", f"the lock is held by a live run: {describe(current)}, last heartbeat {age:.0f}s ago"
+                + (f", {len(busy)} agent op(s) of it running here" if busy else ""),
+                f"wait for that run to finish (a dead run's lock goes stale {float(current['ttl_s']):.0f}s after its "
+                f"last heartbeat), or stop it on {current.get('host')} (pid {current.get('pid')})",
+                holder={k: current.get(k) for k in ("who", "command", "host", "pid", "run_id", "start")})
+    removed = statefs.remove_planted(sd) if force else []
     return {**release(sd, request.get("lock_id"), force=force, run_id=run_id), "removed": removed}
 
 

@@ -21,7 +21,7 @@ import os
 import time
 from pathlib import Path
 
-from . import backup, install, journal, lock, pristine, repair, state, statefs
+from . import backup, install, journal, lock, pristine, repair, state, statefs, units
 from .atomic import AgentError, copy_file_atomic, sha256_file
 from .bundle import read_bundle, release_id
 from .layout import JOURNAL, RELEASES, REPLACED, find_base, release_dir, safe_name
@@ -196,7 +196,10 @@ def to_pristine(sd: Path, *, operator: str, sys_path: list | None, adopt: bool, 
               "started": state.now_iso(), "steps": steps, "stack_before": stack, "stack_after": []}
     try:
         if state_err is not None:
-            state.save(sd, state.empty())
+            # Releases start anew (every file goes back to pristine below); the promotion stack does not:
+            # its units are not touched here, so it is rebuilt from their records on disk.
+            promotion = units.rebuild_promotion(sd)
+            state.save(sd, {**state.empty(), "promotion": promotion, "mode": promotion["mode"]})
         changed = journal.run(sd, site, jr_new)
     except BaseException as exc:
         for name, path in kept.items():

@@ -10,6 +10,7 @@ test (tests/test_lab_engine_contract.py) holds these shapes against the wheel's 
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import os
 import time
 import uuid
@@ -60,10 +61,12 @@ class Status:
 
 
 class EngineApi:
-    def __init__(self, server_args: Any, version: str, status: Status) -> None:
+    def __init__(self, server_args: Any, version: str, status: Status, lie: str | None = None) -> None:
         self.server_args = server_args
         self.version = version
         self.status = status
+        # faults.LIE, in full mode only (the lossy payload it stands for is a DDTree one).
+        self.lie = lie if getattr(server_args, "speculative_ddtree_mode", None) == "full" else None
         self.model_config: dict = {}
         self.tokenizer: Any = None
         self.decoder: Decoder | None = None
@@ -169,8 +172,26 @@ class EngineApi:
         self.scheduler.submit(job)
         job.done.wait()
         latency = time.monotonic() - started
-        outs = [self._output(r, latency) for r in requests]
+        outs = [self._lie(self._output(r, latency)) for r in requests]
         return outs if batched else outs[0]
+
+    def _lie(self, out: dict[str, Any]) -> dict[str, Any]:
+        if self.lie == "meta-list":
+            return {**out, "meta_info": list(out["meta_info"].items())}
+        if self.lie == "empty-output":
+            return {**out, "output_ids": [], "text": ""}
+        if self.lie == "no-output-ids":
+            return {k: v for k, v in out.items() if k != "output_ids"}
+        return out
+
+    def authorized(self, path: str, authorization: str | None) -> bool:
+        """SGLang's api-key middleware for its normal endpoints (srt/utils/auth.py): with --api-key
+        every path but /health* and /metrics* needs `Authorization: Bearer <key>`."""
+        key = getattr(self.server_args, "api_key", None)
+        if not key or path.startswith(("/health", "/metrics")):
+            return True
+        scheme, _, token = (authorization or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token, key)
 
     def _prompts(self, body: dict) -> tuple[list[list[int]], bool]:
         text, input_ids = body.get("text"), body.get("input_ids")

@@ -18,6 +18,15 @@ WRONG_TOKENS_AFTER = "DDTREE_LAB_FAULT_WRONG_TOKENS_AFTER"
 LOW_ACCEPTANCE = "DDTREE_LAB_FAULT_LOW_ACCEPTANCE"
 HANG_ON_MIXED = "DDTREE_LAB_FAULT_HANG_ON_MIXED"
 DRAIN_TIMEOUT_S = "DDTREE_LAB_DRAIN_TIMEOUT_S"
+LIE = "DDTREE_LAB_FAULT_LIE"
+PAUSE_WHILE = "DDTREE_LAB_FAULT_PAUSE_WHILE"
+# What a lying server answers to /generate in full mode (a broken payload or proxy, not SGLang).
+LIES = {
+    "meta-list": "`meta_info` is a list, not an object",
+    "empty-output": "`output_ids` is empty (and stays so)",
+    "no-output-ids": "the answer has no `output_ids` at all",
+    "drip": "the reply is sent one byte every half second, never finishing",
+}
 
 SWITCHES: dict[str, str] = {
     START_DELAY_S: "seconds to wait before loading (a slow model load): /health answers 503 meanwhile",
@@ -29,6 +38,9 @@ SWITCHES: dict[str, str] = {
     HANG_ON_MIXED: "1: the scheduler stalls for good once greedy and sampled requests run together "
     "(as upstream DFLASH 0.5.13.post1 was seen to on the H200)",
     DRAIN_TIMEOUT_S: "seconds SIGTERM waits for in-flight requests before exiting anyway (default 20)",
+    LIE: "full mode only, /generate answers a lie: " + "; ".join(f"{k}: {v}" for k, v in LIES.items()),
+    PAUSE_WHILE: "PATH: the scheduler makes no decode step while PATH exists (requests stay in flight for as "
+    "long as a test needs, without racing a clock)",
 }
 
 
@@ -46,6 +58,8 @@ class Faults:
     low_acceptance: bool = False
     hang_on_mixed: bool = False
     drain_timeout_s: float = 20.0
+    lie: str | None = None
+    pause_while: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Faults:
@@ -59,6 +73,8 @@ class Faults:
             low_acceptance=_flag(env, LOW_ACCEPTANCE),
             hang_on_mixed=_flag(env, HANG_ON_MIXED),
             drain_timeout_s=_number(env, DRAIN_TIMEOUT_S, float, 20.0),
+            lie=_choice(env, LIE, LIES),
+            pause_while=env.get(PAUSE_WHILE) or None,
         )
 
     def active(self) -> list[str]:
@@ -78,6 +94,13 @@ def _flag(env: Mapping[str, str], name: str) -> bool:
     if value in ("1", "true", "yes", "on"):
         return True
     raise FaultConfigError(f"{name} must be 1 or 0, got {env[name]!r}")
+
+
+def _choice(env: Mapping[str, str], name: str, choices: Mapping[str, str]) -> str | None:
+    value = env.get(name, "").strip()
+    if value and value not in choices:
+        raise FaultConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    return value or None
 
 
 def _number(env: Mapping[str, str], name: str, kind: type, default):  # type: ignore[no-untyped-def]

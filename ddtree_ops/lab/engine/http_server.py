@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -49,9 +50,32 @@ class _Handler(BaseHTTPRequestHandler):
     def _error(self, status: int, message: str) -> None:
         self._send(status, dumps({"error": {"message": message}}))
 
+    def _unauthorized(self, path: str) -> bool:
+        if self.server.api.authorized(path, self.headers.get("Authorization")):
+            return False
+        self._send(401, dumps({"error": "Unauthorized"}))
+        return True
+
+    def _drip(self, body: bytes) -> None:
+        """faults.LIE drip: a reply that never finishes, one byte every half second."""
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body) * 1000))
+        self.end_headers()
+        try:
+            while True:
+                for byte in body:
+                    self.wfile.write(bytes([byte]))
+                    self.wfile.flush()
+                    time.sleep(0.5)
+        except OSError:
+            return
+
     def do_GET(self) -> None:
         api = self.server.api
         path = self.path.split("?", 1)[0]
+        if self._unauthorized(path):
+            return
         if path in ("/health", "/health_generate"):
             self._send(api.health(path))
         elif path in ("/model_info", "/get_model_info"):
@@ -67,6 +91,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         path = self.path.split("?", 1)[0]
+        if self._unauthorized(path):
+            return
         if path != "/generate":
             self._send(404, dumps({"detail": "Not Found"}))
             return
@@ -78,7 +104,11 @@ class _Handler(BaseHTTPRequestHandler):
             return
         with self.server.track():
             try:
-                self._send(200, dumps(self.server.api.generate(body)))
+                answer = dumps(self.server.api.generate(body))
+                if self.server.api.lie == "drip":
+                    self._drip(answer)
+                    return
+                self._send(200, answer)
             except BadRequest as e:
                 self._error(400, str(e))
             except Unavailable as e:

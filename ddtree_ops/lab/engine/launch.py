@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     from .http_server import EngineHTTPServer
 
     status = Status(never_healthy=faults.never_healthy)
-    api = EngineApi(server_args, sglang.__version__, status)
+    api = EngineApi(server_args, sglang.__version__, status, lie=faults.lie)
     httpd = EngineHTTPServer((server_args.host, int(server_args.port)), api)
     threading.Thread(target=httpd.serve_forever, name="http", daemon=True).start()
     stop = threading.Event()

@@ -78,6 +78,8 @@ class Scheduler:
                     running = list(self._running)
                 if self.faults.hang_on_mixed and _mixed(r for _, r in running):
                     self._stall(running)
+                while self.faults.pause_while and os.path.exists(self.faults.pause_while):
+                    time.sleep(0.05)
                 self.decoder.step([r for _, r in running])
                 self.last_step_time = time.monotonic()
                 self._retire()

@@ -27,12 +27,15 @@ REGISTRY = {
     "smoke": ("smoke", "op_smoke"),  # import, server-args and tree-builder checks with the host's Python
     # promote (issue 10): the serving unit, its gates' ready probe, its journal
     "unit_inspect": ("units", "op_unit_inspect"),  # installed unit, service, release, promotion record, lint
-    "unit_apply": ("units", "op_unit_apply"),  # lint, back up, journal, install unit + env file, reload, restart
+    "unit_apply": ("units", "op_unit_apply"),  # lint, back up, journal + watchdog, unit + env file, reload, restart
     "unit_wait": ("units", "op_unit_wait"),  # ready probe on the host: /health_generate 200 while the unit is up
     "unit_commit": ("units", "op_unit_commit"),  # a stage passed: record it, write evidence, drop the journal
     "unit_restore": ("units", "op_unit_restore"),  # undo the stage in flight, the last stage, or all (pristine)
     "unit_recover": ("units", "op_unit_recover"),  # undo a stage a dead run left in flight
     "unit_service": ("units", "op_unit_service"),  # restart or stop the service as its unit stands
+    # commit-confirmed stages (issue 22)
+    "heartbeat": ("units", "op_heartbeat"),  # the control side lives: refresh its lock, renew its stage's deadline
+    "unit_watch": ("units", "op_unit_watch"),  # the confirm watchdog (systemd-run): undo the stage at its deadline
 }
 
 

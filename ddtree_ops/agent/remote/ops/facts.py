@@ -26,7 +26,7 @@ import socket
 import subprocess
 import sys
 
-from .. import atomic
+from .. import atomic, confirm
 from ..errors import AgentError
 from ..requests import get_abs_path, get_str, get_str_list, relative_inside
 from ..state import problem_of as state_problem
@@ -240,4 +240,16 @@ def release_facts(state_dir: str, warnings: list) -> dict | None:
         out["promotion"] = {"last_mode": last.get("mode"), "last_result": last.get("result"),
                             "gates": last.get("gates"), "accept_length": last.get("accept_length"),
                             "failed_gate": last.get("failed_gate"), "time": last.get("time")}
+    out["in_flight"] = stage_in_flight(state_dir)
     return out
+
+
+def stage_in_flight(state_dir: str) -> dict | None:
+    """A promote stage installed and not yet confirmed: its mode and how long until the host puts the
+    previous unit back by itself (unless the run gating it confirms it first)."""
+    jr, _ = read_json_file(os.path.join(state_dir, "units-journal.json"))
+    if not isinstance(jr, dict):
+        return None
+    record = jr.get("confirm")
+    return {"mode": jr.get("mode"), "unit_id": jr.get("unit_id"),
+            "restores_in_s": None if confirm.problem(record) else max(0.0, confirm.remaining_s(record))}
