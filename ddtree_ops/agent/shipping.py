@@ -10,7 +10,8 @@ with only `python` coming from the inventory (through shlex.quote). stdin carrie
     2. JSON request {"op": ..., "args": {...}}
 
 The bootstrap serves the agent's modules from memory through a meta-path finder, so nothing is
-written on the host and the agent always matches the operator's ddtree-ops version.
+written on the host and the agent always matches the operator's ddtree-ops version. With `--ready`
+after the bootstrap it first prints READY on stdout: the sign that sudo has started it (sudo.py).
 `-I` (isolated mode) keeps PYTHON* variables, the user site and the current directory out of it.
 """
 
@@ -27,9 +28,13 @@ _REMOTE_SOURCE = Path(__file__).with_name("remote")
 
 # Readable source of the bootstrap; it is base64-encoded into the command line so the line holds
 # only [A-Za-z0-9+/=] and survives any login shell unchanged. It contains no inventory value.
+READY = "ddtree-agent: ready"
 BOOTSTRAP_SOURCE = """\
 import sys, json, zlib, base64, linecache
 from importlib.machinery import ModuleSpec
+if sys.argv[1:] == ["--ready"]:
+    sys.stdout.write("ddtree-agent: ready\\n")
+    sys.stdout.flush()
 SOURCES = json.loads(zlib.decompress(base64.b64decode(sys.stdin.buffer.readline())))
 class AgentFinder:
     def find_spec(self, name, path=None, target=None):
@@ -70,9 +75,9 @@ def agent_payload_line() -> bytes:
     return base64.b64encode(packed) + b"\n"
 
 
-def agent_argv(python: str) -> list[str]:
-    """The remote argv (ssh.py quotes it and adds `sudo -n --` when the host asks for sudo)."""
-    return [python, "-I", "-c", BOOTSTRAP_LINE]
+def agent_argv(python: str, *, ready: bool = False) -> list[str]:
+    """The remote argv (ssh.py quotes it and puts it under sudo when the host asks for sudo)."""
+    return [python, "-I", "-c", BOOTSTRAP_LINE, *(["--ready"] if ready else [])]
 
 
 def agent_stdin(op: str, args: dict) -> bytes:
