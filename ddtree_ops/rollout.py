@@ -30,8 +30,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ddtree_ops import gates, service
-from ddtree_ops.errors import OpsError, UsageError
-from ddtree_ops.fleet import DEFAULT_CONCURRENCY, FleetProgress, HostContext, HostResult, run_on_hosts
+from ddtree_ops.errors import ErrorInfo, OpsError, UsageError
+from ddtree_ops.fleet import (
+    DEFAULT_CONCURRENCY,
+    FleetInterrupted,
+    FleetProgress,
+    HostContext,
+    HostResult,
+    run_on_hosts,
+)
 from ddtree_ops.release import _call, _host_lock, _session, operator_name
 
 if TYPE_CHECKING:
@@ -496,8 +503,14 @@ def promote(inventory: Inventory, hosts: Sequence[HostConfig], opts: PromoteOpti
     stopped = None
     done: set[str] = set()
     for i, group in enumerate(batches):
-        results += run_on_hosts(group, lambda ctx: promote_host(ctx, inventory, opts), concurrency=concurrency,
-                                progress=progress)
+        try:
+            results += run_on_hosts(group, lambda ctx: promote_host(ctx, inventory, opts), concurrency=concurrency,
+                                    progress=progress)
+        except FleetInterrupted as exc:  # Ctrl-C: report the batches before too, and the ones never reached
+            later = [HostResult(h.name, "interrupted", error=ErrorInfo("interrupted", f"{h.name}: not reached "
+                                                                       "(interrupted before its batch)"))
+                     for b in batches[i + 1:] for h in b]
+            raise FleetInterrupted(results + exc.results + later) from None
         done.update(h.name for h in group)
         failed = sum(not r.ok for r in results)
         if not opts.dry_run and budget.exceeded(failed, len(hosts)) and i + 1 < len(batches):
