@@ -120,16 +120,15 @@ def status(repo_root: RepoRoot = Path("."), as_json: JsonFlag = False, debug: De
 
 def _render(status: LabStatus, as_json: bool, command: str) -> None:
     if as_json:
+        from ddtree_ops.fleet import HostResult
         from ddtree_ops.output import document
+        from ddtree_ops.release import summary
 
         # The one --json shape of every command (output.document), the lab's own keys kept beside it.
-        results = [{"host": h.name, "status": "ok" if h.running and h.ssh else "unreachable", "data": asdict(h),
-                    "error": None, "elapsed_s": 0.0, "notices": []} for h in status.hosts]
-        up = [r["host"] for r in results if r["status"] == "ok"]
-        summary = {"hosts": len(results), "ok": len(up), "noop": [], "failed": [], "interrupted": [],
-                   "unreachable": [r["host"] for r in results if r["status"] != "ok"]}
-        print(json.dumps(document(command, 0 if status.all_up else 1, results=results, summary=summary,
-                                  **status.to_json()), indent=2))
+        results = [HostResult(h.name, "ok" if h.running and h.ssh else "unreachable", data=asdict(h))
+                   for h in status.hosts]
+        print(json.dumps(document(command, 0 if status.all_up else 1, results=[r.to_dict() for r in results],
+                                  summary=summary(results), **status.to_json()), indent=2))
         return
     console = Console()
     if not status.hosts:
