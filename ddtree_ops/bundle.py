@@ -40,7 +40,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ddtree_ops.errors import OpsError
+from ddtree_ops.errors import OpsError, UsageError
+from ddtree_ops.signing import signature_path
 
 PAYLOAD_DIR = Path(__file__).resolve().parent / "payload"
 DEFAULT_WHEEL_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ddtree-ops" / "wheels"
@@ -62,6 +63,12 @@ class BundleError(OpsError):
     """Building, verifying or installing a bundle failed; the message says which file and why."""
 
     code = "bundle"
+
+
+class BundleInputError(BundleError, UsageError):
+    """The file named on the command line is missing or not what it should be (exit code 2: nothing was done)."""
+
+    code = "bundle_input"
 
 
 class PatchError(BundleError):
@@ -154,6 +161,14 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def _record_digest_to_hex(value: str) -> str:
     """RECORD stores `sha256=<urlsafe base64, no padding>`; return hex."""
     algo, _, b64 = value.partition("=")
@@ -229,9 +244,15 @@ class WheelSource(PristineSource):
     def __init__(self, wheel: str | os.PathLike[str], package: str, version: str) -> None:
         self.path = Path(wheel)
         if not self.path.is_file():
-            raise BundleError(f"wheel not found: {self.path}")
+            raise BundleInputError(f"wheel not found: {self.path}" + (" (it is a directory)" if self.path.is_dir() else ""),
+                                   hint="pass the sglang .whl file itself, or use --download", code="wheel_missing")
         self.description = f"wheel {self.path.name}"
-        self._zip = zipfile.ZipFile(self.path)
+        try:
+            self._zip = zipfile.ZipFile(self.path)
+        except (zipfile.BadZipFile, OSError) as exc:
+            raise BundleInputError(f"{self.path} is not a wheel: {exc}", code="wheel_invalid",
+                                   hint=f"a wheel is a zip file such as sglang-{version}-py3-none-any.whl; "
+                                        "or build with --download") from None
         record_name = f"{_dist_info_name(package, version)}/RECORD"
         try:
             record_text = self._zip.read(record_name).decode()
@@ -611,8 +632,14 @@ def build_bundle(
     out.mkdir(parents=True, exist_ok=True)
     bundle_path = out / manifest.bundle_name
     tmp = bundle_path.with_name(bundle_path.name + ".tmp")
-    tmp.write_bytes(blob)
-    os.replace(tmp, bundle_path)  # never leave a half-written bundle under the final name
+    try:
+        tmp.write_bytes(blob)
+        # A signature of the bundle this one replaces would be reported as "does not match"; gone, this one
+        # reads as what it is: unsigned until signed (signing.sign_bundle).
+        signature_path(bundle_path).unlink(missing_ok=True)
+        os.replace(tmp, bundle_path)  # never leave a half-written bundle under the final name
+    finally:
+        tmp.unlink(missing_ok=True)
     (out / (manifest.bundle_name + ".manifest.json")).write_bytes(manifest_bytes)
     return BuildResult(manifest, bundle_path, sha256_hex(blob), pristine.description)
 
@@ -633,8 +660,12 @@ def _read_member(tar: tarfile.TarFile, m: tarfile.TarInfo, keep: bool) -> tuple[
 def _scan_bundle(p: Path, keep: bool) -> tuple[bytes, dict[str, str], dict[str, bytes]]:
     """(manifest bytes, {rel: sha256}, {rel: bytes} when keep), refusing links, unsafe names and
     members over the caps as their headers stream by."""
+    if p.is_dir():
+        raise BundleInputError(f"{p} is a directory, not a bundle", code="bundle_missing",
+                               hint=f"name the .tar.gz itself, e.g. {p / 'ddtree-payload-VERSION.tar.gz'}")
     if not p.is_file():
-        raise BundleError(f"bundle not found: {p}")
+        raise BundleInputError(f"bundle not found: {p}", code="bundle_missing",
+                               hint="check the path, or run `ddtree-ops build` first")
     manifest_bytes: bytes | None = None
     digests: dict[str, str] = {}
     files: dict[str, bytes] = {}

@@ -1,32 +1,43 @@
-"""CLI command `build`: a thin wrapper over bundle.py (build a payload bundle, or re-check one).
+"""CLI command `build`: a thin wrapper over bundle.py (build a payload bundle, or re-check one) and
+signing.py (sign it with --sign-key; --verify checks the signature against the inventory's signers).
 
-Registered on the main app by `register(app)` (called from cli.py); options from cli_common. Works on this machine only,
-so it takes no inventory; --json prints one document on stdout; exit 0 ok / 1 build or verify
-failed / 2 usage error.
+Registered on the main app by `register(app)` (called from cli.py); options from cli_common. Builds on
+this machine only, so it needs an inventory only for --verify (the trusted signers); --json prints one
+document on stdout; exit 0 ok / 1 build, signing or verify failed / 2 usage or input error.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ddtree_ops.cli_common import JsonOption, reported_errors
+from ddtree_ops.cli_common import (
+    AllowUnsignedOption,
+    DebugOption,
+    InventoryOption,
+    JsonOption,
+    emit_document,
+    reported_errors,
+)
 from ddtree_ops.errors import UsageError
 
+if TYPE_CHECKING:
+    from ddtree_ops.signing import Signature
 
-def _describe(manifest: Any, bundle_path: Path | None, bundle_sha256: str | None, source: str | None) -> dict[str, Any]:
+def _describe(manifest: Any, bundle_path: Path, bundle_sha256: str, source: str | None,
+              signature: Signature | None) -> dict[str, Any]:
     return {
-        "ok": True,
-        "bundle": str(bundle_path) if bundle_path else None,
+        "bundle": str(bundle_path),
         "bundle_sha256": bundle_sha256,
+        "signature": signature.to_dict() if signature is not None else None,
         "pristine_source": source,
         "manifest": manifest.model_dump(),
     }
 
 
-def _render(doc: dict[str, Any], verb: str) -> None:
+def _render(doc: dict[str, Any], verb: str, signature: Signature | None) -> None:
     from rich.table import Table
 
     from ddtree_ops.output import stdout_console
@@ -41,9 +52,14 @@ def _render(doc: dict[str, Any], verb: str) -> None:
         table.add_row(f["path"], "new", "-", f["sha256"][:16])
     console = stdout_console()
     console.print(table)
-    where = f" → {doc['bundle']}" if doc["bundle"] else ""
     source = f" (pristine files from {doc['pristine_source']})" if doc["pristine_source"] else ""
-    console.print(f"{verb}{where}{source}; bundle sha256 {doc['bundle_sha256']}")
+    console.print(f"{verb} → {doc['bundle']}{source}; bundle sha256 {doc['bundle_sha256']}")
+    if signature is None:
+        console.print("[yellow]UNSIGNED[/yellow]: push refuses it unless --allow-unsigned; sign it with --sign-key KEY")
+    elif verb == "built":
+        console.print(f"signed with {signature.key} → {doc['bundle']}.sig", highlight=False)
+    else:
+        console.print(signature.describe(), highlight=False)
 
 
 def register(app: typer.Typer) -> None:
@@ -60,28 +76,39 @@ def register(app: typer.Typer) -> None:
         out: Annotated[Path, typer.Option("--out", "-o", help="Directory for the bundle.")] = Path("dist"),
         payload: Annotated[Path | None, typer.Option("--payload", metavar="DIR",
                            help="Payload source directory (default: the one shipped in ddtree-ops).")] = None,
+        sign_key: Annotated[Path | None, typer.Option("--sign-key", metavar="KEY", envvar="DDTREE_SIGNING_KEY",
+                            help="Sign the bundle with this SSH private key (or the .pub of a key in ssh-agent): "
+                                 "writes BUNDLE.sig, which push checks against the inventory's `signers:`.")] = None,
         verify: Annotated[Path | None, typer.Option("--verify", metavar="BUNDLE",
                           help="Re-check an existing bundle instead of building: every file's sha256 "
-                               "against its manifest, nothing extra, no links.")] = None,
+                               "against its manifest, nothing extra, no links, and its signature by one of "
+                               "the inventory's `signers:` (-i).")] = None,
+        inventory: InventoryOption = None,
+        allow_unsigned: AllowUnsignedOption = False,
         json_output: JsonOption = False,
+        debug: DebugOption = False,
     ) -> None:
-        """Build the DDTree payload bundle, or re-check one with --verify.
+        """Build the DDTree payload bundle (and sign it), or re-check one with --verify.
 
         Pristine files of the pinned sglang come from one of --wheel, --from-python or --download
         (the default), each checked against the wheel's RECORD; patches apply strictly (no fuzz).
-        Writes OUT/ddtree-payload-<version>.tar.gz; two builds of the same source are identical
-        apart from the manifest's build time (set SOURCE_DATE_EPOCH for byte-identical output).
+        Writes OUT/ddtree-payload-<version>.tar.gz (and .sig with --sign-key); two builds of the same
+        source are identical apart from the manifest's build time (set SOURCE_DATE_EPOCH for
+        byte-identical output).
         """
-        with reported_errors(json_output):
+        command = "build --verify" if verify is not None else "build"
+        with reported_errors(json_output, command):
             from ddtree_ops import bundle as bundle_lib
-            from ddtree_ops.output import emit_json
+            from ddtree_ops import signing
 
             if verify is not None:
-                if wheel or from_python or download or payload:
-                    raise UsageError("--verify re-checks a bundle; it takes no pristine source or payload",
-                                     hint="drop --wheel/--from-python/--download/--payload")
+                if wheel or from_python or download or payload or sign_key:
+                    raise UsageError("--verify re-checks a bundle; it takes no pristine source, payload or key",
+                                     hint="drop --wheel/--from-python/--download/--payload/--sign-key")
                 manifest = bundle_lib.verify_bundle(verify)
-                doc = _describe(manifest, verify, bundle_lib.sha256_hex(verify.read_bytes()), None)
+                signers = _trusted_signers(inventory, allow_unsigned)
+                signature = signing.check_signature(verify, signers, allow_unsigned=allow_unsigned)
+                doc = _describe(manifest, verify, bundle_lib.sha256_file(verify), None, signature)
                 verb = "verified"
             else:
                 sources = [name for name, given in (("--wheel", wheel), ("--from-python", from_python),
@@ -89,13 +116,28 @@ def register(app: typer.Typer) -> None:
                 if len(sources) > 1:
                     raise UsageError(f"choose one pristine source, got {', '.join(sources)}",
                                      hint="--wheel PATH, --from-python PYTHON or --download")
+                if sign_key is not None:
+                    signing.signing_key(sign_key)  # a missing key is found before the build, not after
                 # No source named: the registry's wheel (cached), the one that is checkable anywhere.
                 download = download or not sources
-                result = bundle_lib.build_bundle(payload, out, wheel=wheel, python=from_python,
-                                                        download=download)
-                doc = _describe(result.manifest, result.bundle_path, result.bundle_sha256, result.source)
+                result = bundle_lib.build_bundle(payload, out, wheel=wheel, python=from_python, download=download)
+                signature = signing.sign_bundle(result.bundle_path, sign_key) if sign_key is not None else None
+                doc = _describe(result.manifest, result.bundle_path, result.bundle_sha256, result.source, signature)
                 verb = "built"
-            if json_output:
-                emit_json(doc)
-            else:
-                _render(doc, verb)
+        if json_output:
+            emit_document(command, 0, **doc)
+        else:
+            _render(doc, verb, signature)
+
+
+def _trusted_signers(inventory: Path | None, allow_unsigned: bool) -> dict[str, Any]:
+    """The inventory's `signers:` for --verify; without an inventory only --allow-unsigned can go on."""
+    if inventory is None:
+        if allow_unsigned:
+            return {}
+        raise UsageError("build --verify checks the bundle's signature against the inventory's `signers:`, "
+                         "and no inventory was given", code="inventory_missing",
+                         hint="pass -i INVENTORY (or set DDTREE_INVENTORY), or --allow-unsigned to check the hashes only")
+    from ddtree_ops.inventory import load_inventory
+
+    return load_inventory(inventory).signers

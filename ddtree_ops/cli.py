@@ -19,14 +19,17 @@ from ddtree_ops import __version__, bundle_cli, promote_cli, release_cli
 from ddtree_ops.cli_common import (
     EXIT_HOST_FAILED,
     ConcurrencyOption,
+    DebugOption,
     InventoryOption,
     JsonOption,
     LimitOption,
     Session,
+    emit_document,
+    finish,
     load_selection,
     reported_errors,
 )
-from ddtree_ops.fleet import DEFAULT_CONCURRENCY
+from ddtree_ops.fleet import DEFAULT_CONCURRENCY, EXIT_INTERRUPTED
 
 # Sub-apps owned by other modules, mounted on first use so `--help` does not import them (and
 # the rich console they pull in): name -> (module, attribute, one-line help for the listing).
@@ -79,7 +82,8 @@ app = typer.Typer(
     cls=_LazyGroup,
     help="Ship the DDTree speculative-decoding patch set to SGLang GPU fleets: safely, host by host.",
     no_args_is_help=True,
-    add_completion=False,
+    # --install-completion / --show-completion, and completion of commands, options and inventory hosts.
+    add_completion=True,
     pretty_exceptions_enable=False,
     # Plain click help: rich-formatted help costs ~100 ms of imports on every `--help`.
     rich_markup_mode=None,
@@ -97,11 +101,9 @@ def _show_version(value: bool) -> None:
 def root(
     version: Annotated[bool, typer.Option("--version", is_eager=True, callback=_show_version,
                                           help="Print the version and exit.")] = False,
-    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors (also DDTREE_DEBUG=1).")] = False,
+    debug: DebugOption = False,
 ) -> None:
     """Ship the DDTree speculative-decoding patch set to SGLang GPU fleets: safely, host by host."""
-    Session.debug = Session.debug or debug
-
 
 
 @app.command()
@@ -109,35 +111,23 @@ def status(
     inventory: InventoryOption = None,
     limit: LimitOption = None,
     json_output: JsonOption = False,
+    debug: DebugOption = False,
     concurrency: ConcurrencyOption = DEFAULT_CONCURRENCY,
 ) -> None:
     """Per-host facts: OS, SGLang, service, release, lock, GPUs, disk.
 
-    One row per selected host (or, with --json, a list of per-host results). Exit code 1 when
-    any host failed or was unreachable; the others are still reported.
+    One row per selected host (columns that do not fit the terminal are left out and named; --json
+    has them all). Exit code 1 when any host failed or was unreachable; the others are still reported.
     """
-    with reported_errors(json_output):
+    with reported_errors(json_output, "status"):
         inv, hosts = load_selection(inventory, limit)
         from ddtree_ops.facts import collect_facts
-        from ddtree_ops.fleet import exit_code
-        from ddtree_ops.output import (
-            emit_json,
-            print_failures,
-            print_notices,
-            print_status_table,
-            progress_for,
-        )
+        from ddtree_ops.output import print_status_table, progress_for
 
         progress = progress_for(hosts, "status", json_mode=json_output)
         with progress or nullcontext():
             results = collect_facts(inv, hosts, concurrency=concurrency, progress=progress)
-        if json_output:
-            emit_json([{"address": h.address, "port": h.port, **r.to_dict()} for h, r in zip(hosts, results, strict=True)])
-        else:
-            print_status_table(hosts, results)
-        print_notices(results)
-        print_failures(results, debug=Session.debug)
-    raise typer.Exit(exit_code(results))
+    finish("status", hosts, results, json_output, print_status_table)
 
 
 @app.command()
@@ -145,30 +135,19 @@ def hosts(
     inventory: InventoryOption = None,
     limit: LimitOption = None,
     json_output: JsonOption = False,
+    debug: DebugOption = False,
 ) -> None:
     """List the selected hosts with their layered settings (no SSH).
 
     Validates the inventory and shows what --limit selects, after all < group < host layering.
     """
-    with reported_errors(json_output):
-        _, selected = load_selection(inventory, limit)
-        rows: list[dict[str, Any]] = [{"name": h.name, "groups": list(h.groups), **h.public_dict()} for h in selected]
-        if json_output:
-            from ddtree_ops.output import emit_json
+    with reported_errors(json_output, "hosts"):
+        _, selected = load_selection(inventory, limit, ssh=False)
+        from ddtree_ops.fleet import HostResult
+        from ddtree_ops.output import print_hosts_table
 
-            emit_json(rows)
-            return
-        from rich.table import Table
-
-        from ddtree_ops.output import stdout_console
-
-        table = Table()
-        for column in ("host", "groups", "address", "user", "python", "service", "state dir", "jump"):
-            table.add_column(column)
-        for h in selected:
-            table.add_row(h.name, ",".join(h.groups) or "-", f"{h.address}:{h.port}", h.user, h.python, h.service,
-                          h.state_dir, h.jump_host or "-")
-        stdout_console().print(table)
+        results = [HostResult(h.name, "ok", data={"groups": list(h.groups), **h.public_dict()}) for h in selected]
+    finish("hosts", selected, results, json_output, print_hosts_table)
 
 
 # build lives in bundle_cli.py; push, smoke, rollback, history, unlock in release_cli.py; promote in
@@ -178,14 +157,39 @@ release_cli.register(app)
 promote_cli.register(app)
 
 
+def _command_of(argv: list[str]) -> str:
+    """The command a command line names (`status`, `lab up`), for the --json document of a usage error."""
+    words = [a for a in argv if not a.startswith("-")]
+    return " ".join(words[:2]) if words[:1] == ["lab"] else (words[0] if words else "ddtree-ops")
+
+
 def main() -> None:
-    """Console entry point: unexpected exceptions print one line unless --debug asks for the traceback."""
-    debug = Session.debug or "--debug" in sys.argv[1:]
+    """Console entry point. Usage errors print click's message (and, with --json, the error document);
+    unexpected exceptions print one line unless --debug asks for the traceback."""
+    argv = sys.argv[1:]
+    debug = Session.debug or "--debug" in argv
+    json_mode = "--json" in argv[: argv.index("--")] if "--" in argv else "--json" in argv
     try:
-        app(prog_name="ddtree-ops")
+        code = app(prog_name="ddtree-ops", standalone_mode=False)
+    except typer.TyperException as exc:  # a bad option or value: click's usage errors
+        show = getattr(exc, "show", None)
+        show() if callable(show) else sys.stderr.write(f"error: {exc.format_message()}\n")
+        if json_mode:
+            emit_document(_command_of(argv), exc.exit_code, error={
+                "code": "usage", "message": exc.format_message(), "hint": "see `ddtree-ops COMMAND --help`"})
+        sys.exit(exc.exit_code)
+    except typer.Abort:  # a confirmation prompt answered with Ctrl-C or end of input
+        sys.stderr.write("aborted: nothing was done\n")
+        if json_mode:
+            emit_document(_command_of(argv), EXIT_INTERRUPTED, error={"code": "aborted", "message": "aborted at the prompt"})
+        sys.exit(EXIT_INTERRUPTED)
     except Exception as exc:
         if debug:
             raise
-        sys.stderr.write(f"internal error: {type(exc).__name__}: {exc}\n"
-                         "hint: this is a ddtree-ops bug; rerun with --debug for the traceback\n")
+        message = f"internal error: {type(exc).__name__}: {exc}"
+        hint = "this is a ddtree-ops bug; rerun with --debug for the traceback"
+        if json_mode:
+            emit_document(_command_of(argv), EXIT_HOST_FAILED, error={"code": "internal", "message": message, "hint": hint})
+        sys.stderr.write(f"{message}\nhint: {hint}\n")
         sys.exit(EXIT_HOST_FAILED)
+    sys.exit(code or 0)

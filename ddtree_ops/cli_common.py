@@ -38,50 +38,136 @@ InventoryOption = Annotated[
     typer.Option("--inventory", "-i", envvar="DDTREE_INVENTORY", show_default=False,
                  help="Inventory YAML file (see inventory/example.yaml)."),
 ]
+
+
+def complete_hosts(ctx: typer.Context, incomplete: str) -> list[str]:
+    """Shell completion of --limit: the host and group names of the inventory given so far (-i or $DDTREE_INVENTORY)."""
+    path = ctx.params.get("inventory") or os.environ.get("DDTREE_INVENTORY")
+    if not path:
+        return []
+    from ddtree_ops.inventory import load_inventory
+
+    try:
+        inv = load_inventory(path)
+    except OpsError:  # a broken inventory completes nothing; the command itself will say why
+        return []
+    head, _, word = incomplete.rpartition(",")
+    return [f"{head},{name}" if head else name for name in [*inv.hosts, *inv.groups] if name.startswith(word)]
+
+
 LimitOption = Annotated[
     str | None,
-    typer.Option("--limit", "-l", metavar="PATTERNS",
+    typer.Option("--limit", "-l", metavar="PATTERNS", autocompletion=complete_hosts,
                  help="Only these hosts: host names, group names or globs, comma-separated."),
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="One JSON document on stdout (nothing else on stdout).")]
 ConcurrencyOption = Annotated[int, typer.Option("--concurrency", "-c", min=1, max=512, help="Hosts worked on at once.")]
+AllowUnsignedOption = Annotated[bool, typer.Option(
+    "--allow-unsigned", help="Accept a bundle without a trusted signature (unsigned, or signed by a key the inventory's "
+                             "`signers:` do not name); it is reported as such. A signature that does not match the "
+                             "bundle is refused even so.")]
 LockWaitOption = Annotated[float, typer.Option("--lock-wait", min=0, metavar="SECONDS",
                                                help="Wait this long for another run's host lock, then fail naming its holder.")]
 
 
+def _set_debug(value: bool) -> bool:
+    Session.debug = Session.debug or value
+    return value
+
+
+# On every command as well as the root, since every error hint says "rerun with --debug" and people
+# add it at the end of the line they just ran.
+DebugOption = Annotated[bool, typer.Option("--debug", callback=_set_debug, is_eager=True,
+                                           help="Show tracebacks on errors (also DDTREE_DEBUG=1).")]
+
+
 class Session:
-    """Process-wide CLI settings set by the root callback (`--debug`)."""
+    """Process-wide CLI state: `--debug` (root or any command), and the inventory warnings of this run
+    (printed on stderr as the inventory loads, carried in the --json document)."""
 
     debug = os.environ.get("DDTREE_DEBUG", "") not in ("", "0")
+    warnings: list[dict[str, Any]] = []
+
+
+def emit_document(command: str, exit_code: int, **fields: Any) -> None:
+    """Print the --json document (output.document's shape) with this run's inventory warnings."""
+    from ddtree_ops.output import document, emit_json
+
+    emit_json(document(command, exit_code, warnings=Session.warnings, **fields))
 
 
 @contextmanager
-def reported_errors(json_mode: bool) -> Iterator[None]:
-    """Expected failures become a message + hint (and a JSON error with --json), never a traceback."""
+def reported_errors(json_mode: bool, command: str) -> Iterator[None]:
+    """Expected failures become a message + hint (and the --json document with its `error`), never a
+    traceback; Ctrl-C becomes exit 130 with what it interrupted (and the hosts' results so far)."""
+    from ddtree_ops.fleet import EXIT_INTERRUPTED, FleetInterrupted
+
     try:
         yield
+    except FleetInterrupted as exc:
+        _interrupted(command, json_mode, exc.results)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except KeyboardInterrupt:
+        _interrupted(command, json_mode, [])
+        raise typer.Exit(EXIT_INTERRUPTED) from None
     except OpsError as exc:
-        from ddtree_ops.output import emit_json, print_error
+        from ddtree_ops.output import print_error
 
+        code = EXIT_USAGE if isinstance(exc, UsageError) else EXIT_HOST_FAILED
         if json_mode:
             to_dict = getattr(exc, "to_dict", None)
-            emit_json({"ok": False, "error": to_dict() if callable(to_dict) else exc.info().to_dict()})
+            emit_document(command, code, error=to_dict() if callable(to_dict) else exc.info().to_dict())
         print_error(exc)
         if Session.debug:
             import traceback
 
             traceback.print_exc()
-        raise typer.Exit(EXIT_USAGE if isinstance(exc, UsageError) else EXIT_HOST_FAILED) from None
+        raise typer.Exit(code) from None
 
 
-def load_selection(inventory: Path | None, limit: str | None) -> tuple[Inventory, list[HostConfig]]:
+def _interrupted(command: str, json_mode: bool, results: Sequence[HostResult]) -> None:
+    from ddtree_ops.fleet import EXIT_INTERRUPTED
+    from ddtree_ops.output import print_failures
+    from ddtree_ops.release import summary
+
+    done = [r.host for r in results if r.status != "interrupted"]
+    message = f"interrupted (Ctrl-C) during {command}" + (
+        f"; finished before it: {', '.join(done)}" if done else "; no host had finished")
+    hint = "nothing is left half-done; run the command again for the hosts that did not finish" if results else None
+    if json_mode:
+        emit_document(command, EXIT_INTERRUPTED, results=[r.to_dict() for r in results],
+                      summary=summary(results) if results else None,
+                      error={"code": "interrupted", "message": message, "hint": hint})
+    print_failures(results, debug=Session.debug)
+    sys.stderr.write(message + "\n")
+
+
+def load_selection(inventory: Path | None, limit: str | None, host: str | None = None, *,
+                   ssh: bool = True) -> tuple[Inventory, list[HostConfig]]:
+    """The inventory and the hosts `--limit` selects; `host` (history's and unlock's argument) narrows them
+    further. With `ssh` (every command but `hosts`), the sudo passwords they need are at hand before any
+    host is contacted (asked for once on a terminal), or this fails naming the hosts and the variable."""
     if inventory is None:
         raise UsageError("no inventory given", hint="pass -i PATH or set DDTREE_INVENTORY (start from inventory/example.yaml)",
                          code="inventory_missing")
     from ddtree_ops.inventory import load_inventory
 
     inv = load_inventory(inventory)
-    return inv, inv.select(limit)
+    for warning in inv.warnings:
+        sys.stderr.write(f"warning: {warning.render(inv.path)}\n")
+    Session.warnings = [w.to_dict() for w in inv.warnings]
+    selected = inv.select(limit)
+    if host is not None:
+        named = {h.name for h in inv.select(host)}
+        selected = [h for h in selected if h.name in named]
+        if not selected:
+            raise UsageError(f"`{host}` and --limit `{limit}` have no host in common", code="limit_no_match",
+                             hint="drop one of them, or name a host that --limit selects")
+    if ssh:
+        from ddtree_ops.sudo import ask_passwords
+
+        ask_passwords(selected)
+    return inv, selected
 
 
 def finish(command: str, hosts: Sequence[HostConfig], results: Sequence[HostResult], json_output: bool,
@@ -90,12 +176,16 @@ def finish(command: str, hosts: Sequence[HostConfig], results: Sequence[HostResu
 
     `extra` adds keys to the --json document (e.g. promote's batches and untouched hosts)."""
     from ddtree_ops.fleet import exit_code
-    from ddtree_ops.output import emit_json, print_failures, print_notices
+    from ddtree_ops.output import print_failures, print_notices
     from ddtree_ops.release import summary
 
     summ = summary(results)
+    code = exit_code(results)
     if json_output:
-        emit_json({"command": command, "results": [r.to_dict() for r in results], "summary": summ, **(extra or {})})
+        by_name = {h.name: h for h in hosts}
+        rows = [{**r.to_dict(), **({"address": by_name[r.host].address, "port": by_name[r.host].port}
+                                   if r.host in by_name else {})} for r in results]
+        emit_document(command, code, results=rows, summary=summ, **(extra or {}))
     elif render is not None:
         render(hosts, results)
     print_notices(results)
@@ -111,7 +201,7 @@ def finish(command: str, hosts: Sequence[HostConfig], results: Sequence[HostResu
     if untouched:
         line += f"; not reached (untouched): {', '.join(untouched)}"
     sys.stderr.write(line + "\n")
-    raise typer.Exit(exit_code(results))
+    raise typer.Exit(code)
 
 
 @contextmanager

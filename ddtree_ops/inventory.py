@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import functools
+import importlib.util
 import posixpath
 import re
-from collections.abc import Iterable
+import types
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -35,6 +38,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from ddtree_ops.errors import UsageError
+from ddtree_ops.signing import SIGNER_NAME_RE, PublicKey
 
 DEFAULT_STATE_DIR = "/var/lib/ddtree-ops"
 # A file whose aliases expand past this many YAML values is refused before it is walked: a few
@@ -205,7 +209,10 @@ class HostConfig(BaseModel):
     host_key_policy: Literal["strict", "accept-new"] = "strict"
     jump_host: JumpHost | None = None
     connect_timeout: float = Field(10.0, gt=0, le=300)
+    # Log in as `user` and run the host agent as root through sudo (sudo.py). With sudo_password_env, the
+    # password comes from that environment variable of the control machine, or a prompt; never from here.
     sudo: bool = False
+    sudo_password_env: EnvName | None = None
 
     # The SGLang installation and its service.
     python: RemotePath = "/usr/bin/python3"
@@ -236,8 +243,9 @@ class HostConfig(BaseModel):
 
     # Rollout settings (push / smoke / promote).
     canary: bool = False
-    ddtree_budget: int | None = Field(None, ge=1, le=4096)
-    ddtree_topk_cap: int | None = Field(None, ge=1, le=256)
+    # Upper bounds and how budget, cap and keep_chain fit together: the payload's own check (_payload_refusals).
+    ddtree_budget: int | None = Field(None, ge=1)
+    ddtree_topk_cap: int | None = Field(None, ge=1)
     ddtree_keep_chain: bool = False
     allow_hybrid_unsafe: bool = False
     acceptance_margin: float = Field(0.05, ge=0, le=10)
@@ -290,6 +298,9 @@ class _InventoryFile(BaseModel):
     all: _AllBlock | None = None
     groups: dict[str, _GroupBlock | None] = Field(default_factory=dict)
     hosts: dict[str, dict[str, Any] | None]
+    # Who may sign bundles: name -> public key (`ssh-ed25519 AAAA...`) or a .pub file. Fleet-wide, not a
+    # host setting: push checks the one bundle it sends against this list before any host is contacted.
+    signers: dict[str, str] | None = None
 
 
 _ALLOWED_KEYS: dict[str, tuple[str, ...]] = {
@@ -355,6 +366,9 @@ class Inventory:
     path: Path
     hosts: dict[str, HostConfig]
     groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    signers: dict[str, PublicKey] = field(default_factory=dict)
+    # Not errors, but likely mistakes (two hosts at one address): printed by the CLI, in --json.
+    warnings: list[InventoryIssue] = field(default_factory=list)
 
     def select(self, limit: str | None) -> list[HostConfig]:
         """Hosts named by `limit` (comma-separated host names, group names or globs), in file order.
@@ -623,6 +637,8 @@ def load_inventory(path: Path | str) -> Inventory:
     issues += _layer_issues(layers, context, marks)
 
     issues += _check_names(host_entries, groups, marks)
+    signers, signer_issues = _signers(shape.signers or {}, path.resolve().parent, marks)
+    issues += signer_issues
     membership: dict[str, list[str]] = {h: [] for h in host_entries}
     for gname, group in groups.items():
         for i, member in enumerate(group.hosts):
@@ -660,9 +676,25 @@ def load_inventory(path: Path | str) -> Inventory:
             issues += _issues_from_validation(exc, ("hosts", name), marks, _level_of)
     if not issues:
         issues += _check_jumps(hosts, marks)
+        def origin(host: str, key: str) -> PathKey:
+            """Where a host's setting was written: its own entry, else the group or all.vars it came from."""
+            if key in host_entries[host]:
+                return ("hosts", host, key)
+            group = next((g for g in reversed(membership[host]) if key in (groups[g].vars or {})), None)
+            return ("groups", group, "vars", key) if group else ("all", "vars", key) if key in all_vars else ("hosts", host)
+
+        issues += _payload_refusals(hosts, marks, origin)
+        for name, host in hosts.items():
+            if host.sudo_password_env is not None and not host.sudo:
+                loc = origin(name, "sudo_password_env")
+                if not any(i.path == _dotted(loc) for i in issues):
+                    issues.append(InventoryIssue(_dotted(loc), f"sudo_password_env is set but host `{name}` does not "
+                                                 "use sudo", marks.line_for(loc),
+                                                 hint="set `sudo: true` for it, or drop sudo_password_env"))
     if issues:
         raise InventoryError(path, issues)
-    return Inventory(path=path, hosts=hosts, groups={g: tuple(m for m in hosts if m in groups[g].hosts) for g in groups})
+    return Inventory(path=path, hosts=hosts, groups={g: tuple(m for m in hosts if m in groups[g].hosts) for g in groups},
+                     signers=signers, warnings=_shared_addresses(hosts, marks))
 
 
 def _layer_issues(layers: list[tuple[PathKey, dict[str, Any]]], context: dict[str, Any], marks: _Marks) -> list[InventoryIssue]:
@@ -714,6 +746,11 @@ def _check_names(host_entries: dict[str, Any], groups: dict[str, Any], marks: _M
 def _check_jumps(hosts: dict[str, HostConfig], marks: _Marks) -> list[InventoryIssue]:
     issues = []
     for name, host in hosts.items():
+        if host.jump_host is not None and host.jump_host not in hosts:
+            issue = _foreign_jump(name, host.jump_host, hosts, marks)
+            if issue is not None:
+                issues.append(issue)
+                continue
         seen = [name]
         current = host
         while current.jump_host is not None and current.jump_host in hosts:
@@ -724,4 +761,133 @@ def _check_jumps(hosts: dict[str, HostConfig], marks: _Marks) -> list[InventoryI
                 break
             seen.append(current.jump_host)
             current = hosts[current.jump_host]
+    return issues
+
+
+_KEY_TEXT_RE = re.compile(r"(?:ssh|ecdsa|sk)-[A-Za-z0-9@.-]+\s")
+
+
+def _signers(entries: dict[str, str], base_dir: Path, marks: _Marks) -> tuple[dict[str, PublicKey], list[InventoryIssue]]:
+    """`signers:` -> {name: public key}; a value is the key itself or a public key file (relative to the inventory)."""
+    signers: dict[str, PublicKey] = {}
+    issues: list[InventoryIssue] = []
+    for name, value in entries.items():
+        loc = ("signers", name)
+        if not SIGNER_NAME_RE.fullmatch(name):
+            issues.append(InventoryIssue(_dotted(loc), f"invalid signer name {name!r}", marks.line_for(loc),
+                                         expected=SIGNER_NAME_RE.pattern,
+                                         hint="use letters, digits and `_.@+-` (e.g. alice@example.com or ci)"))
+            continue
+        text, source = value, "the key"
+        if not _KEY_TEXT_RE.match(value):
+            key_file = Path(value).expanduser()
+            key_file = key_file if key_file.is_absolute() else base_dir / key_file
+            source = f"key file {key_file}"
+            try:
+                text = key_file.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                issues.append(InventoryIssue(_dotted(loc), f"cannot read {source}: {getattr(exc, 'strerror', None) or exc}",
+                                             marks.line_for(loc), expected="`ssh-ed25519 AAAA...` or a .pub file",
+                                             hint="give the signer's public key, or the path of its .pub file "
+                                                  "(relative to this inventory)"))
+                continue
+        try:
+            key = PublicKey.parse(text)
+        except ValueError as exc:
+            issues.append(InventoryIssue(_dotted(loc), f"{source} is not an SSH public key: {exc}", marks.line_for(loc),
+                                         hint="copy the one line of the signer's .pub file (never the private key)"))
+            continue
+        twin = next((n for n, k in signers.items() if k.blob == key.blob), None)
+        if twin is not None:
+            issues.append(InventoryIssue(_dotted(loc), f"the same key as signer `{twin}`", marks.line_for(loc),
+                                         hint="one key is one signer: remove one of them"))
+            continue
+        signers[name] = key
+    return signers, issues
+
+
+def _foreign_jump(name: str, jump: str, hosts: dict[str, HostConfig], marks: _Marks) -> InventoryIssue | None:
+    """A jump_host that names no inventory host is an address; refuse the ones that are almost surely
+    meant as an inventory host (a typo of one, or one with a user or port added), since they would
+    silently connect somewhere else."""
+    spec = _JUMP_RE.fullmatch(jump)
+    assert spec is not None  # validated with the field
+    loc = ("hosts", name, "jump_host")
+    address = spec["address"]
+    if address in hosts:
+        return InventoryIssue(_dotted(loc), f"`{jump}` adds a user or port to inventory host `{address}`, so it is "
+                              f"taken as the address `{address}`, not as that host", marks.line_for(loc),
+                              hint=f"write `jump_host: {address}` and set `user`/`port` on host `{address}`")
+    bare = spec["user"] is None and spec["port"] is None and "." not in address and ":" not in address
+    close = difflib.get_close_matches(address, list(hosts), n=1, cutoff=0.75) if bare else []
+    if close:
+        return InventoryIssue(_dotted(loc), f"`{jump}` is not a host of this inventory", marks.line_for(loc),
+                              hint=f"did you mean `{close[0]}`? (a jump_host naming no inventory host is taken as an "
+                                   f"address; write `{jump}:22` if that machine is meant)")
+    return None
+
+
+def _shared_addresses(hosts: dict[str, HostConfig], marks: _Marks) -> list[InventoryIssue]:
+    """Two entries that reach the same sshd (same address and port, through the same jump host) are one
+    machine worked on twice at once: both take its lock and write its state dir."""
+    seen: dict[tuple[str, int, str | None], str] = {}
+    warnings = []
+    for name, host in hosts.items():
+        key = (host.address.lower(), host.port, host.jump_host)
+        if key in seen:
+            loc = ("hosts", name, "address")
+            warnings.append(InventoryIssue(
+                _dotted(loc), f"same address and port as host `{seen[key]}` ({host.address}:{host.port}"
+                + (f" through {host.jump_host}" if host.jump_host else "") + ")", marks.line_for(loc),
+                hint="one machine listed twice is worked on twice at once; remove one entry or fix the address"))
+        else:
+            seen[key] = name
+    return warnings
+
+
+_PAYLOAD_ARGS = Path(__file__).resolve().parent / "payload" / "sglang" / "srt" / "speculative" / "ddtree_args.py"
+# The inventory field each of the payload's flags comes from.
+_FLAG_FIELDS = {"--speculative-ddtree-topk-cap": "ddtree_topk_cap", "--speculative-ddtree-keep-chain": "ddtree_keep_chain",
+                "--speculative-ddtree-budget": "ddtree_budget"}
+
+
+@functools.cache
+def _payload_validator() -> Any:
+    """The shipped payload's own flag check (ddtree_args.handle_ddtree_server_args, stdlib only), so the
+    inventory refuses exactly what the servers would refuse at start, with the payload's words."""
+    spec = importlib.util.spec_from_file_location("_ddtree_payload_args", _PAYLOAD_ARGS)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except (OSError, ImportError, SyntaxError):  # a payload-less install: promote still checks on the host
+        return None
+    return module
+
+
+def _payload_refusals(hosts: dict[str, HostConfig], marks: _Marks,
+                      origin: Callable[[str, str], PathKey]) -> list[InventoryIssue]:
+    payload = _payload_validator()
+    if payload is None:
+        return []
+    issues = []
+    for name, host in hosts.items():
+        # shadow-linear: the flag values alone (full's extra checks read extra_args, judged on the host).
+        args = types.SimpleNamespace(
+            speculative_algorithm="DFLASH", speculative_ddtree_mode="shadow-linear",
+            speculative_num_draft_tokens=host.draft_block_size, speculative_ddtree_budget=host.ddtree_budget,
+            speculative_ddtree_topk_cap=host.ddtree_topk_cap, speculative_ddtree_keep_chain=host.ddtree_keep_chain,
+            speculative_ddtree_allow_hybrid_unsafe=False)
+        try:
+            payload.handle_ddtree_server_args(args)
+        except ValueError as exc:
+            message = str(exc)
+            flag = next((f for f in _FLAG_FIELDS if message.startswith(f)), "--speculative-ddtree-budget")
+            loc = origin(name, _FLAG_FIELDS[flag])
+            if any(i.path == _dotted(loc) for i in issues):  # one report per setting, not per host that inherits it
+                continue
+            issues.append(InventoryIssue(
+                _dotted(loc), f"the payload would refuse this at server start on host `{name}`: {message}", marks.line_for(loc),
+                hint=f"{flag} is `{_FLAG_FIELDS[flag]}` here (ddtree_budget defaults to draft_block_size - 1)"))
     return issues

@@ -27,6 +27,22 @@ def emit_json(document: Any) -> None:
     sys.stdout.flush()
 
 
+def document(command: str, exit_code: int, *, results: Sequence[dict[str, Any]] = (), summary: dict[str, Any] | None = None,
+             error: dict[str, Any] | None = None, warnings: Sequence[dict[str, Any]] = (), **extra: Any) -> dict[str, Any]:
+    """The one shape of every --json document, whatever the command and however it ended:
+
+        command    the command as run (`push`, `push --dry-run`, `lab status`, ...)
+        ok         true exactly when exit_code is 0
+        exit_code  what the process exits with (0, 1, 2, 130)
+        error      null, or {code, message, hint, ...} when the command as a whole failed
+        warnings   inventory warnings, [{path, line, message, hint}, ...]
+        results    one entry per host: {host, status, data, error, elapsed_s, notices} ([] for build)
+        summary    {hosts, ok, noop, failed, unreachable, interrupted} for commands that work on hosts, else null
+    plus the command's own keys (build: bundle, manifest, ...; promote: batches, untouched, ...)."""
+    return {"command": command, "ok": exit_code == 0, "exit_code": exit_code, "error": error,
+            "warnings": list(warnings), "results": list(results), "summary": summary, **extra}
+
+
 def stderr_console() -> Console:
     from rich.console import Console
 
@@ -190,22 +206,63 @@ def _promotion_cell(promotion: dict[str, Any] | None, in_flight: dict[str, Any] 
             + (f" ({gates})" if gates else "") + (f" accept {accept:.2f}" if isinstance(accept, int | float) else ""))
 
 
+# (key, title); the first STATUS_ESSENTIAL are always shown, the rest in this order while they fit.
 STATUS_COLUMNS = {
-    "host": "Host", "address": "Address", "reachable": "Reachable", "os": "OS", "python": "Python",
-    "sglang": "SGLang", "service": "Service", "release": "Release", "mode": "Mode", "last_promote": "Last promote",
-    "lock": "Lock", "gpus": "GPUs",
-    "free_disk": "Free disk",
+    "host": "Host", "reachable": "Reachable", "service": "Service", "release": "Release", "mode": "Mode",
+    "lock": "Lock", "sglang": "SGLang", "address": "Address", "last_promote": "Last promote", "free_disk": "Free disk",
+    "gpus": "GPUs", "python": "Python", "os": "OS",
 }
+STATUS_ESSENTIAL = 6
+
+
+def fit_columns(columns: dict[str, str], rows: Sequence[dict[str, str]], essential: int, width: int) -> list[str]:
+    """The columns to draw so that a table of `rows` fits `width` terminal cells without squashing cells into
+    slivers: the first `essential` always, then the others in order while each fits whole."""
+    from rich.cells import cell_len
+
+    def need(key: str) -> int:  # the widest cell, plus rich's padding and border
+        return max([cell_len(columns[key])] + [cell_len(r[key]) for r in rows]) + 3
+
+    keys = list(columns)
+    kept = keys[:essential]
+    used = sum(need(k) for k in kept) + 1
+    for key in keys[essential:]:
+        if used + need(key) <= width:
+            kept.append(key)
+            used += need(key)
+    return [k for k in keys if k in kept]
+
+
+def print_table(columns: dict[str, str], rows: Sequence[dict[str, str]], *, essential: int,
+                styles: Sequence[str] | None = None) -> None:
+    """A table on stdout with the columns that fit the terminal; the ones left out are named on stderr."""
+    from rich.table import Table
+
+    console = stdout_console()
+    shown = fit_columns(columns, rows, essential, console.width)
+    table = Table(title=None, show_lines=False)
+    for key in shown:
+        table.add_column(columns[key], no_wrap=key in ("host", "address"))
+    for i, row in enumerate(rows):
+        table.add_row(*(row[k] for k in shown), style=styles[i] if styles else "")
+    console.print(table)
+    left_out = [columns[k] for k in columns if k not in shown]
+    if left_out:
+        sys.stderr.write(f"not shown at {console.width} columns: {', '.join(left_out)} (--json has every field)\n")
 
 
 def print_status_table(hosts: Sequence[HostConfig], results: Sequence[HostResult]) -> None:
-    from rich.table import Table
+    style = {"ok": "", "failed": "yellow", "unreachable": "red", "interrupted": "yellow"}
+    rows = [status_row(h, r) for h, r in zip(hosts, results, strict=True)]
+    print_table(STATUS_COLUMNS, rows, essential=STATUS_ESSENTIAL, styles=[style[r.status] for r in results])
 
-    table = Table(title=None, show_lines=False)
-    for column, title in STATUS_COLUMNS.items():
-        table.add_column(title, no_wrap=column in ("host", "address"))
-    style = {"ok": "", "failed": "yellow", "unreachable": "red"}
-    for host, result in zip(hosts, results, strict=True):
-        row = status_row(host, result)
-        table.add_row(*(row[c] for c in STATUS_COLUMNS), style=style[result.status])
-    stdout_console().print(table)
+
+HOSTS_COLUMNS = {"host": "Host", "address": "Address", "user": "User", "jump": "Jump", "groups": "Groups",
+                 "service": "Service", "state_dir": "State dir", "python": "Python"}
+
+
+def print_hosts_table(hosts: Sequence[HostConfig], results: Sequence[HostResult]) -> None:
+    rows = [{"host": h.name, "address": f"{h.address}:{h.port}", "user": h.user + (" (sudo)" if h.sudo else ""),
+             "jump": h.jump_host or "-", "groups": ",".join(h.groups) or "-", "service": h.service,
+             "state_dir": h.state_dir, "python": h.python} for h in hosts]
+    print_table(HOSTS_COLUMNS, rows, essential=3)

@@ -14,6 +14,7 @@ import typer
 
 from ddtree_ops.cli_common import (
     ConcurrencyOption,
+    DebugOption,
     InventoryOption,
     JsonOption,
     LimitOption,
@@ -148,9 +149,10 @@ def register(app: typer.Typer) -> None:
                                                                            "(RUN_ID/HOST-MODE.json).")] = Path("evidence"),
         lock_wait: LockWaitOption = 0.0,
         json_output: JsonOption = False,
+        debug: DebugOption = False,
         concurrency: ConcurrencyOption = DEFAULT_CONCURRENCY,
     ) -> None:
-        with reported_errors(json_output):
+        with reported_errors(json_output, f"promote --mode {mode}" + (" --dry-run" if dry_run else "")):
             if allow_hybrid_unsafe:
                 raise UsageError("--allow-hybrid-unsafe is refused: the payload refuses "
                                  "--speculative-ddtree-allow-hybrid-unsafe at argument parsing (not supported yet), "

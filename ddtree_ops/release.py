@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import getpass
-import hashlib
 import os
 import secrets
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +30,7 @@ from ddtree_ops.fleet import DEFAULT_CONCURRENCY, FleetProgress, HostContext, Ho
 if TYPE_CHECKING:
     from ddtree_ops.inventory import HostConfig, Inventory
     from ddtree_ops.lease import HostLease
+    from ddtree_ops.signing import PublicKey, Signature
     from ddtree_ops.ssh import HostSession
 
 # Agent steps that touch only small files; install/rollback hash and copy a few MB at most.
@@ -62,18 +62,25 @@ class LocalBundle:
     sha256: str
     size: int
     manifest: dict[str, Any]  # manifest.json as a plain dict (sent inline for plan / dry-run)
+    signature: Signature | None = None  # None: loaded without a signature check (a caller's own bundle)
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> LocalBundle:
-        from ddtree_ops.bundle import verify_bundle
+    def load(cls, path: str | os.PathLike[str], *, signers: Mapping[str, PublicKey] | None = None,
+             allow_unsigned: bool = False) -> LocalBundle:
+        """Check a bundle's hashes and, given the inventory's `signers`, its signature (signing.check_signature);
+        raises BundleError / SignatureError before any host is touched."""
+        from ddtree_ops.bundle import sha256_file, verify_bundle
+        from ddtree_ops.signing import check_signature
 
         p = Path(path)
-        manifest = verify_bundle(p)  # raises BundleError (tampered, unreadable) before any host is touched
-        h = hashlib.sha256()
-        with p.open("rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-        return cls(p, h.hexdigest(), p.stat().st_size, manifest.model_dump(mode="json"))
+        manifest = verify_bundle(p)  # tampered or unreadable: the more precise message comes first
+        signature = None if signers is None else check_signature(p, signers, allow_unsigned=allow_unsigned)
+        return cls(p, sha256_file(p), p.stat().st_size, manifest.model_dump(mode="json"), signature)
+
+    def describe(self) -> dict[str, Any]:
+        """For --json and the operator: which bundle, its hash and who signed it."""
+        return {"path": str(self.path), "sha256": self.sha256,
+                "signature": self.signature.to_dict() if self.signature else None}
 
 
 def default_bundle(dist: Path = Path("dist")) -> Path:
@@ -114,40 +121,43 @@ def _base_args(host: HostConfig, operator: str) -> dict[str, Any]:
 def _host_lock(ctx: HostContext, session: HostSession, *, command: str, operator: str,
                wait_s: float) -> Iterator[HostLease]:
     """Hold the host lock across several agent calls, kept fresh by heartbeat while this run lives;
-    released on every exit path."""
+    released on every exit path. All of it is the host's change (fleet.HostContext.change): Ctrl-C
+    waits for it to unwind and unlock."""
     from ddtree_ops.agent.remote import lock as agent_lock
     from ddtree_ops.lease import HostLease, beat_interval
 
-    ctx.step("waiting for lock" if wait_s else "locking")
-    # host and pid are for people reading the lock; the run id is what tells two runs apart (a control
-    # machine may share the target's host name, and its pid means nothing there). control_process lets
-    # a later run on this same machine see that this one died.
-    request = {
-        **_base_args(ctx.host, operator), "who": operator, "command": command, "run_id": secrets.token_hex(8),
-        "host": socket.gethostname(), "pid": os.getpid(), "ttl_s": ctx.host.lock_ttl_s, "wait_s": wait_s,
-        "control_process": agent_lock.control_process(),
-    }
-    try:
-        answer = _call(session, "lock", request, timeout=STEP_TIMEOUT_S + wait_s)
-    except ReleaseError as exc:
-        holder = (exc.detail or {}).get("holder") or {} if exc.code == "locked" else {}
-        proc = holder.get("control_process")
-        if not (isinstance(proc, dict) and holder.get("run_id") and agent_lock.died_here(proc)):
-            raise
-        _break_dead_run(ctx, session, holder, operator)
-        answer = _call(session, "lock", request, timeout=STEP_TIMEOUT_S + wait_s)
-    lease = HostLease(session, ctx.host, answer["lock_id"], beat_interval(ctx.host)).start()
-    try:
-        yield lease
-    finally:
-        lease.stop()
-        # Best effort on the way out: if the connection is gone the lock's TTL (or `unlock`) frees it,
-        # and a failure here must not mask the error that got us here.
-        with contextlib.suppress(Exception):
-            released = _call(session, "unlock", {"state_dir": ctx.host.state_dir, "lock_id": lease.lock_id})
-            if released.get("busy"):
-                ctx.notice("the host lock stays until an agent step of this run still running there ends "
-                           f"({', '.join(op.get('op', '?') for op in released['busy'])}), then expires with its TTL")
+    with ctx.change():
+        ctx.step("waiting for lock" if wait_s else "locking")
+        # host and pid are for people reading the lock; the run id is what tells two runs apart (a control
+        # machine may share the target's host name, and its pid means nothing there). control_process lets
+        # a later run on this same machine see that this one died.
+        request = {
+            **_base_args(ctx.host, operator), "who": operator, "command": command, "run_id": secrets.token_hex(8),
+            "host": socket.gethostname(), "pid": os.getpid(), "ttl_s": ctx.host.lock_ttl_s, "wait_s": wait_s,
+            "control_process": agent_lock.control_process(),
+        }
+        try:
+            answer = _call(session, "lock", request, timeout=STEP_TIMEOUT_S + wait_s)
+        except ReleaseError as exc:
+            holder = (exc.detail or {}).get("holder") or {} if exc.code == "locked" else {}
+            proc = holder.get("control_process")
+            if not (isinstance(proc, dict) and holder.get("run_id") and agent_lock.died_here(proc)):
+                raise
+            _break_dead_run(ctx, session, holder, operator)
+            answer = _call(session, "lock", request, timeout=STEP_TIMEOUT_S + wait_s)
+        lease = HostLease(session, ctx.host, answer["lock_id"], beat_interval(ctx.host)).start()
+        try:
+            yield lease
+        finally:
+            lease.stop()
+            # Best effort on the way out: if the connection is gone the lock's TTL (or `unlock`) frees it,
+            # and a failure here must not mask the error that got us here.
+            with contextlib.suppress(Exception):
+                released = _call(session, "unlock", {"state_dir": ctx.host.state_dir, "lock_id": lease.lock_id})
+                if released.get("busy"):
+                    ctx.notice("the host lock stays until an agent step of this run still running there ends "
+                               f"({', '.join(op.get('op', '?') for op in released['busy'])}), then expires with "
+                               "its TTL")
 
 
 def _break_dead_run(ctx: HostContext, session: HostSession, holder: dict[str, Any], operator: str) -> None:
@@ -171,9 +181,15 @@ def _upload(ctx: HostContext, session: HostSession, bundle: LocalBundle, operato
     try:
         if ctx.host.sudo:
             # The login user cannot write the root-owned state dir: land in its own tmp, and let the
-            # agent (running under sudo) import it into staging and re-hash it there.
+            # agent (running under sudo) import it into staging and re-hash it there. The agent removes
+            # the upload either way; a failed transfer is removed here.
             tmp = f"/tmp/.ddtree-upload-{secrets.token_hex(6)}"
-            sftp.put(str(bundle.path), tmp)
+            try:
+                sftp.put(str(bundle.path), tmp)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    sftp.remove(tmp)
+                raise
             _call(session, "stage_verify", {**_base_args(ctx.host, operator), "bundle": name,
                                             "bundle_sha256": bundle.sha256, "import_from": tmp})
         else:
@@ -211,10 +227,14 @@ def push_host(ctx: HostContext, inventory: Inventory, bundle: LocalBundle, *, dr
             return {"release": plan["release"], "noop": True,
                     "message": f"{plan['release']} is already current; nothing to do", "files": plan["files"]}
         with _host_lock(ctx, session, command="push", operator=operator, wait_s=lock_wait_s) as lease:
+            ctx.checkpoint()  # Ctrl-C while locking: stop here, the lock is released on the way out
             name = _upload(ctx, session, bundle, operator)
+            ctx.checkpoint()  # nothing but the staging dir has changed yet
             ctx.step("installing")
             args = {**_base_args(ctx.host, operator), "lock_id": lease.lock_id, "bundle": name,
                     "bundle_sha256": bundle.sha256, "adopt": adopt}
+            if bundle.signature is not None:
+                args["signer"] = bundle.signature.describe()  # the host's audit log says who signed what it runs
             if test_kill_after_files is not None:
                 args["test_kill_after_files"] = test_kill_after_files
             return _call(session, "install", args)
@@ -223,9 +243,11 @@ def push_host(ctx: HostContext, inventory: Inventory, bundle: LocalBundle, *, dr
 def push(inventory: Inventory, hosts: Sequence[HostConfig], bundle: str | os.PathLike[str] | LocalBundle, *,
          dry_run: bool = False, adopt: bool = False, lock_wait_s: float = 0.0, operator: str | None = None,
          concurrency: int = DEFAULT_CONCURRENCY, progress: FleetProgress | None = None) -> list[HostResult]:
-    """Push a bundle to hosts (or, with dry_run, say per host what would change). Raises BundleError
-    before contacting any host when the bundle itself is bad."""
-    local = bundle if isinstance(bundle, LocalBundle) else LocalBundle.load(bundle)
+    """Push a bundle to hosts (or, with dry_run, say per host what would change). A bundle given as a path
+    must be signed by one of the inventory's `signers`; a LocalBundle is pushed as its caller loaded it (the
+    CLI loads it with LocalBundle.load, --allow-unsigned included). Raises BundleError / SignatureError
+    before contacting any host when the bundle is bad."""
+    local = bundle if isinstance(bundle, LocalBundle) else LocalBundle.load(bundle, signers=inventory.signers)
     who = operator or operator_name()
     return run_on_hosts(hosts, lambda ctx: push_host(ctx, inventory, local, dry_run=dry_run, adopt=adopt,
                                                      lock_wait_s=lock_wait_s, operator=who),
@@ -296,7 +318,7 @@ def unlock(inventory: Inventory, hosts: Sequence[HostConfig], *, operator: str |
     who = operator or operator_name()
 
     def one(ctx: HostContext) -> dict[str, Any]:
-        with _session(ctx, inventory) as session:
+        with _session(ctx, inventory) as session, ctx.change():
             ctx.step("unlocking")
             holder = _call(session, "lock_status", {"state_dir": ctx.host.state_dir}).get("holder") or {}
             proc = holder.get("control_process")
@@ -315,6 +337,7 @@ def summary(results: Sequence[HostResult]) -> dict[str, Any]:
     """Counts and the names of failed / unreachable hosts, for the CLI's last line and --json."""
     failed = [r.host for r in results if r.status == "failed"]
     unreachable = [r.host for r in results if r.status == "unreachable"]
+    interrupted = [r.host for r in results if r.status == "interrupted"]
     noop = [r.host for r in results if r.ok and isinstance(r.data, dict) and r.data.get("noop")]
     return {"hosts": len(results), "ok": sum(r.ok for r in results), "noop": noop, "failed": failed,
-            "unreachable": unreachable}
+            "unreachable": unreachable, "interrupted": interrupted}

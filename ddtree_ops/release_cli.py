@@ -16,18 +16,21 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ddtree_ops.cli_common import (
-    EXIT_USAGE,
+    AllowUnsignedOption,
     ConcurrencyOption,
+    DebugOption,
     InventoryOption,
     JsonOption,
     LimitOption,
     LockWaitOption,
+    complete_hosts,
     finish,
     load_selection,
     reported_errors,
     table,
     terminate_like_ctrl_c,
 )
+from ddtree_ops.errors import UsageError
 from ddtree_ops.fleet import DEFAULT_CONCURRENCY
 from ddtree_ops.smoke import DEFAULT_STEP_TIMEOUT_S
 
@@ -84,27 +87,37 @@ def register(app: typer.Typer) -> None:
         dry_run: Annotated[bool, typer.Option("--dry-run", help="Show per host which files would change "
                                                                   "(hash now → hash after); change nothing.")] = False,
         adopt: AdoptOption = False,
+        allow_unsigned: AllowUnsignedOption = False,
         lock_wait: LockWaitOption = 0.0,
         json_output: JsonOption = False,
+        debug: DebugOption = False,
         concurrency: ConcurrencyOption = DEFAULT_CONCURRENCY,
     ) -> None:
         """Install a payload bundle on hosts: preflight, lock, upload, verify, back up, install, record.
 
-        Refuses a host whose SGLang version is not the bundle's base, or whose files hash to
-        neither pristine nor patched (unless --adopt). Re-pushing the current bundle is a no-op.
-        An interrupted install is completed by the next push or rollback.
+        The bundle must be signed (BUNDLE.sig, `build --sign-key`) by one of the inventory's `signers:`
+        unless --allow-unsigned; it is checked before any host is contacted, and each host's audit log
+        records who signed it. Refuses a host whose SGLang version is not the bundle's base, or whose
+        files hash to neither pristine nor patched (unless --adopt). Re-pushing the current bundle is a
+        no-op. An interrupted install is completed by the next push or rollback.
         """
-        with reported_errors(json_output):
+        command = "push --dry-run" if dry_run else "push"
+        with reported_errors(json_output, command):
             inv, hosts = load_selection(inventory, limit)
             from ddtree_ops.output import progress_for
-            from ddtree_ops.release import default_bundle
+            from ddtree_ops.release import LocalBundle, default_bundle
             from ddtree_ops.release import push as do_push
 
+            local = LocalBundle.load(bundle or default_bundle(), signers=inv.signers, allow_unsigned=allow_unsigned)
+            signature = local.signature
+            assert signature is not None  # checked: the inventory's signers were given
+            sys.stderr.write(f"bundle {local.path.name} (sha256 {local.sha256[:16]}…): {signature.describe()}"
+                             + ("" if signature.trusted else ", accepted because of --allow-unsigned") + "\n")
             progress = progress_for(hosts, "dry run" if dry_run else "push", json_mode=json_output)
             with terminate_like_ctrl_c(), progress or nullcontext():
-                results = do_push(inv, hosts, bundle or default_bundle(), dry_run=dry_run, adopt=adopt,
+                results = do_push(inv, hosts, local, dry_run=dry_run, adopt=adopt,
                                   lock_wait_s=lock_wait, concurrency=concurrency, progress=progress)
-        finish("push --dry-run" if dry_run else "push", hosts, results, json_output, _render_push)
+        finish(command, hosts, results, json_output, _render_push, {"bundle": local.describe()})
 
     @app.command()
     def smoke(
@@ -113,6 +126,7 @@ def register(app: typer.Typer) -> None:
         step_timeout: Annotated[float, typer.Option("--step-timeout", min=1, metavar="SECONDS",
                                                     help="Timeout of each smoke step on a host.")] = DEFAULT_STEP_TIMEOUT_S,
         json_output: JsonOption = False,
+        debug: DebugOption = False,
         concurrency: ConcurrencyOption = DEFAULT_CONCURRENCY,
     ) -> None:
         """Check the installed payload with each host's own SGLang Python.
@@ -120,7 +134,7 @@ def register(app: typer.Typer) -> None:
         Steps: import the DDTree and patched modules; parse server args with valid DDTree flags
         and check each bad combination is refused; a CPU tree-builder self-test with a known answer.
         """
-        with reported_errors(json_output):
+        with reported_errors(json_output, "smoke"):
             inv, hosts = load_selection(inventory, limit)
             from ddtree_ops.output import progress_for, stdout_console
             from ddtree_ops.smoke import smoke as do_smoke
@@ -151,6 +165,7 @@ def register(app: typer.Typer) -> None:
                                                             "(their bytes are kept in the state dir).")] = False,
         lock_wait: LockWaitOption = 0.0,
         json_output: JsonOption = False,
+        debug: DebugOption = False,
         concurrency: ConcurrencyOption = DEFAULT_CONCURRENCY,
     ) -> None:
         """Undo the last promote stage or release: units first, then files, then restart and health-check.
@@ -162,7 +177,7 @@ def register(app: typer.Typer) -> None:
         service is restarted and must answer /health_generate again. Nothing to roll back is a
         no-op that says so; an interrupted push or promote is completed or undone first.
         """
-        with reported_errors(json_output):
+        with reported_errors(json_output, "rollback"):
             inv, hosts = load_selection(inventory, limit)
             from ddtree_ops.output import progress_for, stdout_console
             from ddtree_ops.rollout import rollback as do_rollback
@@ -188,17 +203,18 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def history(
-        host: Annotated[str | None, typer.Argument(help="Host (or group/glob); same as --limit.",
-                                                   show_default=False)] = None,
+        host: Annotated[str | None, typer.Argument(help="Host (or group/glob); with --limit, the hosts both select.",
+                                                   autocompletion=complete_hosts, show_default=False)] = None,
         inventory: InventoryOption = None,
         limit: LimitOption = None,
         entries: Annotated[int, typer.Option("--entries", "-n", min=1, help="Audit entries per host.")] = 20,
         json_output: JsonOption = False,
+        debug: DebugOption = False,
         concurrency: ConcurrencyOption = DEFAULT_CONCURRENCY,
     ) -> None:
         """Per host: current and previous release, installed stack, mode, promote stages, and the audit log's latest entries."""
-        with reported_errors(json_output):
-            inv, hosts = load_selection(inventory, host or limit)
+        with reported_errors(json_output, "history"):
+            inv, hosts = load_selection(inventory, limit, host)
             from ddtree_ops.output import stdout_console
             from ddtree_ops.release import history as do_history
 
@@ -225,24 +241,31 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def unlock(
-        host: Annotated[str | None, typer.Argument(help="Host (or group/glob) to unlock; same as --limit.",
-                                                   show_default=False)] = None,
+        host: Annotated[str | None, typer.Argument(help="Host (or group/glob) to unlock; with --limit, the hosts "
+                                                        "both select.",
+                                                   autocompletion=complete_hosts, show_default=False)] = None,
         inventory: InventoryOption = None,
         limit: LimitOption = None,
         yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation (for scripts).")] = False,
         json_output: JsonOption = False,
+        debug: DebugOption = False,
         concurrency: ConcurrencyOption = DEFAULT_CONCURRENCY,
     ) -> None:
         """Break the host lock left by a dead run (shows the holder and asks first; --yes for scripts).
 
         Also completes an install or rollback the dead run left half done.
         """
-        with reported_errors(json_output):
-            inv, hosts = load_selection(inventory, host or limit)
+        with reported_errors(json_output, "unlock"):
+            inv, hosts = load_selection(inventory, limit, host)
+            from ddtree_ops.fleet import HostResult
             from ddtree_ops.release import lock_holders
             from ddtree_ops.release import unlock as do_unlock
 
             holders = lock_holders(inv, hosts, concurrency=concurrency)
+            # First what could not be checked: a lock there may be what the operator is after.
+            for r in holders:
+                if not r.ok and r.error is not None:
+                    sys.stderr.write(f"{r.host}: {r.status}, its lock was not checked: {r.error.message}\n")
             locked = [h for h, r in zip(hosts, holders, strict=True)
                       if r.ok and (r.data.get("holder") or r.data.get("problems"))]
             for h, r in zip(hosts, holders, strict=True):
@@ -254,15 +277,18 @@ def register(app: typer.Typer) -> None:
                     sys.stderr.write(f"{h.name}: {who}{stale}\n")
                 for p in (r.data.get("problems") or []) if r.ok else []:
                     sys.stderr.write(f"{h.name}: found {p['path']}: {p['problem']}\n")
+            unlocked: dict[str, HostResult] = {}
             if not locked:
-                sys.stderr.write("no selected host is locked or damaged\n")
-                results = holders
+                sys.stderr.write("no reachable host is locked or damaged\n")
             else:
                 if not yes:
                     if not sys.stdin.isatty():
-                        sys.stderr.write("error: refusing to unlock without confirmation\nhint: pass --yes\n")
-                        raise typer.Exit(EXIT_USAGE)
+                        raise UsageError("refusing to unlock without confirmation (no terminal to ask)",
+                                         hint="pass --yes", code="confirmation_needed")
                     typer.confirm(f"Break the lock on {', '.join(h.name for h in locked)}?", abort=True, err=True)
-                results = do_unlock(inv, locked, concurrency=concurrency)
-                hosts = locked
+                with terminate_like_ctrl_c():
+                    unlocked = {r.host: r for r in do_unlock(inv, locked, concurrency=concurrency)}
+            # One result per selected host: unlocked ones, the unreachable ones as they were, the rest "not locked".
+            results = [unlocked.get(r.host) or (r if not r.ok else HostResult(
+                r.host, "ok", data={"message": "not locked", "noop": True}, elapsed_s=r.elapsed_s)) for r in holders]
         finish("unlock", hosts, results, json_output)

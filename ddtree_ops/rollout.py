@@ -30,8 +30,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ddtree_ops import gates, service
-from ddtree_ops.errors import OpsError, UsageError
-from ddtree_ops.fleet import DEFAULT_CONCURRENCY, FleetProgress, HostContext, HostResult, run_on_hosts
+from ddtree_ops.errors import ErrorInfo, OpsError, UsageError
+from ddtree_ops.fleet import (
+    DEFAULT_CONCURRENCY,
+    FleetInterrupted,
+    FleetProgress,
+    HostContext,
+    HostInterrupted,
+    HostResult,
+    run_on_hosts,
+)
 from ddtree_ops.release import _call, _host_lock, _session, operator_name
 
 if TYPE_CHECKING:
@@ -291,7 +299,9 @@ class _HostRun:
         return gates.Deadline(self.opts.gate_timeout_s)
 
     def check_held(self) -> None:
-        """Between gates: stop at once when the host says this run's lock or stage is gone."""
+        """Between gates: stop when the run is interrupted (the stage is then undone at once), and when
+        the host says this run's lock or stage is gone."""
+        self.ctx.checkpoint()
         if self.lease is not None and self.lease.lost:
             raise PromoteFailed(f"{self.host.name}: {self.lease.lost}", code="lease_lost",
                                 hint="see `ddtree-ops status`; re-run promote")
@@ -488,7 +498,7 @@ def _stage(run: _HostRun, info: dict[str, Any], mode: str, baseline: dict[str, A
         raise
     except BaseException as exc:
         outcome = _abandon(run, exc)
-        if not isinstance(exc, Exception):  # an interrupt: the CLI reports it, the host is safe
+        if isinstance(exc, HostInterrupted) or not isinstance(exc, Exception):  # the CLI reports interrupts
             run.ctx.notice(f"interrupted during the {mode} stage: {outcome}")
             raise
         raise PromoteFailed(f"{host.name}: the {mode} stage stopped: {type(exc).__name__}: {run.redact(str(exc))}; "
@@ -694,8 +704,14 @@ def promote(inventory: Inventory, hosts: Sequence[HostConfig], opts: PromoteOpti
     stopped = None
     done: set[str] = set()
     for i, group in enumerate(batches):
-        results += run_on_hosts(group, lambda ctx: promote_host(ctx, inventory, opts), concurrency=concurrency,
-                                progress=progress)
+        try:
+            results += run_on_hosts(group, lambda ctx: promote_host(ctx, inventory, opts), concurrency=concurrency,
+                                    progress=progress)
+        except FleetInterrupted as exc:  # Ctrl-C: report the batches before too, and the ones never reached
+            later = [HostResult(h.name, "interrupted", error=ErrorInfo("interrupted", f"{h.name}: not reached "
+                                                                       "(interrupted before its batch)"))
+                     for b in batches[i + 1:] for h in b]
+            raise FleetInterrupted(results + exc.results + later) from None
         done.update(h.name for h in group)
         failed = sum(not r.ok for r in results)
         if not opts.dry_run and budget.exceeded(failed, len(hosts)) and i + 1 < len(batches):

@@ -25,6 +25,10 @@ import paramiko
 from fabric import Config, Connection
 
 from ddtree_ops.errors import OpsError
+from ddtree_ops.sudo import argv as sudo_argv
+from ddtree_ops.sudo import new_prompt as sudo_new_prompt
+from ddtree_ops.sudo import password_for as sudo_password_for
+from ddtree_ops.sudo import wrong_password as sudo_wrong_password
 
 if TYPE_CHECKING:
     from ddtree_ops.inventory import HostConfig
@@ -35,6 +39,7 @@ logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 DEFAULT_RETRIES = 2
 BACKOFF_S = 0.5
+SUDO_TIMEOUT_S = 30.0  # sudo's authentication (PAM, a wrong password's delay): seconds, not minutes
 _TRANSIENT_ERRNOS = {
     errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT,
     errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN,
@@ -52,6 +57,12 @@ class ConnectionFailure(OpsError):
 
 class RemoteTimeout(OpsError):
     code = "remote_timeout"
+
+
+class SudoRefused(OpsError):
+    """sudo did not run the command: a wrong password, or no answer in time."""
+
+    code = "sudo_failed"
 
 
 class UnknownHostKey(paramiko.SSHException):
@@ -92,6 +103,14 @@ class _AcceptNew(paramiko.MissingHostKeyPolicy):
         self.notice(f"accepted new host key for {hostname} ({fingerprint(key)}) and added it to {self.known_hosts}")
 
 
+class NoBanner(paramiko.SSHException):
+    """The TCP connection was accepted, but no SSH banner (or no finished key exchange) came in time."""
+
+    def __init__(self, stage: str) -> None:
+        super().__init__(stage)
+        self.stage = stage  # "banner" or "handshake"
+
+
 class _HopError(Exception):
     def __init__(self, hop: HostConfig, cause: BaseException) -> None:
         super().__init__(str(cause))
@@ -107,11 +126,10 @@ class RemoteResult:
     elapsed_s: float
 
 
-def remote_command(argv: Sequence[str], *, sudo: bool = False) -> str:
-    """The one place a remote shell line is built: every element quoted with shlex."""
+def remote_command(argv: Sequence[str], *, sudo: bool = False, sudo_prompt: str | None = None) -> str:
+    """The one place a remote shell line is built: every element quoted with shlex (sudo.argv adds sudo's)."""
     if sudo:
-        # -n: fail instead of prompting (no terminal to answer); `--`: nothing after it is a sudo option.
-        argv = ["sudo", "-n", "--", *argv]
+        argv = sudo_argv(argv, with_password=sudo_prompt is not None, prompt=sudo_prompt or "")
     return shlex.join(argv)
 
 
@@ -124,7 +142,7 @@ def _is_transient(exc: BaseException) -> bool:
         return exc.errno == socket.EAI_AGAIN
     if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
         return True
-    if isinstance(exc, paramiko.ChannelException):  # the jump host could not reach the target (yet)
+    if isinstance(exc, paramiko.ChannelException | NoBanner):  # a jump host's target not up yet; sshd starting
         return True
     # sshd still starting, or MaxStartups throttling: the banner never arrives.
     return isinstance(exc, paramiko.SSHException) and "protocol banner" in str(exc)
@@ -155,6 +173,13 @@ def _describe_failure(host: HostConfig, exc: BaseException, attempts: int) -> Co
     if isinstance(exc, socket.gaierror):
         return ConnectionFailure(f"{host.name}: cannot resolve {host.address}: {exc.strerror}", code="unreachable",
                                  hint="check `address` in the inventory", unreachable=True)
+    if isinstance(exc, NoBanner):
+        what = ("sent no SSH banner" if exc.stage == "banner" else "sent its banner but did not finish the SSH key exchange")
+        return ConnectionFailure(
+            f"{host.name}: {target} accepted the TCP connection but {what} within {host.connect_timeout:g}s "
+            f"({attempts} attempt(s))", code=f"{exc.stage}_timeout", unreachable=True,
+            hint="sshd there may be overloaded (MaxStartups) or hung, or what listens on that port is not sshd "
+                 f"(check `port`); raise connect_timeout ({host.connect_timeout:g}s) for a slow host")
     if _is_transient(exc):
         reason = str(exc) or type(exc).__name__
         if isinstance(exc, paramiko.ssh_exception.NoValidConnectionsError):
@@ -287,11 +312,16 @@ class HostSession:
                 conn.open()
             except Exception as exc:
                 transport = conn.client.get_transport()
-                if (transport is not None and transport.is_active() and not transport.is_authenticated()
-                        and not isinstance(exc, UnknownHostKey | paramiko.BadHostKeyException)):
-                    # Keys were offered and refused; paramiko may surface this as a key-parsing
-                    # SSHException from trying the file as another key type, so name it here.
-                    exc = paramiko.AuthenticationException(str(exc))
+                if transport is not None and not isinstance(exc, UnknownHostKey | paramiko.BadHostKeyException):
+                    if not transport.remote_version or not transport.initial_kex_done:
+                        # TCP is up (the transport exists) but the handshake is not: paramiko's start_client
+                        # returns at its timeout without raising, and the auth that follows fails with "No
+                        # existing session", which is no authentication failure.
+                        exc = NoBanner("banner" if not transport.remote_version else "handshake")
+                    elif transport.is_active() and not transport.is_authenticated():
+                        # Keys were offered and refused; paramiko may surface this as a key-parsing
+                        # SSHException from trying the file as another key type, so name it here.
+                        exc = paramiko.AuthenticationException(str(exc))
                 conn.close()
                 raise _HopError(hop, exc) from exc
             gateway = conn
@@ -315,12 +345,22 @@ class HostSession:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def run(self, argv: Sequence[str], *, stdin: bytes = b"", timeout: float | None = 120.0) -> RemoteResult:
-        """Run argv on the host (with `sudo -n --` when the host sets sudo), feeding stdin."""
-        return self.run_command(remote_command(argv, sudo=self.host.sudo), stdin=stdin, timeout=timeout)
+    def run(self, argv: Sequence[str], *, stdin: bytes = b"", timeout: float | None = 120.0,
+            ready: bytes | None = None) -> RemoteResult:
+        """Run argv on the host, feeding stdin; under sudo when the host sets `sudo`. `ready` is the line the
+        command prints before it reads stdin (the agent's, with --ready): only with it can a sudo password be
+        given (sudo.py says why); without it a host that needs one fails with sudo's own "password is required"."""
+        password = sudo_password_for(self.host) if self.host.sudo and ready is not None else None
+        if password is None:
+            return self.run_command(remote_command(argv, sudo=self.host.sudo), stdin=stdin, timeout=timeout)
+        prompt = sudo_new_prompt()
+        return self.run_command(remote_command(argv, sudo=True, sudo_prompt=prompt), stdin=stdin, timeout=timeout,
+                                become=(prompt.encode(), password, ready))
 
-    def run_command(self, command: str, *, stdin: bytes = b"", timeout: float | None = 120.0) -> RemoteResult:
-        """Run an already-quoted command line. Prefer run(argv)."""
+    def run_command(self, command: str, *, stdin: bytes = b"", timeout: float | None = 120.0,
+                    become: tuple[bytes, str, bytes] | None = None) -> RemoteResult:
+        """Run an already-quoted command line. Prefer run(argv). `become`: (sudo's prompt, the password, the
+        command's ready line) for a command under `sudo -S`."""
         if self.conn is None:
             self.open()
         assert self.conn is not None and self.conn.transport is not None
@@ -332,7 +372,9 @@ class HostSession:
         try:
             chan.settimeout(timeout)
             chan.exec_command(command)
-            stderr = bytearray()
+            stdout, stderr = bytearray(), bytearray()
+            if become is not None:
+                self._sudo_handshake(chan, become, stdout, stderr, min(timeout or SUDO_TIMEOUT_S, SUDO_TIMEOUT_S))
 
             def drain_stderr() -> None:
                 try:
@@ -351,7 +393,6 @@ class HostSession:
                 # The command exited (and sshd closed the channel) before reading all of its
                 # stdin, e.g. a missing interpreter answering 127: its exit status still counts.
                 pass
-            stdout = bytearray()
             while chunk := chan.recv(65536):
                 stdout.extend(chunk)
             if not chan.status_event.wait(timeout):
@@ -366,3 +407,35 @@ class HostSession:
         finally:
             chan.close()
 
+    def _sudo_handshake(self, chan: paramiko.Channel, become: tuple[bytes, str, bytes], stdout: bytearray,
+                        stderr: bytearray, limit_s: float) -> None:
+        """Until the command says it is ready (or sudo gives up): answer sudo's prompt with the password, once.
+        Polls both streams, which is only done here, for the few round trips of sudo's authentication."""
+        prompt, password, ready = become
+        answered = False
+        deadline = time.monotonic() + limit_s
+        while True:
+            while chan.recv_stderr_ready():
+                stderr.extend(chan.recv_stderr(65536))
+            while chan.recv_ready():
+                stdout.extend(chan.recv(65536))
+            if ready + b"\n" in stdout:
+                del stdout[: stdout.index(ready + b"\n") + len(ready) + 1]
+                break
+            prompts = stderr.count(prompt)
+            if prompts >= 2:  # asked again: the password was wrong; never try it a second time (lockouts)
+                wrong = sudo_wrong_password(self.host.user)
+                raise SudoRefused(f"{self.host.name}: {wrong.message}", code=wrong.code, hint=wrong.hint)
+            if prompts == 1 and not answered:
+                chan.sendall(password.encode() + b"\n")
+                answered = True
+            if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
+                break  # sudo gave up on its own: the caller reads its exit status and words
+            if time.monotonic() > deadline:
+                said = stderr.replace(prompt, b"").decode("utf-8", "replace").strip()[-300:]
+                raise SudoRefused(f"{self.host.name}: sudo did not start the command within {limit_s:g}s"
+                                  + (f"; it said: {said}" if said else ""), code="sudo_timeout",
+                                  hint="something other than a password prompt may be waiting (an OTP, a PAM "
+                                       "module): run `sudo -v` as that user on the host")
+            time.sleep(0.005)
+        stderr[:] = stderr.replace(prompt, b"")

@@ -65,18 +65,26 @@ def describe(name: str, doc: object, wall: float) -> list[str]:
             for r in doc["results"]:
                 d = r.get("data") or {}
                 out.append(f"    {r['host']:<8} {d.get('message') or r['status']}")
-        return out
-    if isinstance(doc, list) and doc and isinstance(doc[0], dict) and "host" in doc[0]:  # status
-        out = []
-        for r in doc:
-            rel = (r.get("data") or {}).get("release") or {}
-            promo = rel.get("promotion") or {}
-            svc = (r.get("data") or {}).get("service") or {}
-            out.append(f"    {r['host']:<8} service {svc.get('active_state')}/{svc.get('sub_state')}, release "
-                       f"{rel.get('current') or 'pristine'}, mode {rel.get('mode') or '-'}, last promote "
-                       f"{promo.get('last_mode') or '-'} {promo.get('last_result') or ''}")
+        if name.startswith("status"):
+            out += status_lines(doc["results"])
+        if name == "push" and (doc.get("bundle") or {}).get("signature"):
+            sig = doc["bundle"]["signature"]
+            out.append(f"    bundle signed by {sig.get('signer') or 'an untrusted key'} ({sig.get('key')})"
+                       if sig.get("signed") else "    bundle UNSIGNED (--allow-unsigned)")
         return out
     return ["ok"]
+
+
+def status_lines(results: list[dict]) -> list[str]:
+    out = []
+    for r in results:
+        rel = (r.get("data") or {}).get("release") or {}
+        promo = rel.get("promotion") or {}
+        svc = (r.get("data") or {}).get("service") or {}
+        out.append(f"    {r['host']:<8} service {svc.get('active_state')}/{svc.get('sub_state')}, release "
+                   f"{rel.get('current') or 'pristine'}, mode {rel.get('mode') or '-'}, last promote "
+                   f"{promo.get('last_mode') or '-'} {promo.get('last_result') or ''}")
+    return out
 
 
 def main(argv: list[str]) -> int:
@@ -95,7 +103,7 @@ def main(argv: list[str]) -> int:
     print(f"{'step':<24} {'result':<8} {'wall':>8}")
     for name, rc, wall in rows:
         print(f"{name:<24} {'ok' if rc == 0 else f'exit {rc}':<8} {wall:>7.1f}s")
-        if rc == 0 and (name.startswith(("promote", "rollback", "status-after"))):
+        if rc == 0 and (name.startswith(("promote", "rollback", "status-after")) or name == "push"):
             for line in describe(name, load(out, name), wall):
                 print("  " + line)
     print(f"{'total':<24} {'':<8} {total:>7.1f}s  (tool {total - wait:.1f}s, waiting for services {wait:.1f}s)")

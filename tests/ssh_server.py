@@ -1,7 +1,8 @@
 """A tiny in-process SSH server (paramiko) for unit tests of ssh.py and the agent round trip.
 
-It accepts one public key, runs each exec request with `sh -c` as the current user and records
-every command it was asked to run, so tests can assert that a refused connection ran nothing.
+It accepts one public key, runs each exec request with `sh -c` as the current user (in `env` when
+given) and records every command it was asked to run, so tests can assert that a refused connection
+ran nothing.
 """
 
 from __future__ import annotations
@@ -40,33 +41,36 @@ class _Handler(paramiko.ServerInterface):
 
     def check_channel_exec_request(self, channel: paramiko.Channel, command: bytes) -> bool:
         self.server.commands.append(command.decode())
-        threading.Thread(target=_execute, args=(channel, command.decode()), daemon=True).start()
+        threading.Thread(target=_execute, args=(channel, command.decode(), self.server.env), daemon=True).start()
         return True
 
 
-def _execute(channel: paramiko.Channel, command: str) -> None:
-    proc = subprocess.Popen(["sh", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def _execute(channel: paramiko.Channel, command: str, env: dict[str, str] | None = None) -> None:
+    proc = subprocess.Popen(["/bin/sh", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=env)
 
     def feed() -> None:
         assert proc.stdin is not None
         try:
             while data := channel.recv(65536):
                 proc.stdin.write(data)
+                proc.stdin.flush()  # as sshd does: a command may answer before its input ends (sudo -S)
             proc.stdin.close()
         except BrokenPipeError:  # the command exited without reading all of its stdin
             pass
 
-    def pump_err() -> None:
-        assert proc.stderr is not None
-        while data := proc.stderr.read1(65536):
-            channel.sendall_stderr(data)
+    def pump(stream, send) -> None:
+        # A client may close its channel at any time (as on a wrong sudo password): the rest is read and
+        # dropped, so the command never blocks on a full pipe.
+        while data := stream.read1(65536):
+            with contextlib.suppress(OSError):
+                send(data)
 
-    threads = [threading.Thread(target=feed, daemon=True), threading.Thread(target=pump_err, daemon=True)]
+    threads = [threading.Thread(target=feed, daemon=True),
+               threading.Thread(target=pump, args=(proc.stderr, channel.sendall_stderr), daemon=True)]
     for t in threads:
         t.start()
-    assert proc.stdout is not None
-    while data := proc.stdout.read1(65536):
-        channel.sendall(data)
+    pump(proc.stdout, channel.sendall)
     threads[1].join()
     channel.send_exit_status(proc.wait())
     # paramiko acknowledges the exec request only after check_channel_exec_request returns, and this
@@ -119,6 +123,7 @@ class LocalSSHServer:
     forwards: list[tuple] = field(default_factory=list)
     port: int = 0
     connections: int = 0
+    env: dict[str, str] | None = None  # the commands' environment (None: this process's), e.g. a PATH
 
     def start(self) -> LocalSSHServer:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -228,10 +228,38 @@ def test_parse_answer_maps_exit_statuses() -> None:
         parse_answer("h", "/opt/py", RemoteResult(126, b"", b"permission denied", 0.0))
     assert info.value.code == "python_not_executable"
     with pytest.raises(AgentCallError) as info:
-        parse_answer("h", "/opt/py", RemoteResult(1, b"", b"sudo: a password is required\n", 0.0))
-    assert info.value.code == "sudo_failed"
+        parse_answer("h", "/opt/py", RemoteResult(1, b"", b"sudo: a password is required\n", 0.0), sudo_user="deploy")
+    assert info.value.code == "sudo_password_required" and "sudo_password_env" in info.value.hint
     with pytest.raises(AgentCallError) as info:
         parse_answer("h", "/opt/py", RemoteResult(1, b"garbage\n", b"Traceback...", 0.0))
     assert info.value.code == "agent_no_answer" and "Traceback" in info.value.detail["stderr"]
     ok = parse_answer("h", "/opt/py", RemoteResult(0, b'{"ok": true, "result": {}}\n', b"", 0.0))
     assert ok["ok"] is True
+
+
+# What sudo (1.8 and 1.9) and the login shell say when the agent never starts, and what the operator is told.
+@pytest.mark.parametrize(("exit_code", "stderr", "code", "hint"), [
+    (127, "sh: 1: sudo: not found", "sudo_missing", "apt-get install sudo"),
+    (127, "bash: line 1: sudo: command not found", "sudo_missing", "`sudo: false`"),
+    (1, "sudo: a password is required", "sudo_password_required", "NOPASSWD: /opt/py"),
+    (1, "sudo: a terminal is required to read the password; either use the -S option to read from standard input "
+        "or configure an askpass helper", "sudo_password_required", "sudo_password_env"),
+    (1, "Sorry, user deploy is not allowed to execute '/opt/py -I -c x' as root on h1.", "sudo_not_allowed",
+     "deploy ALL=(root) NOPASSWD: /opt/py"),
+    (1, "deploy is not in the sudoers file.  This incident will be reported.", "sudo_not_allowed", "visudo"),
+    (1, "sudo: sorry, you must have a tty to run sudo", "sudo_needs_tty", "!requiretty"),
+    (1, "sudo: /opt/py: command not found", "python_not_found", "`python`"),
+    (1, "Sorry, try again.\nsudo: 1 incorrect password attempt", "sudo_password_wrong", "sudo_password_env"),
+    (1, "sudo: account validation failure, is your account locked?", "sudo_failed", "sudo -v"),
+])
+def test_sudo_refusals_say_what_to_fix(exit_code: int, stderr: str, code: str, hint: str) -> None:
+    with pytest.raises(AgentCallError) as info:
+        parse_answer("h1", "/opt/py", RemoteResult(exit_code, b"", stderr.encode() + b"\n", 0.0), sudo_user="deploy")
+    assert info.value.code == code and hint in info.value.hint, (info.value.message, info.value.hint)
+    assert info.value.message.startswith("h1: ")
+
+
+def test_without_sudo_a_missing_interpreter_is_not_blamed_on_sudo() -> None:
+    with pytest.raises(AgentCallError) as info:
+        parse_answer("h1", "/opt/py", RemoteResult(127, b"", b"sh: 1: /opt/py: not found\n", 0.0), sudo_user="deploy")
+    assert info.value.code == "python_not_found"

@@ -4,16 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
-
-import paramiko
-import pytest
-import yaml
-from ssh_server import LocalSSHServer, write_private_key
 
 from ddtree_ops import __version__
 
@@ -95,39 +88,20 @@ def test_unknown_option_exits_2() -> None:
 def test_inventory_from_environment_and_hosts_json() -> None:
     result = cli("hosts", "--limit", "main", "--json", env={"DDTREE_INVENTORY": str(EXAMPLE)})
     assert result.returncode == 0, result.stderr
-    rows = json.loads(result.stdout)
-    assert [r["name"] for r in rows] == ["gpu-2", "gpu-3"] and rows[0]["ddtree_budget"] == 64
+    rows = json.loads(result.stdout)["results"]
+    assert [r["host"] for r in rows] == ["gpu-2", "gpu-3"] and rows[0]["data"]["ddtree_budget"] == 64
 
 
 # --- status against in-process SSH servers ------------------------------------------------------
 
 
-@pytest.fixture
-def two_host_inventory(tmp_path: Path) -> Iterator[Path]:
-    client_key = paramiko.ECDSAKey.generate()
-    server = LocalSSHServer(host_key=paramiko.ECDSAKey.generate(), authorized_key=client_key).start()
-    write_private_key(client_key, tmp_path / "id_ecdsa")
-    (tmp_path / "known_hosts").write_text(server.known_hosts_line())
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead_port = s.getsockname()[1]
-    inventory = {
-        "all": {"vars": {"identity_file": "id_ecdsa", "known_hosts": "known_hosts", "python": sys.executable,
-                         "state_dir": str(tmp_path / "state"), "connect_timeout": 3}},
-        "hosts": {"up": {"address": "127.0.0.1", "port": server.port},
-                  "down": {"address": "127.0.0.1", "port": dead_port}},
-    }
-    path = tmp_path / "inv.yaml"
-    path.write_text(yaml.safe_dump(inventory))
-    yield path
-    server.stop()
-
-
 def test_status_json_is_pure_and_reports_each_host(two_host_inventory: Path) -> None:
     result = cli("status", "-i", str(two_host_inventory), "--json")
     assert result.returncode == 1, result.stderr
-    rows = json.loads(result.stdout)  # the whole of stdout is one JSON document
-    by_host = {r["host"]: r for r in rows}
+    doc = json.loads(result.stdout)  # the whole of stdout is one JSON document
+    assert (doc["command"], doc["ok"], doc["exit_code"]) == ("status", False, 1)
+    assert doc["summary"]["unreachable"] == ["down"]
+    by_host = {r["host"]: r for r in doc["results"]}
     assert by_host["up"]["status"] == "ok" and by_host["up"]["data"]["python"]["executable"] == sys.executable
     assert by_host["down"]["status"] == "unreachable" and by_host["down"]["error"]["code"] == "unreachable"
     assert by_host["down"]["error"]["hint"]
@@ -138,7 +112,7 @@ def test_status_table_and_limit(two_host_inventory: Path) -> None:
     assert result.returncode == 1
     assert "up" in result.stdout and "down" in result.stdout and "unreachable:" in result.stderr
     only_up = cli("status", "-i", str(two_host_inventory), "--limit", "up", "--json")
-    assert only_up.returncode == 0 and [r["host"] for r in json.loads(only_up.stdout)] == ["up"]
+    assert only_up.returncode == 0 and [r["host"] for r in json.loads(only_up.stdout)["results"]] == ["up"]
 
 
 def test_status_row_cells() -> None:

@@ -334,3 +334,77 @@ def test_local_paths_carry_shell_characters(tmp_path: Path) -> None:
 def test_a_shape_error_does_not_hide_field_errors(tmp_path: Path) -> None:
     err = issues_of(tmp_path, "groups:\n  g: {hostz: []}\nhosts:\n  a: {adress: x}\n")
     assert {i.path for i in err.issues} == {"groups.g.hostz", "hosts.a.adress"}
+
+
+# --- settings the payload would refuse at server start, jump host typos, one machine listed twice --------
+
+
+@pytest.mark.parametrize(("text", "path", "line", "fragment"), [
+    ("all:\n  vars: {ddtree_budget: 600}\nhosts:\n  a: {address: x}\n", "all.vars.ddtree_budget", 2,
+     "--speculative-ddtree-budget must be in 1..512"),
+    ("groups:\n  g: {vars: {ddtree_budget: 8, ddtree_topk_cap: 9}, hosts: [a]}\nhosts:\n  a: {address: x}\n",
+     "groups.g.vars.ddtree_topk_cap", 2, "--speculative-ddtree-topk-cap must be in 1..8"),
+    ("hosts:\n  a: {address: x, ddtree_topk_cap: 16}\n", "hosts.a.ddtree_topk_cap", 2,
+     "must be in 1..15"),  # the cap above the default budget (draft_block_size 16 - 1)
+    ("hosts:\n  a: {address: x}\n  b: {address: y, ddtree_keep_chain: true, ddtree_budget: 4}\n",
+     "hosts.b.ddtree_keep_chain", 3, "needs --speculative-ddtree-budget >= the draft depth 15"),
+])
+def test_settings_the_payload_refuses_are_refused_where_they_are_written(tmp_path: Path, text, path, line,
+                                                                         fragment) -> None:
+    issue = only_issue(tmp_path, text)
+    assert (issue.path, issue.line) == (path, line)
+    assert "the payload would refuse this at server start" in issue.message and fragment in issue.message
+    assert issue.hint and "ddtree_" in issue.hint
+
+
+def test_a_value_every_host_inherits_is_reported_once(tmp_path: Path) -> None:
+    err = issues_of(tmp_path, "all:\n  vars: {ddtree_budget: 1000}\nhosts:\n  a: {address: x}\n  b: {address: y}\n")
+    assert [i.path for i in err.issues] == ["all.vars.ddtree_budget"]
+
+
+def test_settings_the_payload_accepts_load(tmp_path: Path) -> None:
+    inv = load_inventory(write(tmp_path, "hosts:\n  a: {address: x, ddtree_budget: 512, ddtree_topk_cap: 512}\n"
+                                         "  b: {address: y, ddtree_keep_chain: true, draft_block_size: 8, ddtree_budget: 7}\n"))
+    assert inv.hosts["a"].ddtree_budget == 512 and inv.hosts["b"].ddtree_keep_chain
+
+
+def test_a_jump_host_typo_gets_the_inventory_host_it_probably_meant(tmp_path: Path) -> None:
+    issue = only_issue(tmp_path, "hosts:\n  bastion: {address: 203.0.113.10}\n  a: {address: x, jump_host: bastoin}\n")
+    assert (issue.path, issue.line) == ("hosts.a.jump_host", 3)
+    assert "not a host of this inventory" in issue.message and "did you mean `bastion`?" in issue.hint
+    assert "bastoin:22" in issue.hint  # how to say that an outside machine of that name is meant
+
+
+def test_a_jump_host_naming_an_inventory_host_with_a_user_is_refused(tmp_path: Path) -> None:
+    issue = only_issue(tmp_path, "hosts:\n  bastion: {address: 203.0.113.10}\n  a: {address: x, jump_host: ops@bastion}\n")
+    assert "taken as the address `bastion`, not as that host" in issue.message
+    assert issue.hint == "write `jump_host: bastion` and set `user`/`port` on host `bastion`"
+
+
+def test_outside_jump_hosts_still_load(tmp_path: Path) -> None:
+    inv = load_inventory(write(tmp_path, "hosts:\n  bastion: {address: 203.0.113.10}\n"
+                                         "  a: {address: x, jump_host: ops@bastion.example.net:22}\n"
+                                         "  b: {address: y, jump_host: jumpbox}\n  c: {address: z, jump_host: 'bastoin:22'}\n"))
+    assert [inv.jump_for(h).address for h in inv.hosts.values() if h.jump_host] == ["bastion.example.net", "jumpbox", "bastoin"]
+
+
+def test_two_hosts_at_one_address_and_port_are_a_warning(tmp_path: Path) -> None:
+    inv = load_inventory(write(tmp_path, "hosts:\n  a: {address: 10.0.0.5}\n  b: {address: 10.0.0.6}\n"
+                                         "  c: {address: 10.0.0.5, port: 22}\n  d: {address: 10.0.0.5, port: 2222}\n"
+                                         "  e: {address: 10.0.0.5, jump_host: b}\n"))
+    assert len(inv.hosts) == 5  # loads: two names for one machine may be meant, but it is worth a word
+    (warning,) = inv.warnings
+    assert (warning.path, warning.line) == ("hosts.c.address", 4)
+    assert warning.message == "same address and port as host `a` (10.0.0.5:22)" and "twice at once" in warning.hint
+
+
+def test_inventory_warnings_reach_stderr_and_the_json_document(tmp_path: Path) -> None:
+    from test_cli import cli
+
+    path = write(tmp_path, "hosts:\n  a: {address: 10.0.0.5}\n  b: {address: 10.0.0.5}\n")
+    result = cli("hosts", "-i", str(path), "--json")
+    assert result.returncode == 0
+    assert f"warning: {path}:3: hosts.b.address: same address and port as host `a`" in result.stderr
+    import json
+
+    assert json.loads(result.stdout)["warnings"][0]["path"] == "hosts.b.address"

@@ -90,6 +90,6 @@ def test_hosts_redacts_secret_bearing_fields(tmp_path: Path) -> None:
     result = cli("hosts", "-i", str(inv), "--json")
     assert result.returncode == 0, result.stderr
     # Before: extra_args verbatim, key included.
-    assert SECRET not in result.stdout and json.loads(result.stdout)[0]["extra_args"] == [REDACTED, REDACTED]
+    assert SECRET not in result.stdout and json.loads(result.stdout)["results"][0]["data"]["extra_args"] == [REDACTED, REDACTED]
     table = cli("hosts", "-i", str(inv))
     assert table.returncode == 0 and SECRET not in table.stdout + table.stderr

@@ -48,8 +48,9 @@ def test_default_bundle(tmp_path: Path) -> None:
 
 def test_summary_names_failed_and_unreachable() -> None:
     results = [HostResult("a", "ok", data={"noop": True}), HostResult("b", "failed"), HostResult("c", "unreachable"),
-               HostResult("d", "ok", data={"noop": False})]
-    assert release.summary(results) == {"hosts": 4, "ok": 2, "noop": ["a"], "failed": ["b"], "unreachable": ["c"]}
+               HostResult("d", "ok", data={"noop": False}), HostResult("e", "interrupted")]
+    assert release.summary(results) == {"hosts": 5, "ok": 2, "noop": ["a"], "failed": ["b"], "unreachable": ["c"],
+                                        "interrupted": ["e"]}
 
 
 @pytest.mark.parametrize("command", ["push", "smoke", "rollback", "history", "unlock"])

@@ -161,3 +161,29 @@ def test_empty_limit_is_a_usage_error_for_every_fleet_command(tmp_path: Path) ->
         for limit in ("", ","):
             out = CliRunner().invoke(app, [*argv, "-i", str(inv.path), "--limit", limit])
             assert out.exit_code == 2 and "names no host or group" in out.output, (argv, limit, out.output)
+
+
+def test_ctrl_c_in_a_later_batch_reports_every_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import _thread
+    import threading
+
+    from ddtree_ops.fleet import FleetInterrupted
+
+    inv = _inv(tmp_path, 4)
+    started, done = threading.Event(), threading.Event()
+
+    def promote_host(ctx, inventory, opts):
+        if ctx.host.name == "h1":
+            return {"mode": opts.mode}
+        ctx.step("baseline canary")
+        started.set()
+        done.wait()  # reading until interrupted: abandoned, it changes nothing
+
+    monkeypatch.setattr(rollout, "promote_host", promote_host)
+    threading.Thread(target=lambda: (started.wait(), _thread.interrupt_main()), daemon=True).start()
+    with pytest.raises(FleetInterrupted) as stopped:
+        rollout.promote(inv, inv.select(None), rollout.PromoteOptions(mode="shadow-linear"), batch="1")
+    done.set()
+    got = [(r.host, r.status) for r in stopped.value.results]
+    assert got == [("h1", "ok"), ("h2", "interrupted"), ("h3", "interrupted"), ("h4", "interrupted")]
+    assert "not reached" in stopped.value.results[3].error.message

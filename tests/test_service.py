@@ -52,8 +52,10 @@ def test_server_argv_keep_chain(tmp_path: Path) -> None:
     keep = service.server_argv(_host(tmp_path, ddtree_keep_chain=True), "shadow-linear")  # default budget 15
     assert keep.count("--speculative-ddtree-keep-chain") == 1
     assert "--speculative-ddtree-keep-chain" not in service.server_argv(_host(tmp_path, ddtree_keep_chain=True), "off")
+    # The inventory refuses this at load (the payload's own check); a HostConfig built in code meets service's.
+    too_small = _host(tmp_path, ddtree_keep_chain=True).model_copy(update={"ddtree_budget": 14})
     with pytest.raises(UsageError, match="ddtree_keep_chain needs ddtree_budget >= the draft depth 15") as err:
-        service.server_argv(_host(tmp_path, ddtree_keep_chain=True, ddtree_budget=14), "full")
+        service.server_argv(too_small, "full")
     assert err.value.code == "keep_chain_budget"
     small = _host(tmp_path, ddtree_keep_chain=True, ddtree_budget=7, draft_block_size=8)
     assert "--speculative-ddtree-keep-chain" in service.server_argv(small, "full")

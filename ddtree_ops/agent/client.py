@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from ddtree_ops.agent.shipping import agent_argv, agent_stdin
+from ddtree_ops import sudo
+from ddtree_ops.agent.shipping import READY, agent_argv, agent_stdin
 from ddtree_ops.errors import OpsError
 
 if TYPE_CHECKING:
@@ -30,8 +31,11 @@ class AgentCallError(OpsError):
 def call_agent(session: HostSession, op: str, args: dict[str, Any], *, timeout: float | None = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
     """Run agent `op` on the session's host with the host's interpreter; returns the op's result."""
     host = session.host
-    result = session.run(agent_argv(host.python), stdin=agent_stdin(op, args), timeout=timeout)
-    answer = parse_answer(host.name, host.python, result)
+    # A sudo password is given only once the agent says it runs (--ready): never into the agent's input.
+    ready = host.sudo and host.sudo_password_env is not None
+    result = session.run(agent_argv(host.python, ready=ready), stdin=agent_stdin(op, args), timeout=timeout,
+                         ready=READY.encode() if ready else None)
+    answer = parse_answer(host.name, host.python, result, sudo_user=host.user if host.sudo else None)
     if not answer.get("ok"):
         error = answer.get("error") or {}
         raise AgentCallError(
@@ -43,7 +47,9 @@ def call_agent(session: HostSession, op: str, args: dict[str, Any], *, timeout: 
     return answer.get("result") or {}
 
 
-def parse_answer(host_name: str, python: str, result: RemoteResult) -> dict[str, Any]:
+def parse_answer(host_name: str, python: str, result: RemoteResult, *, sudo_user: str | None = None) -> dict[str, Any]:
+    """The agent's JSON answer, or an error saying why it never spoke (`sudo_user`: the login user when the
+    agent ran under sudo, whose refusals are told apart)."""
     stderr_tail = result.stderr.decode("utf-8", "replace").strip()[-2000:]
     line = result.stdout.strip().splitlines()[-1:] if result.stdout.strip() else []
     if line:
@@ -54,6 +60,10 @@ def parse_answer(host_name: str, python: str, result: RemoteResult) -> dict[str,
         if isinstance(answer, dict) and "ok" in answer:
             return answer
     # No JSON answer: the interpreter (or sudo) failed before the agent could speak.
+    refused = sudo.refusal(stderr_tail, result.exit_code, user=sudo_user, python=python) if sudo_user else None
+    if refused is not None:
+        raise AgentCallError(f"{host_name}: {refused.message}", code=refused.code, hint=refused.hint,
+                             detail={"stderr": stderr_tail})
     if result.exit_code == 127:
         raise AgentCallError(
             f"{host_name}: interpreter {python!r} not found on the host",
@@ -64,10 +74,6 @@ def parse_answer(host_name: str, python: str, result: RemoteResult) -> dict[str,
     if result.exit_code == 126:
         raise AgentCallError(f"{host_name}: interpreter {python!r} is not executable", code="python_not_executable",
                              hint="check `python` in the inventory and the file's permissions", detail={"stderr": stderr_tail})
-    if "sudo:" in stderr_tail:
-        raise AgentCallError(f"{host_name}: sudo refused: {stderr_tail.splitlines()[-1]}", code="sudo_failed",
-                             hint="`sudo: true` needs passwordless sudo for the agent's interpreter on the host",
-                             detail={"stderr": stderr_tail})
     raise AgentCallError(
         f"{host_name}: the agent gave no answer (exit status {result.exit_code})",
         code="agent_no_answer",

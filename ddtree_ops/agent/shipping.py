@@ -10,7 +10,8 @@ with only `python` coming from the inventory (through shlex.quote). stdin carrie
     2. JSON request {"op": ..., "args": {...}}
 
 The bootstrap serves the agent's modules from memory through a meta-path finder, so nothing is
-written on the host and the agent always matches the operator's ddtree-ops version.
+written on the host and the agent always matches the operator's ddtree-ops version. With `--ready`
+after the bootstrap it first prints READY on stdout: the sign that sudo has started it (sudo.py).
 `-I` (isolated mode) keeps PYTHON* variables, the user site and the current directory out of it.
 """
 
@@ -24,6 +25,7 @@ from ddtree_ops.agent.remote import bootstrap
 
 REMOTE_PACKAGE = bootstrap.PACKAGE
 _REMOTE_SOURCE = Path(__file__).with_name("remote")
+READY = bootstrap.READY
 BOOTSTRAP_SOURCE = bootstrap.SOURCE
 BOOTSTRAP_LINE = bootstrap.LINE
 
@@ -39,9 +41,9 @@ def agent_payload_line() -> bytes:
     return bootstrap.payload_line(agent_sources())
 
 
-def agent_argv(python: str) -> list[str]:
-    """The remote argv (ssh.py quotes it and adds `sudo -n --` when the host asks for sudo)."""
-    return [python, "-I", "-c", BOOTSTRAP_LINE]
+def agent_argv(python: str, *, ready: bool = False) -> list[str]:
+    """The remote argv (ssh.py quotes it and puts it under sudo when the host asks for sudo)."""
+    return [python, "-I", "-c", BOOTSTRAP_LINE, *(["--ready"] if ready else [])]
 
 
 def agent_stdin(op: str, args: dict) -> bytes:

@@ -10,12 +10,15 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
+
+from ddtree_ops.cli_common import DebugOption
 
 if TYPE_CHECKING:
     from ddtree_ops.lab.fleet import LabStatus
@@ -50,8 +53,12 @@ def _progress(console: Console, as_json: bool) -> Callable[[str], None]:
     return report
 
 
-def _fail(console: Console, exc: Exception) -> typer.Exit:
+def _fail(console: Console, exc: Exception, as_json: bool = False, command: str = "lab") -> typer.Exit:
     console.print(f"[bold red]lab:[/] {exc}", highlight=False)
+    if as_json:
+        from ddtree_ops.output import document
+
+        print(json.dumps(document(command, 1, error={"code": "lab", "message": str(exc), "hint": None}), indent=2))
     return typer.Exit(1)
 
 
@@ -60,6 +67,7 @@ def up(
     hosts: Annotated[int, typer.Option("--hosts", "-n", min=1, help="Number of hosts: lab-1 … lab-N.")] = 3,
     repo_root: RepoRoot = Path("."),
     as_json: JsonFlag = False,
+    debug: DebugOption = False,
 ) -> None:
     """Boot lab-1 … lab-N (building the cached base image first if needed) and write inventory/lab.yaml.
 
@@ -82,12 +90,12 @@ def up(
 
                 status = lab_up(hosts, repo_root.resolve(), report_and_spin)
     except LabError as exc:
-        raise _fail(console, exc) from exc
-    _render(status, as_json)
+        raise _fail(console, exc, as_json, "lab up") from exc
+    _render(status, as_json, "lab up")
 
 
 @lab_app.command("down")
-def down(repo_root: RepoRoot = Path(".")) -> None:
+def down(repo_root: RepoRoot = Path("."), debug: DebugOption = False) -> None:
     """Stop every lab host and remove overlays, bridge and inventory/lab.yaml (the base image stays)."""
     from ddtree_ops.lab.fleet import lab_down
     from ddtree_ops.lab.steps import LabError
@@ -100,19 +108,27 @@ def down(repo_root: RepoRoot = Path(".")) -> None:
 
 
 @lab_app.command("status")
-def status(repo_root: RepoRoot = Path("."), as_json: JsonFlag = False) -> None:
+def status(repo_root: RepoRoot = Path("."), as_json: JsonFlag = False, debug: DebugOption = False) -> None:
     """Show each lab host: address, whether it runs, whether its ssh port answers. Exit 1 if any is down."""
     from ddtree_ops.lab.fleet import lab_status
 
     result = lab_status(repo_root.resolve())
-    _render(result, as_json)
+    _render(result, as_json, "lab status")
     if not result.all_up:
         raise typer.Exit(1)
 
 
-def _render(status: LabStatus, as_json: bool) -> None:
+def _render(status: LabStatus, as_json: bool, command: str) -> None:
     if as_json:
-        print(json.dumps(status.to_json(), indent=2))
+        from ddtree_ops.fleet import HostResult
+        from ddtree_ops.output import document
+        from ddtree_ops.release import summary
+
+        # The one --json shape of every command (output.document), the lab's own keys kept beside it.
+        results = [HostResult(h.name, "ok" if h.running and h.ssh else "unreachable", data=asdict(h))
+                   for h in status.hosts]
+        print(json.dumps(document(command, 0 if status.all_up else 1, results=[r.to_dict() for r in results],
+                                  summary=summary(results), **status.to_json()), indent=2))
         return
     console = Console()
     if not status.hosts:

@@ -57,7 +57,7 @@ class LabPaths:
     """The two directories the lab owns on this machine.
 
     cache: the base image (rebuilt only when its recipe hash changes) and build logs.
-    state: per-host overlays, pid files, console logs, the client key and known_hosts;
+    state: per-host overlays, pid files, console logs, the client key, the bundle signing key and known_hosts;
            `lab down` removes the hosts' part of it.
     """
 
@@ -91,6 +91,11 @@ class LabPaths:
     @property
     def client_key(self) -> Path:
         return self.state / "id_ed25519"
+
+    @property
+    def signing_key(self) -> Path:
+        """The key the rehearsal signs bundles with; the lab inventory trusts its public half (`signers:`)."""
+        return self.state / "signer_ed25519"
 
     @property
     def known_hosts(self) -> Path:

@@ -85,7 +85,8 @@ def lab_up(
     with _lab_lock(paths):
         log = paths.logs / "lab.log"
         rootfs = image.ensure_base_image(paths, progress)
-        _ensure_client_key(paths, log)
+        _ensure_key(paths.client_key, "ddtree-ops-lab", "the lab's ssh client key", log)
+        _ensure_key(paths.signing_key, "ddtree-ops-lab-signer", "the lab's bundle signing key", log)
         network.ensure_bridge(log)
         wanted = [LabHost(host_name(i), paths) for i in range(1, hosts + 1)]
         for extra in _existing_hosts(paths):
@@ -231,16 +232,12 @@ def _check_prerequisites() -> None:
         )
 
 
-def _ensure_client_key(paths: LabPaths, log: Path) -> None:
-    if paths.client_key.is_file() and paths.client_key.with_suffix(".pub").is_file():
+def _ensure_key(key: Path, comment: str, what: str, log: Path) -> None:
+    if key.is_file() and key.with_suffix(".pub").is_file():
         return
-    paths.client_key.unlink(missing_ok=True)
-    paths.client_key.with_suffix(".pub").unlink(missing_ok=True)
-    run_step(
-        "generate the lab's ssh client key",
-        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "ddtree-ops-lab", "-f", paths.client_key],
-        log,
-    )
+    key.unlink(missing_ok=True)
+    key.with_suffix(".pub").unlink(missing_ok=True)
+    run_step(f"generate {what}", ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", key], log)
 
 
 def _client_pubkey(paths: LabPaths) -> str:

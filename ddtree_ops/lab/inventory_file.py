@@ -1,6 +1,7 @@
-"""The ready inventory `lab up` writes: inventory/lab.yaml, inventory/lab/id_ed25519, inventory/lab/known_hosts.
+"""The ready inventory `lab up` writes: inventory/lab.yaml, inventory/lab/id_ed25519, inventory/lab/known_hosts,
+and the bundle signing key inventory/lab/signer_ed25519 (+ .pub) that the rehearsal signs with and lab.yaml trusts.
 
-Paths inside lab.yaml are relative to the file, as the inventory loader resolves them. All three
+Paths inside lab.yaml are relative to the file, as the inventory loader resolves them. All of them
 are git-ignored; they are copies of the lab's state (the lab is the trust root for the host keys).
 """
 
@@ -25,6 +26,7 @@ from ddtree_ops.lab.host import LabHost
 
 INVENTORY_NAME = "lab.yaml"
 FILES_DIR = "lab"
+SIGNER_KEY = "signer_ed25519"
 
 
 def path(repo_root: Path) -> Path:
@@ -55,6 +57,8 @@ def render(hosts: list[LabHost]) -> dict[str, object]:
         },
         "groups": groups,
         "hosts": {h.name: {"address": h.address, "port": SSH_PORT} for h in hosts},
+        # push accepts only bundles signed by this key (`build --sign-key inventory/lab/signer_ed25519`).
+        "signers": {"lab": f"{FILES_DIR}/{SIGNER_KEY}.pub"},
     }
 
 
@@ -66,6 +70,8 @@ def write(repo_root: Path, paths: LabPaths, hosts: list[LabHost]) -> Path:
     files.mkdir(parents=True, exist_ok=True)
     _copy_private(paths.client_key, files / "id_ed25519")
     shutil.copyfile(paths.client_key.with_suffix(".pub"), files / "id_ed25519.pub")
+    _copy_private(paths.signing_key, files / SIGNER_KEY)
+    shutil.copyfile(paths.signing_key.with_suffix(".pub"), files / f"{SIGNER_KEY}.pub")
     shutil.copyfile(paths.known_hosts, files / "known_hosts")
     header = "# Written by `ddtree-ops lab up`; rewritten on every run, removed by `ddtree-ops lab down`.\n"
     text = header + yaml.safe_dump(render(hosts), sort_keys=False, default_flow_style=None, width=200)

@@ -125,6 +125,8 @@ def test_inventory_is_ready_to_use(lab_fleet):
     }
     assert inventory["groups"] == {"canary": {"hosts": ["lab-1"]}, "main": {"hosts": ["lab-2", "lab-3"]}}
     assert inventory["hosts"]["lab-2"] == {"address": "10.200.0.12", "port": 22}
+    assert inventory["signers"] == {"lab": "lab/signer_ed25519.pub"}  # what the rehearsal signs with
+    assert (lab_fleet.inventory_path.parent / "lab" / "signer_ed25519").stat().st_mode & 0o077 == 0
     assert lab_fleet.identity_file.stat().st_mode & 0o077 == 0, "ssh refuses a key others can read"
 
 

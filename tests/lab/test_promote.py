@@ -215,7 +215,7 @@ def test_full_rollout_on_three_hosts(lab_fleet, lab):
         found = ssh(lab_fleet, h, f"grep -rlF -e {needle} {STATE_DIR} {UNIT}; "
                                   f"journalctl --no-pager -u sglang.service | grep -cF -e {needle}")
         assert found.stdout.split() == ["0"], (h, found.stdout)
-    rows = {r["host"]: r for r in json.loads(status.stdout)}
+    rows = {r["host"]: r for r in json.loads(status.stdout)["results"]}
     assert rows["lab-2"]["data"]["release"]["promotion"]["last_result"] == "passed"
     assert rows["lab-2"]["data"]["release"]["mode"] == "full"
     audit = {r["host"]: [a.get("command") for a in r["data"]["audit"]] for r in json.loads(history.stdout)["results"]}

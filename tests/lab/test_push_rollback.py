@@ -298,20 +298,27 @@ def test_full_state_dir_filesystem(lab_fleet, inv, bundle, pristine_fleet):
 
 
 def test_nothing_secret_in_json_or_logs(lab_fleet, inv, bundle, pristine_fleet):
+    from ddtree_ops.signing import sign_bundle
+
+    # Signed with the lab's key, which the lab inventory trusts: push refuses an unsigned bundle.
+    signer_key = lab_fleet.inventory_path.parent / "lab" / "signer_ed25519"
+    sign_bundle(bundle.path, signer_key)
     cmd = [sys.executable, "-c", "from ddtree_ops.cli import main; main()", "push",
            "-i", str(lab_fleet.inventory_path), "--bundle", str(bundle.path), "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=lab_fleet.repo_root)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
-    assert doc["summary"]["ok"] == 3
+    assert doc["summary"]["ok"] == 3 and doc["bundle"]["signature"]["signer"] == "lab"
     key_text = lab_fleet.identity_file.read_text()
     key_body = "".join(key_text.strip().splitlines()[1:-1])
     secrets = [key_body[i:i + 24] for i in range(0, len(key_body) - 24, 24)]
+    signer_body = "".join(signer_key.read_text().strip().splitlines()[1:-1])
+    signer_secrets = [signer_body[i:i + 24] for i in range(0, len(signer_body) - 24, 24)]
     for h in lab_fleet.hosts:
         logs = lab_fleet.ssh(h, f"cat {STATE_DIR}/audit.log {STATE_DIR}/state.json").stdout
         for text in (proc.stdout, proc.stderr, logs):
             assert "PRIVATE KEY" not in text
-            assert not any(s in text for s in secrets)
+            assert not any(s in text for s in secrets + signer_secrets)
     assert "lock_id" not in proc.stdout
 
 

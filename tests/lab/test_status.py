@@ -28,7 +28,7 @@ def cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
 def status_json(inventory: Path, *extra: str) -> tuple[int, dict[str, dict]]:
     result = cli("status", "-i", str(inventory), "--json", *extra)
     assert result.returncode in (0, 1), result.stderr
-    return result.returncode, {row["host"]: row for row in json.loads(result.stdout)}
+    return result.returncode, {row["host"]: row for row in json.loads(result.stdout)["results"]}
 
 
 def inventory_copy(lab_fleet, tmp_path: Path, edit) -> Path:
@@ -190,7 +190,7 @@ def test_hostile_values_rejected_or_carried_without_execution(lab_fleet, tmp_pat
             # Either refused up front (2), or the host answered with a clean per-host result.
             assert result.exit_code in (0, 1, 2), result.stderr
             if result.exit_code != 2:
-                rows = json.loads(result.stdout)
+                rows = json.loads(result.stdout)["results"]
                 assert len(rows) == 1
                 if field == "python":
                     assert rows[0]["error"]["code"] == "python_not_found", (payload, rows[0])

@@ -90,8 +90,9 @@ def write_bytes_atomic(target: str | os.PathLike[str], data: bytes, mode: int | 
     fsync_dir(target.parent)
 
 
-def copy_file_atomic(src: str | os.PathLike[str], target: str | os.PathLike[str], mode: int | None = None) -> None:
-    """Copy src over target atomically; keeps src's permission bits unless mode is given."""
+def copy_file_atomic(src: str | os.PathLike[str] | int, target: str | os.PathLike[str], mode: int | None = None) -> None:
+    """Copy src (a path, or an open file descriptor, which is closed) over target atomically; keeps src's
+    permission bits unless mode is given."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     with _temp_beside(target) as (fd, tmp):

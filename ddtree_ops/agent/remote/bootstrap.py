@@ -16,11 +16,17 @@ from pathlib import Path
 
 PACKAGE = "ddtree_agent"
 
+# With `--ready` the bootstrap first prints this line (under sudo with a password, the control side
+# knows from it that sudo started the agent and its input is the agent's, not sudo's prompt).
+READY = "ddtree-agent: ready"
 # Readable source of the bootstrap; it serves the agent's modules from memory through a meta-path
 # finder, so nothing is written on the host and the agent always matches the operator's ddtree-ops.
 SOURCE = """\
 import sys, json, zlib, base64, linecache
 from importlib.machinery import ModuleSpec
+if sys.argv[1:] == ["--ready"]:
+    sys.stdout.write("ddtree-agent: ready\\n")
+    sys.stdout.flush()
 SOURCES = json.loads(zlib.decompress(base64.b64decode(sys.stdin.buffer.readline())))
 class AgentFinder:
     def find_spec(self, name, path=None, target=None):

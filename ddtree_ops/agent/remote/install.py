@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 from pathlib import Path
 
 from . import backup, journal, lock, pristine, state, statefs
@@ -82,13 +83,33 @@ def op_stage_verify(request: dict) -> dict:
             raise AgentError("bad_request", f"import_from must be a /tmp/.ddtree-upload-* file, got {src!r}")
         name = safe_name(str(request.get("bundle", "")), "bundle name")
         try:
-            copy_file_atomic(src, sd / STAGING / name, mode=0o640)
+            _import_upload(src, sd / STAGING / name)
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(src)
     man = read_bundle(_staged(sd, request))
     return {"release": release_id(man), "payload_version": man["payload_version"],
             "base": {"package": man["package"], "version": man["version"]}, "files": len(man["files"])}
+
+
+def _import_upload(src: str, dest: Path) -> None:
+    """Copy the login user's upload into the root-owned staging dir. Opened without following links and
+    checked to be a regular file of the user sudo came from (SUDO_UID), so no other file on the host can
+    be passed off as the upload; the hash check that follows judges its bytes."""
+    try:
+        fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        raise AgentError("bad_upload", f"cannot open the upload {src}: {exc.strerror} (a link is refused)",
+                         "push again; nothing was changed") from None
+    st = os.fstat(fd)
+    owner = os.environ.get("SUDO_UID")
+    problem = ("is not a regular file" if not stat.S_ISREG(st.st_mode) else
+               f"belongs to uid {st.st_uid}, not to the login user (uid {owner})" if owner and str(st.st_uid) != owner
+               else None)
+    if problem:
+        os.close(fd)
+        raise AgentError("bad_upload", f"the upload {src} {problem}; refused", "push again; nothing was changed")
+    copy_file_atomic(fd, dest, mode=0o640)  # closes fd
 
 
 # ---------------------------------------------------------------- plan
@@ -206,7 +227,7 @@ def _space_needed(bundle: Path, man: dict, site: Path, pl: dict) -> int:
 
 
 def install(sd: Path, bundle: Path, *, operator: str, sys_path: list | None = None, adopt: bool = False,
-            kill_after: int | None = None, skip_space_check: bool = False) -> dict:
+            kill_after: int | None = None, skip_space_check: bool = False, signer: str | None = None) -> dict:
     """Install a staged, hash-verified bundle; the caller holds the lock. Returns the result dict."""
     recovered = journal.recover(sd)
     man = read_bundle(bundle)
@@ -269,8 +290,9 @@ def install(sd: Path, bundle: Path, *, operator: str, sys_path: list | None = No
         raise
     with contextlib.suppress(OSError):
         (sd / "staging" / bundle.name).unlink()
+    signed = {"signer": signer} if signer else {}
     warn = state.audit_best_effort(sd, operator=operator, command="push", release=rid, result="installed",
-                                   files_changed=len(changed))
+                                   files_changed=len(changed), **signed)
     return {"release": rid, "noop": False, "previous": stack[-1] if stack else None,
             "message": f"installed {rid} ({len(changed)} files changed)", "files": pl["files"],
             "changed": changed, "recovered": recovered, "warnings": [warn] if warn else []}
@@ -287,4 +309,5 @@ def op_install(request: dict) -> dict:
             raise AgentError("bad_request", "bundle (a staged bundle name) is required", "")
         return install(sd, bundle, operator=operator, sys_path=request.get("sys_path"),
                        adopt=bool(request.get("adopt")), kill_after=int(hook) if hook is not None else None,
-                       skip_space_check=bool(request.get("test_skip_space_check")))
+                       skip_space_check=bool(request.get("test_skip_space_check")),
+                       signer=str(request["signer"])[:300] if request.get("signer") else None)
