@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -214,9 +215,11 @@ def test_history_and_unlock_honour_limit_with_a_host_argument(two_host_inventory
 def test_unlock_yes_reports_unreachable_hosts_first_and_counts_them(two_host_inventory: Path, tmp_path: Path) -> None:
     inventory = two_host_inventory
     state_dir = tmp_path / "state"
+    # A dead run's lock (no heartbeat for longer than its TTL): unlock never breaks a live run's.
     held = run_agent("lock", {"state_dir": str(state_dir), "who": "ghost@elsewhere", "command": "push",
-                              "host": "elsewhere", "pid": 1, "ttl_s": 600})
+                              "host": "elsewhere", "pid": 1, "ttl_s": 0.5})
     assert held["ok"], held
+    time.sleep(1.0)
     result = cli("unlock", "-i", str(inventory), "--yes", "--json")
     doc = document(result)
     lines = result.stderr.splitlines()
