@@ -471,8 +471,13 @@ def _settle_lost_commit(run: _HostRun, exc: OpsError, summaries: list[dict[str, 
     if settled.get("committed"):
         run.ctx.notice(f"the commit's answer was lost ({exc.message}), but the host had confirmed the stage")
         return {"evidence": None}
+    restart = settled.get("restart") or {}
+    back = run.wait_ready(since=restart.get("since"), restart=restart) if restart.get("action") == "restart" else None
+    again = "serving its previous unit again" if back is None or back.passed else \
+        f"NOT serving after the rollback: {back.reason}"
     raise PromoteFailed(f"{run.host.name}: every gate passed, but the stage could not be confirmed: {exc.message}; "
-                        "the previous unit is back", code="commit_failed", hint=exc.hint, detail={"gates": summaries})
+                        f"rolled back, {again}", code="commit_failed", hint=exc.hint,
+                        detail={"gates": summaries, "serving_again": back is None or back.passed})
 
 
 def _stage(run: _HostRun, info: dict[str, Any], mode: str, baseline: dict[str, Any] | None) -> dict[str, Any]:

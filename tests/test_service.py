@@ -127,11 +127,11 @@ def test_secrets_file_only_in_env_text(tmp_path: Path) -> None:
     assert f"HF_TOKEN={service.env_file_value(SECRET)}" in unit.env_text.splitlines()
     assert set(unit.secret_values) == {SECRET, "second-secret", 'a "b" $c'}
     assert service.redact({"a": [f"x{SECRET}y"]}, unit.secret_values) == {"a": ["x[secret]y"]}
-    for bad in (f"not an assignment {SECRET}\n", f"export HF_TOKEN={SECRET}\n", f'HF_TOKEN="{SECRET}\n'):
+    for bad in (f"not an assignment {SECRET}\n", f"export HF_TOKEN={SECRET}\n", "HF_TOKEN='pl4nted never closed\n"):
         secrets.write_text(bad)
         with pytest.raises(UsageError) as err:
             service.render_unit(_host(tmp_path, service_secrets_file=str(secrets)), "full")
-        assert SECRET not in str(err.value) and ":1:" in str(err.value)
+        assert SECRET not in str(err.value) and "pl4nted" not in str(err.value) and ":1:" in str(err.value)
 
 
 def test_credential_flags_go_to_the_env_file(tmp_path: Path) -> None:

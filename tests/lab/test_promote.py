@@ -621,7 +621,8 @@ def test_a_commit_whose_answer_is_lost(lab_fleet, lab):
     unit = sha_of(lab_fleet, "lab-1", UNIT)
     lost = promote_json(_changed(invs, "lab-1"), "--mode", "full", "--limit", "lab-1", evidence=tmp / "ev",
                         env={rollout.AGENT_KILL_ENV: "after_evidence"}, expect=1)
-    assert by_host(lost)["lab-1"]["error"]["code"] == "commit_failed"
+    err = by_host(lost)["lab-1"]["error"]
+    assert err["code"] == "commit_failed" and err["detail"]["serving_again"], err
     assert _serving(lab_fleet, "lab-1", unit)
     landed = promote_json(_changed(invs, "lab-1"), "--mode", "full", "--limit", "lab-1", evidence=tmp / "ev",
                           env={rollout.AGENT_KILL_ENV: "after_state"})
