@@ -29,9 +29,11 @@ node's logits exactly as upstream's linear DFLASH verify applies them to every b
 from __future__ import annotations
 
 import collections
+import copy
 import logging
 import os
 import time
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +57,7 @@ from sglang.srt.speculative.ddtree_penalties import (
 )
 from sglang.srt.speculative.ddtree_profile import StepProfile, median
 from sglang.srt.speculative.ddtree_ranks import agree_all, agree_min
-from sglang.srt.speculative.ddtree_sampling import tree_walk, walk_bytes
+from sglang.srt.speculative.ddtree_sampling import target_probs, tree_walk, walk_bytes
 from sglang.srt.speculative.ddtree_step_budget import (
     StepLimits,
     VerifySizing,
@@ -190,14 +192,17 @@ def _scale_fn(logits: torch.Tensor) -> Any:
 def adjust_verify_logits(
     logits: torch.Tensor, batch: Any, *, parents: torch.Tensor, depths: torch.Tensor, tokens: torch.Tensor,
     max_depth: int,
-) -> bool:
+) -> tuple[Any, bool]:
     """Penalties (exact per verify position: `ddtree_penalties`) and logit biases on the verify logits
-    `[bs, n, vocab]` of a tree or of DFLASH's linear block (parents / depths / tokens describe it). True if
-    anything was applied. Custom logit processors: refused in full mode (ddtree_args); DFLASH's linear
-    verify applies them as upstream does, before this."""
+    `[bs, n, vocab]` of a tree or of DFLASH's linear block (parents / depths / tokens describe it).
+
+    Returns the batch's sampling info with both marked applied (a copy whose penalizer requires nothing
+    and whose bias is None: upstream DFLASH's own penalty block after the hook then applies nothing)
+    and whether anything was applied. Custom logit processors: refused in full mode (ddtree_args);
+    DFLASH's linear verify applies them as upstream does, before this."""
     info = batch.sampling_info
     if info is None:
-        return False
+        return None, False
     settings = [request_penalties(req) for req in batch.reqs]
     rows = [i for i, p in enumerate(settings) if p.active]
     if rows:
@@ -207,7 +212,22 @@ def adjust_verify_logits(
                                order=penalizer_order(info), **kw)
     if info.logit_bias is not None:
         logits.add_(info.logit_bias[:, None, :])
-    return bool(rows) or info.logit_bias is not None
+    applied = copy.copy(info)
+    applied.penalizer_orchestrator, applied.logit_bias = _NOTHING_REQUIRED, None
+    return applied, bool(rows) or info.logit_bias is not None
+
+
+_NOTHING_REQUIRED = types.SimpleNamespace(is_required=False)
+
+
+def verify_target_probs(logits: torch.Tensor, info: Any, n: int) -> torch.Tensor:
+    """Upstream DFLASH's sampled verify distribution, made plain's (`ddtree_sampling.target_probs` with the
+    server's rule): `logits` `[bs * n, vocab]`, the batch's sampling parameters repeated per position."""
+    repeat = lambda t: torch.repeat_interleave(t, n, dim=0)  # noqa: E731
+    min_ps = getattr(info, "min_ps", None)
+    use_min_p = min_ps is not None and getattr(info, "need_min_p_sampling", False)
+    return target_probs(logits, repeat(info.temperatures), repeat(info.top_ks), repeat(info.top_ps),
+                        repeat(min_ps) if use_min_p else None, rule=sampling_rule())
 
 
 def chain_shape(bs: int, n: int, device: Any) -> dict[str, torch.Tensor]:
@@ -834,9 +854,9 @@ class DDTreeVerifyInput(DFlashVerifyInput):
         info = batch.sampling_info
         stats = self.controller.stats
         candidates = tokens.to(torch.int64)
-        if adjust_verify_logits(logits.view(bs, n, -1), batch, parents=self.tree.parents, depths=self.tree.depths,
-                                tokens=candidates, max_depth=int(self.tree.max_depth)):
-            stats.logit_adjusted_steps += 1
+        _, adjusted = adjust_verify_logits(logits.view(bs, n, -1), batch, parents=self.tree.parents,
+                                           depths=self.tree.depths, tokens=candidates, max_depth=int(self.tree.max_depth))
+        stats.logit_adjusted_steps += adjusted
         sampled = sampled_rows(batch) if info is not None else []
         stats.sampled_requests += len(sampled)
         stats.greedy_requests += bs - len(sampled)
