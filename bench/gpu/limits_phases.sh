@@ -32,7 +32,9 @@ work() {  # TAG KIND [ARGS...]: one production_mix.py workload on one server
   local ctx=1024 gbs=32
   [ "$set" = q ] && ctx=4096 gbs=8
   has "$tag" || return 0
-  timeout $(( DEADLINE - $(date +%s) - 60 )) python3 $HERE/production_mix.py run --port "${PORT[$tag]}" --tag "$tag" \
+  local limit=$(( DEADLINE - $(date +%s) - 60 ))
+  [ -n "${WORK_TIMEOUT:-}" ] && [ "$WORK_TIMEOUT" -lt "$limit" ] && limit=$WORK_TIMEOUT
+  timeout $limit python3 $HERE/production_mix.py run --port "${PORT[$tag]}" --tag "$tag" \
     --out "$OUT/${tag}_$kind.json" --workload "$OUT/workload_${kind}_$set.json" --kind "$kind" --context-length $ctx \
     --graph-bs $gbs --wait 60 --pid "${PID[$tag]}" "$@" >> "$OUT/client_$tag.log" 2>&1
   ts "$tag $kind rc=$? $(tail -1 "$OUT/client_$tag.log" | cut -c1-200)"
@@ -66,8 +68,8 @@ for t in "${!PID[@]}"; do
 done
 wait $SKC_PID 2>/dev/null
 # C: what crashes, alone on the GPU, bounded
-( work r_dflash_pristine limits --greedy-only ) & C1=$!
-( work q_full512_old limits --greedy-only ) & C2=$!
+( WORK_TIMEOUT=90 work r_dflash_pristine limits --greedy-only ) & C1=$!  # a hung server must not eat the call
+( WORK_TIMEOUT=90 work q_full512_old limits --greedy-only ) & C2=$!
 wait $C1 $C2
 for t in r_dflash_pristine q_full512_old; do
   has $t && grep -hE "RuntimeError|Traceback|expanded size" "$OUT/server_$t.log" | head -3 | sed "s/^/[$t] /" | cut -c1-300
