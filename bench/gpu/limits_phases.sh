@@ -4,8 +4,10 @@
 # A1: each set's plain server makes its workloads (production_mix.py --make; plain returns top-5 logprobs).
 # A2, clients of different servers in parallel (the verdicts do not depend on timing):
 #   r: the production mix, then the limits workload (a full graph batch of 32 near the context limit);
-#   q: the limits workload (8 near 4096);  p: the penalties workload (+ the logprob probe), and the
-#   first-3-token samples at T 1 / top_p 1 (plain and full 64).
+#   q: the limits workload (8 near 4096);  p: the penalties workload (+ the logprob probe), the production
+#   mix, and the first-3-token samples at T 1 / top_p 1 (plain and full 64). LIMITS_SET=p (the peaked set
+#   alone): samples at T 0.8 / top_p 0.95 with the biased walk (must be rejected), and the penalties on
+#   upstream DFLASH and the previous payload (must fault: the workload catches what was fixed).
 # C: upstream DFLASH without the payload on r's limits workload and (with dist/old/) the previous
 #   payload's full 512 on q's: both expected to crash; greedy only (upstream also stalls on mixed batches).
 # Then production_mix.py compare per workload, graphs_proof.py compare for the samples, the GPU checks.
@@ -39,26 +41,30 @@ work() {  # TAG KIND [ARGS...]: one production_mix.py workload on one server
     --graph-bs $gbs --wait 60 --pid "${PID[$tag]}" "$@" >> "$OUT/client_$tag.log" 2>&1
   ts "$tag $kind rc=$? $(tail -1 "$OUT/client_$tag.log" | cut -c1-200)"
 }
-samples_t1() {  # TAG: 2000 x 3 prompts of 3 tokens at T 1 / top_p 1 (no filter at all)
+samples() {  # TAG T TOP_P: 2000 x 3 prompts of 3 tokens (T 1 / top_p 1: no filter at all)
   has "$1" || return 0
-  timeout $(( DEADLINE - $(date +%s) - 40 )) "${PROOF[@]}" run --port "${PORT[$1]}" --tag "${1}_t1" \
-    --out "$OUT/${1}_t1_proof.json" --wait 60 --pid "${PID[$1]}" --samples 2000 --temperature 1 --top-p 1 \
+  timeout $(( DEADLINE - $(date +%s) - 40 )) "${PROOF[@]}" run --port "${PORT[$1]}" --tag "${1}_t$2" \
+    --out "$OUT/${1}_t$2_proof.json" --wait 60 --pid "${PID[$1]}" --samples 2000 --temperature $2 --top-p $3 \
     >> "$OUT/proof_$1.log" 2>&1
-  ts "$1 samples T 1 rc=$?"
+  ts "$1 samples T $2 top_p $3 rc=$?"
 }
+T1=$([ "${LIMITS_SET:-}" = p ] || echo 1)  # the peaked set's own call samples at T 0.8, the full call at T 1
 # A1
 ( work r_plain mix --make; work r_plain limits --make ) & P1=$!
 ( work q_plain limits --make ) & P2=$!
-( work p_plain penalties --make ) & P3=$!
+( work p_plain penalties --make; work p_plain mix --make ) & P3=$!
 wait $P1 $P2 $P3
 ts "A1 done (workloads made)"
 # A2
 JOBS=()
 for t in r_dflash r_full15 r_full64 r_full256; do has $t && { ( work $t mix; work $t limits ) & JOBS+=($!); }; done
 for t in q_dflash q_full64 q_full512; do has $t && { ( work $t limits ) & JOBS+=($!); }; done
-has p_dflash && { ( work p_dflash penalties ) & JOBS+=($!); }
-has p_full64 && { ( work p_full64 penalties; samples_t1 p_full64 ) & JOBS+=($!); }
-has p_plain && { ( samples_t1 p_plain ) & JOBS+=($!); }
+TP=${T1:+1}; TP=${TP:-0.95}; TT=${T1:-0.8}
+has p_dflash && { ( work p_dflash penalties; work p_dflash mix ) & JOBS+=($!); }
+has p_full64 && { ( work p_full64 penalties; work p_full64 mix; samples p_full64 $TT $TP ) & JOBS+=($!); }
+has p_plain && { ( samples p_plain $TT $TP ) & JOBS+=($!); }
+has p_full64_bias && { ( samples p_full64_bias $TT $TP ) & JOBS+=($!); }
+for t in p_dflash_pristine p_full64_old; do has $t && { ( work $t penalties ) & JOBS+=($!); }; done
 [ ${#JOBS[@]} = 0 ] || wait "${JOBS[@]}"
 ts "A2 done"
 for t in "${!PID[@]}"; do
@@ -78,20 +84,28 @@ stop_all; trap - EXIT
 MIXC=(python3 $HERE/production_mix.py compare "$OUT")
 { echo "--- GPU checks: sampled walk vs sgl_kernel, the leftover case, plain's filters"; cat "$OUT/sampling_kernels_check.log"
   echo "--- builder and verify-step Triton tests on the GPU"; tail -3 "$OUT/triton_tests.log" 2>/dev/null
-  echo "--- production mix (r, context 1024, graphs on)"
-  "${MIXC[@]}" r_plain --suffix _mix -- $(served r_dflash r_full15 r_full64 r_full256); echo "rc=$?"
-  echo "--- limits: a graph batch of 32 at --context-length 1024"
-  "${MIXC[@]}" r_plain --suffix _limits --expect-dead $(served r_dflash_pristine) -- \
-    $(served r_dflash r_full15 r_full64 r_full256 r_dflash_pristine); echo "rc=$?"
-  echo "--- limits: a graph batch of 8 at --context-length 4096"
-  "${MIXC[@]}" q_plain --suffix _limits --expect-dead $(served q_full512_old) -- \
-    $(served q_dflash q_full64 q_full512 q_full512_old); echo "rc=$?"
+  if has r_plain; then
+    echo "--- production mix (r, context 1024, graphs on)"
+    "${MIXC[@]}" r_plain --suffix _mix -- $(served r_dflash r_full15 r_full64 r_full256); echo "rc=$?"
+    echo "--- limits: a graph batch of 32 at --context-length 1024"
+    "${MIXC[@]}" r_plain --suffix _limits --expect-dead $(served r_dflash_pristine) -- \
+      $(served r_dflash r_full15 r_full64 r_full256 r_dflash_pristine); echo "rc=$?"
+  fi
+  if has q_plain; then
+    echo "--- limits: a graph batch of 8 at --context-length 4096"
+    "${MIXC[@]}" q_plain --suffix _limits --expect-dead $(served q_full512_old) -- \
+      $(served q_dflash q_full64 q_full512 q_full512_old); echo "rc=$?"
+  fi
   echo "--- penalties (greedy) and the logprob probe"
-  "${MIXC[@]}" p_plain --suffix _penalties -- $(served p_dflash p_full64); echo "rc=$?"
+  "${MIXC[@]}" p_plain --suffix _penalties --expect-fault $(served p_dflash_pristine p_full64_old) -- \
+    $(served p_dflash p_full64 p_dflash_pristine p_full64_old); echo "rc=$?"
   python3 -c "import json,sys; [print(t, json.load(open(f'$OUT/{t}_penalties.json')).get('logprob_probe')) for t in sys.argv[1:]]" \
     $(served p_plain p_dflash p_full64)
-  echo "--- samples at T 1 / top_p 1"
-  "${PROOF[@]}" compare "$OUT" --plain p_plain_t1 --cand p_full64_t1; echo "rc=$?"
+  echo "--- production mix (p, context 1024, graphs on)"
+  "${MIXC[@]}" p_plain --suffix _mix -- $(served p_dflash p_full64); echo "rc=$?"
+  echo "--- samples at T $TT / top_p $TP"
+  "${PROOF[@]}" compare "$OUT" --plain p_plain_t$TT --cand p_full64_t$TT \
+    $(has p_full64_bias && echo --biased p_full64_bias_t$TT); echo "rc=$?"
 } 2>&1 | tee "$OUT/summary.txt"
 ts "done"
 stop_watchdog

@@ -411,6 +411,8 @@ def cmd_compare(a: argparse.Namespace) -> int:
                                                    "graph_steps", "fallback_reasons", "avg_tree_nodes", "budget")}
                    if dd else None)
         ok = row["fault"] == 0 and row.get("idle_kv_tokens") == 0 and row.get("alive")
+        if tag in a.expect_fault:  # the code before a fix: the workload must catch it (power shown)
+            ok = row["fault"] > 0 and row.get("alive")
         if tag in a.expect_padded and not dd.get("padded_steps"):  # a pass that never ran the path proves nothing
             row["not_exercised"] = "no step was padded to the verify graphs' width"
             ok = False
@@ -418,7 +420,10 @@ def cmd_compare(a: argparse.Namespace) -> int:
             row["verdict"] = "reference" + ("" if ok else " (diverges from plain beyond a tie)")
         else:
             bad |= not ok
-            row["verdict"] = "pass" if ok else "FAIL"
+            if tag in a.expect_fault:
+                row["verdict"] = "faults (expected: before the fix)" if ok else "NO FAULT (expected some)"
+            else:
+                row["verdict"] = "pass" if ok else "FAIL"
         summary["variants"][tag] = row
         print(f"{tag:>16}: {row['verdict']}{' (' + row['not_exercised'] + ')' if 'not_exercised' in row else ''} "
               f"same={row['same']} tie={row['tie']} upstream={row['upstream']} "
@@ -464,6 +469,7 @@ def main() -> int:
                    help="tags that fail unless some step was padded to the verify graphs' width (TEST_CYCLE_BUDGETS)")
     c.add_argument("--suffix", default="", help="result files are TAG{suffix}.json (a workload kind's)")
     c.add_argument("--expect-dead", nargs="*", default=[], help="tags the workload must crash (upstream)")
+    c.add_argument("--expect-fault", nargs="*", default=[], help="tags the workload must catch faulting")
     c.add_argument("tags", nargs="+")
     a = ap.parse_args()
     return cmd_run(a) if a.cmd == "run" else cmd_compare(a)

@@ -170,6 +170,10 @@ if [ "${LIMITS:-0}" = 1 ]; then
     "p_plain|/tmp/tiny_p|" "p_dflash|/tmp/tiny_p|DF" "p_full64|/tmp/tiny_p|$FULL 64"
     "r_dflash_pristine|/tmp/tiny_r|DF PRISTINE" "q_full512_old|/tmp/tiny_r|$FULL 512 CTX4K OLD"  # upstream / the previous payload: run last
   )
+  # LIMITS_SET=p: the peaked set alone: its production mix, samples at T 0.8 with the biased walk's
+  # power check, and the penalties on upstream DFLASH and the previous payload (expected to fault).
+  [ "${LIMITS_SET:-}" = p ] && VARIANTS=("p_full64|/tmp/tiny_p|$FULL 64" "p_plain|/tmp/tiny_p|" "p_dflash|/tmp/tiny_p|DF"
+    "p_full64_bias|/tmp/tiny_p|$FULL 64 BIAS" "p_dflash_pristine|/tmp/tiny_p|DF PRISTINE" "p_full64_old|/tmp/tiny_p|$FULL 64 OLD")
   if [ -z "$OLD_BUNDLE" ]; then VARIANTS=("${VARIANTS[@]/*_old|*}"); fi
   rm -rf /tmp/site_pristine && mkdir -p /tmp/site_pristine && tar -C /tmp/site_pristine -xJf .gpu/site312.tar.xz
   ( python3 $HERE/sampling_kernels_check.py walk > "$OUT/sampling_kernels_check.log" 2>&1; echo "rc=$?" >> "$OUT/sampling_kernels_check.log"
