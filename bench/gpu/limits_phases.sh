@@ -38,7 +38,7 @@ work() {  # TAG KIND [ARGS...]: one production_mix.py workload on one server
   [ -n "${WORK_TIMEOUT:-}" ] && [ "$WORK_TIMEOUT" -lt "$limit" ] && limit=$WORK_TIMEOUT
   timeout $limit python3 $HERE/production_mix.py run --port "${PORT[$tag]}" --tag "$tag" \
     --out "$OUT/${tag}_$kind.json" --workload "$OUT/workload_${kind}_$set.json" --kind "$kind" --context-length $ctx \
-    --graph-bs $gbs --wait 60 --pid "${PID[$tag]}" "$@" >> "$OUT/client_$tag.log" 2>&1
+    --graph-bs $gbs --wait ${WAIT_HEALTHY:-60} --pid "${PID[$tag]}" "$@" >> "$OUT/client_$tag.log" 2>&1
   ts "$tag $kind rc=$? $(tail -1 "$OUT/client_$tag.log" | cut -c1-200)"
 }
 samples() {  # TAG T TOP_P: 2000 x 3 prompts of 3 tokens (T 1 / top_p 1: no filter at all)
@@ -49,7 +49,8 @@ samples() {  # TAG T TOP_P: 2000 x 3 prompts of 3 tokens (T 1 / top_p 1: no filt
   ts "$1 samples T $2 top_p $3 rc=$?"
 }
 T1=$([ "${LIMITS_SET:-}" = p ] || echo 1)  # the peaked set's own call samples at T 0.8, the full call at T 1
-# A1
+# A1 (a server still starting after wait_all's limit gets until the deadline's last 90 s, 60 s at least)
+export WAIT_HEALTHY=$(( DEADLINE - $(date +%s) - 90 )); [ "$WAIT_HEALTHY" -ge 60 ] || WAIT_HEALTHY=60
 ( work r_plain mix --make; work r_plain limits --make ) & P1=$!
 ( work q_plain limits --make ) & P2=$!
 ( work p_plain penalties --make; work p_plain mix --make ) & P3=$!
