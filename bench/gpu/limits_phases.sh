@@ -19,14 +19,7 @@ pack() {  # only a few files come back from the device: keep the summaries, pack
 }
 at_deadline() { ts "watchdog: packing at the deadline"; pack; }
 start_watchdog $(( DEADLINE - $(date +%s) - 10 )) at_deadline
-IFS='|' read -r tag model extra <<< "$first"; launch "$tag" "$model" $extra
-python3 $HERE/wait_all.py 300 "${PORT[$tag]}:${PID[$tag]}"
-ts "$first up (warm-up)"
-wait $MAKE_PID; ts "other models made"
-for v in "${rest[@]}"; do IFS='|' read -r tag model extra <<< "$v"; launch "$tag" "$model" $extra; done
-ALLPORTS=(); for v in "${rest[@]}"; do t=${v%%|*}; ALLPORTS+=("${PORT[$t]}:${PID[$t]}"); done
-python3 $HERE/wait_all.py $(( DEADLINE - $(date +%s) - 200 )) "${ALLPORTS[@]}"
-ts "all servers up or dead; GPU mem: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader | paste -sd' ')"
+start_servers 200
 has() { [ -n "${PORT[$1]:-}" ]; }
 served() { for t; do has "$t" && printf '%s ' "$t"; done; }
 work() {  # TAG KIND [ARGS...]: one production_mix.py workload on one server

@@ -287,6 +287,18 @@ client() {  # TAG WAIT_S: the proof's client for this server
 }
 
 first=${TAGS[0]}; rest=("${TAGS[@]:1}")
+start_servers() {  # MARGIN_S: the first server alone (it warms the JIT caches), then the rest together;
+  # wait until all are up or dead, MARGIN_S before the deadline at the latest
+  IFS='|' read -r tag model extra <<< "$first"; launch "$tag" "$model" $extra
+  python3 $HERE/wait_all.py 300 "${PORT[$tag]}:${PID[$tag]}"
+  ts "$first up (warm-up)"
+  wait $MAKE_PID; ts "other models made"
+  for v in "${rest[@]}"; do IFS='|' read -r tag model extra <<< "$v"; launch "$tag" "$model" $extra; done
+  local ports=() t
+  for v in "${rest[@]}"; do t=${v%%|*}; ports+=("${PORT[$t]}:${PID[$t]}"); done
+  python3 $HERE/wait_all.py $(( DEADLINE - $(date +%s) - $1 )) "${ports[@]}"
+  ts "all servers up or dead; GPU mem: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader | paste -sd' ')"
+}
 if [ "${LIMITS:-0}" = 1 ]; then
   source $HERE/limits_phases.sh
   exit $?

@@ -75,6 +75,8 @@ def frequency_sums(penalty: float, upto: int) -> list[float]:
     step by step (`c * penalty` rounds differently). Double precision then one rounding per addition is
     float32 addition exactly (53 >= 2 * 24 + 2 bits)."""
     key = _f32(penalty)
+    if key not in _FREQUENCY_SUMS and len(_FREQUENCY_SUMS) >= 64:  # each client may send its own value
+        _FREQUENCY_SUMS.clear()
     sums = _FREQUENCY_SUMS.setdefault(key, [0.0])
     while len(sums) <= upto:
         sums.append(_f32(sums[-1] + key))

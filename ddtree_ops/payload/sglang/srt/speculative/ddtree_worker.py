@@ -22,8 +22,9 @@ Why full mode is lossless here: every tree node's KV entry is computed at positi
 what a linear pass over `prefix + path` computes; the walk accepts a child only when its token
 is the target's own choice at the parent (argmax, or the sample drawn there), and the first
 miss yields the target's own token. The accepted path's slots are re-pointed (req_to_token) in
-path order, the rest are freed. Logit processors, penalties and logit biases are applied to every
-node's logits exactly as upstream's linear DFLASH verify applies them to every block position.
+path order, the rest are freed. Penalties and logit biases are applied to every node's logits as
+plain decoding applies them after the output so far plus that node's path (`ddtree_penalties`), and a
+sampled node draws from plain's own distribution for the request (`ddtree_sampling.target_probs`).
 """
 
 from __future__ import annotations
@@ -180,6 +181,10 @@ def penalizer_order(info: Any) -> tuple[str, ...]:
     return order if len(order) == len(PENALIZERS) else DEFAULT_ORDER
 
 
+# What upstream's penalty block reads once this payload has applied the penalties itself.
+_NOTHING_REQUIRED = types.SimpleNamespace(is_required=False)
+
+
 def _scale_fn(logits: torch.Tensor) -> Any:
     """On CUDA plain's own compiled repetition scaling (its division is the one plain computes)."""
     if not logits.is_cuda:
@@ -215,9 +220,6 @@ def adjust_verify_logits(
     applied = copy.copy(info)
     applied.penalizer_orchestrator, applied.logit_bias = _NOTHING_REQUIRED, None
     return applied, bool(rows) or info.logit_bias is not None
-
-
-_NOTHING_REQUIRED = types.SimpleNamespace(is_required=False)
 
 
 def verify_target_probs(logits: torch.Tensor, info: Any, n: int) -> torch.Tensor:
