@@ -435,7 +435,7 @@ def tree_sampling_reference(
             while cur != -1:
                 token = int(candidates[b, cur])
                 q = float(target_probs[prob_offset][token])
-                acc += q
+                acc = struct.unpack("f", struct.pack("f", acc + q))[0]  # the kernel sums in float32
                 if coin <= acc / threshold_acc or q >= threshold_single:
                     prob_offset = (b, cur)
                     coin = float(uniform_samples[b, cur])
@@ -453,7 +453,9 @@ def tree_sampling_reference(
                     for v in range(vocab)]
         total = sum(residual)
         u = float(uniform_samples_for_final_sampling[b]) * total
-        run, pick = 0.0, max(range(vocab), key=lambda v: float(target_probs[prob_offset][v]))
+        # An empty residual (the children held all the mass, the coin above its float32 sum) leaves
+        # the kernel's draw at its last index: vocab - 1 (seen on the H200, issue 23).
+        run, pick = 0.0, vocab - 1
         if total > 0:
             for v in range(vocab):
                 run += residual[v]

@@ -22,56 +22,96 @@ TOP_K_ALL = 1 << 30
 
 
 # ---------------------------------------------------------------------------------- target probs
-def ref_probs(row: list[float], temperature: float, top_k: int, top_p: float, min_p: float) -> list[float]:
-    """Plain SGLang sampler semantics written as loops (pytorch backend, joint order)."""
+def _softmax(row: list[float], temperature: float) -> list[float]:
     m = max(x / temperature for x in row)
     e = [math.exp(x / temperature - m) for x in row]
-    z = sum(e)
-    p = [x / z for x in e]
-    order = sorted(range(len(p)), key=lambda i: (-p[i], i))
-    kept = {}
-    above = 0.0
+    return [x / sum(e) for x in e]
+
+
+def _identity(top_k: int, top_p: float, min_p: float) -> bool:
+    return top_k >= TOP_K_ALL and top_p == 1.0 and min_p <= 0.0
+
+
+def ref_pytorch(row: list[float], temperature: float, top_k: int, top_p: float, min_p: float) -> list[float]:
+    """SGLang's torch sampler (top_k_top_p_min_p_sampling_from_probs_torch) written as loops: sorted
+    order, drop rank >= k or mass before > top_p, then min-p against the best; none at identity."""
+    p = _softmax(row, temperature)
+    if _identity(top_k, top_p, min_p):
+        return p
+    # Among equal probabilities the order is the sort's (implementation-defined): take torch's, as the
+    # sampler does; the rest is loops.
+    probs = torch.softmax(torch.tensor([row], dtype=torch.float64).float() / temperature, -1)
+    order = probs.sort(dim=-1, descending=True).indices[0].tolist()
+    kept, above = {}, 0.0
     for rank, i in enumerate(order):
         if rank < top_k and above <= top_p:
             kept[i] = p[i]
         above += p[i]
     best = p[order[0]]
-    kept = {i: v for i, v in kept.items() if v >= min_p * best or i == order[0]}
-    total = sum(kept.values())
-    return [kept.get(i, 0.0) / total for i in range(len(p))]
+    kept = {i: v for i, v in kept.items() if v >= min_p * best}
+    return [kept.get(i, 0.0) / sum(kept.values()) for i in range(len(p))]
 
 
-def test_target_probs_match_the_sampler_semantics() -> None:
+def ref_flashinfer(row: list[float], temperature: float, top_k: int, top_p: float, min_p: float) -> list[float]:
+    """flashinfer as SGLang calls it, as loops over tokens: joint (fewer than k tokens and less than
+    top_p of the mass strictly more probable), or with min-p top-k, renormalise, top-p, renormalise,
+    min-p; none at identity."""
+    p = _softmax(row, temperature)
+    if _identity(top_k, top_p, min_p):
+        return p
+
+    def strictly_above(q: list[float], i: int) -> tuple[int, float]:
+        return sum(1 for x in q if x > q[i]), sum(x for x in q if x > q[i])
+
+    if min_p <= 0:
+        kept = [v if strictly_above(p, i)[0] < top_k and strictly_above(p, i)[1] < top_p else 0.0
+                for i, v in enumerate(p)]
+    else:
+        kept = [v if strictly_above(p, i)[0] < top_k else 0.0 for i, v in enumerate(p)]
+        q = [v / sum(kept) for v in kept]
+        if top_p < 1.0:
+            kept = [v if strictly_above(q, i)[1] < top_p else 0.0 for i, v in enumerate(kept)]
+        best = max(kept)
+        kept = [v if v >= min_p * best else 0.0 for v in kept]
+    return [v / sum(kept) for v in kept]
+
+
+@pytest.mark.parametrize("rule,ref", [("pytorch", ref_pytorch), ("flashinfer", ref_flashinfer)])
+def test_target_probs_are_plain_samplings_rule(rule: str, ref) -> None:
+    """Randomised against the loop references, with quantised logits so that ties sit at the top-k,
+    top-p and min-p boundaries, and rows at the identity settings among them."""
     rng = random.Random(3)
-    for trial in range(200):
+    for trial in range(300):
         vocab = rng.choice([2, 5, 17, 64])
         rows = rng.randint(1, 6)
-        # quantised logits: ties at the top and at the top-k / top-p boundaries
         logits = torch.tensor([[rng.randint(-6, 6) * 0.5 for _ in range(vocab)] for _ in range(rows)], dtype=torch.float64)
         temps = torch.tensor([rng.choice([0.3, 0.8, 1.0, 2.0]) for _ in range(rows)])
         ks = torch.tensor([rng.choice([1, 2, 3, vocab, TOP_K_ALL]) for _ in range(rows)])
-        ps = torch.tensor([rng.choice([0.1, 0.5, 0.95, 1.0]) for _ in range(rows)])
+        ps = torch.tensor([rng.choice([0.1, 0.5, 0.95, 1.0, 1.0]) for _ in range(rows)])
         mins = torch.tensor([rng.choice([0.0, 0.0, 0.2]) for _ in range(rows)])
-        got = ds.target_probs(logits, temps, ks, ps, mins)
+        got = ds.target_probs(logits, temps, ks, ps, mins, rule=rule, max_elements=rng.choice([1, 64, 1 << 20]))
         for r in range(rows):
-            want = ref_probs(logits[r].tolist(), float(temps[r]), int(ks[r]), float(ps[r]), float(mins[r]))
-            assert got[r].tolist() == pytest.approx(want, abs=1e-5), (trial, r)
+            want = ref(logits[r].tolist(), float(temps[r]), int(ks[r]), float(ps[r]), float(mins[r]))
+            assert got[r].tolist() == pytest.approx(want, abs=1e-5), (rule, trial, r)
 
 
-def test_top_k_first_probs_one_hot_for_greedy_rows() -> None:
-    """The upstream-DFLASH stall fix: a top_k 1 row is the argmax (lowest id on ties), exactly."""
-    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0], [0.0, 1.0, 2.0, 3.0]])
-    got = ds.filtered_probs_top_k_first(logits, torch.tensor([1, 1, TOP_K_ALL]), torch.tensor([1.0, 1.0, 1.0]))
-    assert got[0].tolist() == [0.0, 1.0, 0.0, 0.0] and got[1].tolist() == [1.0, 0.0, 0.0, 0.0]
-    assert got[2].tolist() == pytest.approx(torch.softmax(logits[2], 0).tolist())
-    # top-k first, then top-p over the renormalised top-k (upstream's order)
-    p = torch.softmax(torch.tensor([3.0, 2.0, 1.0, 0.0]), 0)
-    got = ds.filtered_probs_top_k_first(torch.tensor([[3.0, 2.0, 1.0, 0.0]]), torch.tensor([3]), torch.tensor([0.8]))
-    top3 = p[:3] / p[:3].sum()
-    keep = 2 if float(top3[0]) < 0.8 else 1
-    want = torch.zeros(4)
-    want[:keep] = p[:keep] / p[:keep].sum()
-    assert got[0].tolist() == pytest.approx(want.tolist())
+@pytest.mark.parametrize("rule", ["pytorch", "flashinfer"])
+def test_identity_settings_filter_nothing_where_a_top_p_1_filter_would(rule: str) -> None:
+    """T 1 / top_p 1 / top_k all / min_p 0 is plain's unfiltered softmax, bit for bit. On this row the
+    float32 running sum passes 1.0 before the last token, so a top-p 1 filter drops it (the payload
+    before issue 23 did; plain skips the filter)."""
+    logits = torch.tensor([[0.40722140669822693, -1.9383013248443604, -38.398014068603516]])
+    one = torch.ones(1)
+    probs = torch.softmax(logits, dim=-1)
+    filtered = ds.target_probs(logits, one, torch.tensor([2]), one, None, rule=rule)  # top-k 2: filtered
+    assert float(filtered[0, 2]) == 0.0
+    sorted_p = torch.sort(probs, dim=-1, descending=True).values
+    assert bool(((torch.cumsum(sorted_p, -1) - sorted_p) > 1.0)[0, 2]), "the premise: the tail passes 1.0"
+    got = ds.target_probs(logits, one, torch.tensor([TOP_K_ALL]), one, torch.zeros(1), rule=rule)
+    assert torch.equal(got, probs) and float(got[0, 2]) > 0
+    if rule == "pytorch":  # plain's torch filter at top_k all / top_p 1 would drop the last token
+        keep = ds._keep_pytorch(sorted_p, torch.tensor([TOP_K_ALL]), one, torch.zeros(1))
+        assert keep.tolist() == [[True, True, False]]
 
 
 # ---------------------------------------------------------------------------------- the walk
@@ -250,3 +290,69 @@ def test_chunked_sampled_rows_walk_exactly_as_one_chunk() -> None:
                                max_elements=limit, **kw)
         for a, b in zip(one, chunked, strict=True):
             assert torch.equal(a, b), limit
+
+
+# ---------------------------------------------------------------------------------- the leftover case
+LEFTOVER_LOGITS = [3.076284170150757, 2.934630870819092, 3.190234422683716, -3.0557808876037598,
+                   2.031259298324585, -0.40391242504119873, -2.572941541671753, 1.6462199687957764]
+LAST_COIN = 1.0 - 2.0**-24  # the largest float32 below 1: torch.rand's largest coin
+
+
+def _leftover_case(bs: int = 1):
+    """A root whose three children are exactly the support of its top-k 3 distribution, and whose
+    three probabilities sum to less than LAST_COIN in float32 in the children's order."""
+    vocab = len(LEFTOVER_LOGITS)
+    q = ds.target_probs(torch.tensor([LEFTOVER_LOGITS]), torch.ones(1), torch.tensor([3]), torch.ones(1))[0]
+    draft = torch.full((bs, 1, vocab), -9.0)
+    draft[:, 0, [2, 0, 1]] = torch.tensor([3.0, 2.0, 1.0])  # the support, most probable first, as children
+    tree = du.build_ddtree(draft, 3)
+    cand = tree.full_token_ids(torch.full((bs,), 7))
+    probs = torch.zeros(bs, 4, vocab)
+    probs[:, :] = q  # every node: the same distribution (only the root's matters here)
+    acc = torch.zeros((), dtype=torch.float32)
+    for node in range(1, 4):
+        acc = acc + q[int(cand[0, node])]
+    assert float(acc) < LAST_COIN, "premise: the children's float32 sum is below the largest coin"
+    assert sorted(int(t) for t in cand[0, 1:]) == sorted(int(t) for t in torch.nonzero(q).view(-1))
+    return tree, cand, probs, q
+
+
+def test_a_coin_above_the_childrens_rounded_mass_emits_the_last_child_not_vocab_minus_1() -> None:
+    from ddtree_oracle import tree_sampling_reference
+
+    tree, cand, probs, q = _leftover_case()
+    coins, final = torch.full((1, 4), LAST_COIN), torch.tensor([0.5])
+    # the kernel's own rule draws from an empty residual: vocab - 1, a token with no mass at all
+    predicts = torch.empty(4, dtype=torch.int32)
+    index, num = torch.full((1, tree.max_depth + 1), -1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    tree_sampling_reference(predicts=predicts, accept_index=index, accept_token_num=num, candidates=cand,
+                            retrive_index=torch.arange(4).view(1, 4), retrive_next_token=tree.retrive_next_token,
+                            retrive_next_sibling=tree.retrive_next_sibling, uniform_samples=coins,
+                            uniform_samples_for_final_sampling=final, target_probs=probs,
+                            draft_probs=torch.zeros_like(probs))
+    assert int(num[0]) == 0 and int(predicts[0]) == len(LEFTOVER_LOGITS) - 1 and float(q[-1]) == 0.0
+    last_child = int(cand[0, 3])
+    nodes, lengths, bonus = ds._kernel_walk(tree_sampling_reference, tree, cand, probs, coins, final)
+    assert int(lengths[0]) == 0 and int(bonus[0]) == last_child
+    # the torch walk sums in float64 on CPU: it may reach the last child instead; the same token either way
+    nodes, lengths, bonus = ds.sample_tree_walk(tree, cand, probs, coins, final)
+    first = int(cand[0, int(nodes[0, 1])]) if int(lengths[0]) else int(bonus[0])
+    assert first == last_child
+
+
+def test_the_walk_samples_the_target_on_nodes_whose_children_cover_it() -> None:
+    """The law where the leftover case lives: the root's children hold its whole distribution; the
+    first emitted token must follow the target (chi-square), never a token outside its support. (The
+    sliver above the children's float32 mass has probability ~1e-7: its coins belong to the last
+    child's share, which the test above pins.)"""
+    tree, cand, probs, q = _leftover_case(bs=40_000)
+    g = torch.Generator().manual_seed(4)
+    nodes, lengths, bonus = ds.sample_tree_walk(tree, cand, probs, torch.rand((40_000, 4), generator=g),
+                                                torch.rand((40_000,), generator=g))
+    first = torch.where(lengths > 0, cand.gather(1, nodes[:, 1:2].clamp(min=0)).view(-1), bonus)
+    assert bool((q[first] > 0).all())
+    law = {(int(t), -1): float(q[t]) for t in torch.nonzero(q).view(-1)}
+    assert not chi_square_rejects([(int(t), -1) for t in first], law)
+    skewed = {k: v * (1.1 if k[0] == int(cand[0, 3]) else 1.0) for k, v in law.items()}
+    total = sum(skewed.values())
+    assert chi_square_rejects([(int(t), -1) for t in first], {k: v / total for k, v in skewed.items()})

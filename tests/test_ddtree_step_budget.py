@@ -103,6 +103,68 @@ def test_memory_sizing_arithmetic() -> None:
     assert tokens * per <= 5 * 2**30
 
 
+def test_the_graph_mask_buffer_holds_the_worst_step_the_crash_did_not_fit() -> None:
+    """The measured crashes (issue 23): 32 requests at --context-length 1024 and --cuda-graph-max-bs 32
+    whose prefixes sum with the verify width to 1025 (960 + 65 in full 64, 1009 + 16 in DFLASH) verify
+    a mask of n * sum(prefix + n) entries; upstream's buffer was max_bs * n * context_len. The sized
+    buffer holds every step whose prefixes fit a row."""
+    for n, step, upstream in ((65, 2_132_000, 2_129_920), (16, 524_800, 524_288)):
+        assert n * 32 * 1025 == step and 32 * n * 1024 == upstream and step > upstream
+        row = sglang_row_width(1024, max(n, BLOCK))
+        assert sb.verify_graph_mask_bytes(32, n, row) >= n * 32 * (row + n) >= step
+    rng = random.Random(5)
+    for _ in range(500):
+        max_bs, n, ctx = rng.randint(1, 64), rng.choice([16, 17, 65, 257, 513]), rng.choice([512, 1024, 4096])
+        row = sglang_row_width(ctx, max(n, BLOCK))
+        bs = rng.randint(1, max_bs)
+        prefixes = [rng.randint(1, row) for _ in range(bs)]  # a root at most: prefix <= row
+        assert n * sum(p + n for p in prefixes) <= sb.verify_graph_mask_bytes(max_bs, n, row)
+
+
+def test_graph_buffers_grow_with_the_budget_and_are_counted() -> None:
+    kw = dict(row_width=1024 + 4 + 513, context_len=1024, heads=32, kv_splits=8, v_head_dim=128)
+    small, big = sb.verify_graph_buffer_bytes(32, 16, **kw), sb.verify_graph_buffer_bytes(32, 513, **kw)
+    assert big > 30 * small
+    # the KV indices (int64 over the context) dominate: 8 B x 32 x 513 x 1024 alone
+    assert big >= 8 * 32 * 513 * 1024 + sb.verify_graph_mask_bytes(32, 513, kw["row_width"])
+
+
+SIZING = dict(max_running=48, width=257, block_size=16, row_width=1024 + 4 + 257, vocab=152_000, hidden=5120)
+
+
+def test_sizing_reserves_the_worst_step_and_one_sampled_walk() -> None:
+    walk = 3 * 2**30
+    s = sb.size_verify_steps(80 * 2**30, walk_bytes=walk, **SIZING)
+    assert isinstance(s, sb.VerifySizing)
+    assert s.max_verify_tokens == 48 * 257  # plenty of memory: the whole worst step
+    assert s.reserve_bytes == s.max_verify_tokens * sb.verify_token_bytes(152_000, 5120) + s.max_mask_bytes + walk
+    # less memory: fewer tokens, but at least what linear DFLASH verifies
+    t = sb.size_verify_steps(20 * 2**30, walk_bytes=walk, **SIZING)
+    assert isinstance(t, sb.VerifySizing) and 48 * 16 <= t.max_verify_tokens < 48 * 257
+    assert sb.size_verify_steps(20 * 2**30, walk_bytes=walk, override_tokens=1024, **SIZING).max_verify_tokens == 1024
+
+
+def test_sizing_refuses_naming_the_flag_to_lower() -> None:
+    no_walk = sb.size_verify_steps(2 * 2**30, walk_bytes=3 * 2**30, **SIZING)
+    assert isinstance(no_walk, str) and "--speculative-ddtree-budget" in no_walk and "sampled walk" in no_walk
+    no_floor = sb.size_verify_steps(int(0.5 * 2**30), walk_bytes=2**20, **SIZING)
+    assert isinstance(no_floor, str) and "--max-running-requests" in no_floor and "fewer than linear DFLASH" in no_floor
+
+
+def test_sizing_is_monotone_in_free_memory_randomised() -> None:
+    """More free memory never affords less: what the TP ranks agree on (the minimum) is safe on all."""
+    rng = random.Random(9)
+    for _ in range(300):
+        kw = dict(max_running=rng.randint(1, 128), width=rng.choice([16, 65, 257, 513]), block_size=16,
+                  row_width=rng.choice([1024, 4096, 32768]) + 533, vocab=rng.choice([4096, 152_000]),
+                  hidden=rng.choice([256, 4096]), walk_bytes=rng.randint(0, 2**32))
+        a, b = sorted(rng.randint(0, 2**37) for _ in range(2))
+        sa, sb_ = sb.size_verify_steps(a, **kw), sb.size_verify_steps(b, **kw)
+        if isinstance(sa, sb.VerifySizing):
+            assert isinstance(sb_, sb.VerifySizing)
+            assert sb_.max_verify_tokens >= sa.max_verify_tokens and sb_.max_mask_bytes >= sa.max_mask_bytes
+
+
 # ------------------------------------------------- full-mode refusals from config.json -------------------
 
 @pytest.mark.parametrize(("config", "evidence"), [

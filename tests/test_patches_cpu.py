@@ -138,13 +138,30 @@ def _cases(models: Path) -> tuple[list[dict], dict[str, object]]:
                                           "draft depth 15 (block size 16 - 1: the whole top-1 chain is in the tree), "
                                           "got --speculative-ddtree-budget 14"),
         "keep chain with a value": ([*full, "--speculative-ddtree-keep-chain", "true"], "unrecognized arguments: true"),
+        "full with deterministic inference": ([*full, "--enable-deterministic-inference"],
+                                              "cannot honour --enable-deterministic-inference"),
+        "full with custom logit processors": ([*full, "--enable-custom-logit-processor"],
+                                              "cannot apply custom logit processors per tree node"),
     }
+    # Test-only switches refuse a server unless a test says it means them (issue 23).
+    switched = {
+        "biased walk switch": ({"SGLANG_DDTREE_TEST_BIASED_WALK": "1"}, [*full],
+                               "SGLANG_DDTREE_TEST_BIASED_WALK=1 is a test switch"),
+        "cycle switch on shadow": ({"SGLANG_DDTREE_TEST_CYCLE_BUDGETS": "1"},
+                                   [*df, "--speculative-ddtree-mode", "shadow-linear"],
+                                   "SGLANG_DDTREE_TEST_CYCLE_BUDGETS=1 is a test switch"),
+    }
+    allowed = {"biased walk allowed in a test": {"SGLANG_DDTREE_TEST_BIASED_WALK": "1",
+                                                 "SGLANG_DDTREE_ALLOW_TEST_SWITCHES": "1"}}
     cases = [{"name": k, "argv": v} for k, v in good.items()]
     cases += [{"name": k, "argv": v} for k, (v, _) in bad.items()]
+    cases += [{"name": k, "argv": v, "env": env} for k, (env, v, _) in switched.items()]
+    cases += [{"name": k, "argv": full, "env": env} for k, env in allowed.items()]
     # ServerArgs built in Python (Engine kwargs) goes through the same checks.
     cases.append({"name": "kwargs bad mode", "kwargs": {"model_path": str(models / "target"), "device": "cpu",
                                                          "speculative_ddtree_mode": "fast"}})
     expect: dict[str, object] = {k: "ok" for k in good} | {k: msg for k, (_, msg) in bad.items()}
+    expect |= {k: msg for k, (_, _, msg) in switched.items()} | {k: "ok" for k in allowed}
     expect["kwargs bad mode"] = "--speculative-ddtree-mode must be one of off, shadow-linear, full; got 'fast'"
     cases.append({"name": "kwargs keep chain not a bool", "kwargs": {
         "model_path": str(models / "target"), "device": "cpu", "speculative_algorithm": "DFLASH",
@@ -206,3 +223,20 @@ def test_tree_verify_bookkeeping_and_worker_guards(patched):
     result = json.loads(lines[-1])
     assert result["ok"], result["failures"]
     assert result["steps"] == 60
+
+
+def test_tp_ranks_agree_on_every_step_shape(patched):
+    """Issue 23: two gloo ranks with different free device memory (80 and 6 GiB) size their verify
+    steps alike and shape 300 random steps identically; without the agreement they differ."""
+    site, _, _ = patched
+    env_extra = {"OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "ddtree_ranks_agree.py")], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(site), "PYTHONDONTWRITEBYTECODE": "1", **env_extra},
+                          timeout=300)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert lines, proc.stderr[-3000:]
+    result = json.loads(lines[-1])
+    assert result["ok"], result
+    agreed, control = result["agreed"], result["control"]
+    assert agreed["limits"][0] == agreed["limits"][1] and agreed["differing_steps"] == 0
+    assert control["limits"][0] != control["limits"][1] and control["differing_steps"] > 0

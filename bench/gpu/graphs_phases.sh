@@ -21,15 +21,8 @@ pack() {  # only a few files come back from the device: keep the summaries, pack
 # A watchdog: whatever is still running at the deadline, the logs come back.
 at_deadline() { ts "watchdog: packing at the deadline"; pack; }
 start_watchdog $(( DEADLINE - $(date +%s) - 10 )) at_deadline
-IFS='|' read -r tag model extra <<< "$first"; launch "$tag" "$model" $extra
-python3 $HERE/wait_all.py 300 "${PORT[$tag]}:${PID[$tag]}"
-ts "$first up (warm-up)"
-wait $MAKE_PID; ts "other models made"
-for v in "${rest[@]}"; do IFS='|' read -r tag model extra <<< "$v"; launch "$tag" "$model" $extra; done
-ALLPORTS=(); for v in "${rest[@]}"; do t=${v%%|*}; ALLPORTS+=("${PORT[$t]}:${PID[$t]}"); done
 PERF_ONLY=${PERF_ONLY:-0}
-python3 $HERE/wait_all.py $(( DEADLINE - $(date +%s) - (PERF_ONLY ? 60 : 200) )) "${ALLPORTS[@]}"
-ts "all servers up or dead; GPU mem: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader | paste -sd' ')"
+start_servers $(( PERF_ONLY ? 60 : 200 ))
 has() { [ -n "${PORT[$1]:-}" ]; }
 served() { for t; do has "$t" && printf '%s ' "$t"; done; }  # the tags among these that this call serves
 mix() {  # TAG [--make]

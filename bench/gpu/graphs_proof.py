@@ -5,7 +5,8 @@
       liveness: 8 sampled (T 0.8, top_p 0.95) + 8 greedy requests sent together, 20 rounds in a row,
                 each round must finish within --bound seconds (upstream 0.5.13.post1 DFLASH was seen
                 to make no progress for 16-117 s on this mix).
-      samples:  N requests per prompt of max_new_tokens 3 at T 0.8 / top_p 0.95: the first 3 tokens.
+      samples:  N requests per prompt of max_new_tokens 3 at T 0.8 / top_p 0.95 (--temperature, --top-p):
+                the first 3 tokens.
       perf:     batch 1, 8, 32 of greedy requests (64-token prompts, 128 new tokens, ignore_eos), sent
                 together, one warm-up round then PERF_ROUNDS measured rounds per size; per round wall
                 time, verify steps (the longest request's spec_verify_ct; plain: tokens) and ms per
@@ -82,13 +83,13 @@ def liveness(base: str, rounds: int, bound: float) -> dict:
     return {"rounds": out, "bound_s": bound, "ok": ok, "max_s": max(r["s"] for r in out)}
 
 
-def samples(base: str, n: int) -> dict:
+def samples(base: str, n: int, params: dict | None = None) -> dict:
     res = {}
     for p, prompt in enumerate(PROMPTS):
         got: list[list[int]] = []
         chunk = 250
         bodies = [{"input_ids": [prompt] * min(chunk, n - s),
-                   "sampling_params": {**SAMPLED, "max_new_tokens": 3, "ignore_eos": True}}
+                   "sampling_params": {**(params or SAMPLED), "max_new_tokens": 3, "ignore_eos": True}}
                   for s in range(0, n, chunk)]
         with concurrent.futures.ThreadPoolExecutor(4) as ex:
             for out in ex.map(lambda b: post(base, b, 600), bodies):
@@ -160,7 +161,8 @@ def cmd_run(a: argparse.Namespace) -> int:
         return 2
     if a.samples:
         t = time.time()
-        res["samples"] = samples(base, a.samples)
+        res["samples"] = samples(base, a.samples, {"temperature": a.temperature, "top_p": a.top_p})
+        res["samples_params"] = {"temperature": a.temperature, "top_p": a.top_p}
         res["samples_s"] = round(time.time() - t, 1)
     if a.liveness:
         res["liveness"] = liveness(base, 20, a.bound)
@@ -359,6 +361,8 @@ def main() -> int:
     r.add_argument("--liveness", action="store_true")
     r.add_argument("--bound", type=float, default=15.0)
     r.add_argument("--samples", type=int, default=0)
+    r.add_argument("--temperature", type=float, default=SAMPLED["temperature"], help="of the samples")
+    r.add_argument("--top-p", type=float, default=SAMPLED["top_p"], help="of the samples")
     r.add_argument("--perf", action="store_true")
     c = sub.add_parser("compare")
     c.add_argument("out_dir")

@@ -14,6 +14,17 @@ of plain's outputs), and streaming requests aborted after a few chunks. Round 2:
 extend round-1 prompts by plain's round-1 outputs (the radix cache holds them), sent together.
 Then the server must be idle with zero KV tokens in use (`/v1/loads`, else `/get_load`).
 
+Other workloads (`run --kind`, issue 23), judged by the same `compare`:
+- `limits`: a full CUDA-graph batch (`--graph-bs`) of requests that all sit near `--context-length`
+  at once (prompts ending 124-126 tokens short, generating to 8 short), a quarter sampled, two
+  streamed and aborted; then a second full batch ending 6 short. The batch whose verify mask
+  overflowed upstream's graph buffer and crashed the scheduler of every speculative server.
+- `penalties`: greedy requests with repetition, frequency and presence penalties (alone and mixed),
+  min_new_tokens against a stop token plain meets early, and a logit bias, all in flight together;
+  plus a `return_logprob` probe (`logprob_probe` in the result: plain's answer, or the refusal).
+Sampled requests (`"sampled"`) and aborted ones are not compared; `--greedy-only` sends the sampled
+ones greedily (upstream DFLASH stalls on mixed batches, which would hide the crash it is shown for).
+
 The plain server also returns its top-2 logprobs; `compare` classes each request's first
 divergence from plain by plain's logprob margin there (top-1 minus the candidate token's, from plain's
 top-5; the top-2 gap is reported too): ≤ TIE_GAP (one bf16 step at logit magnitude 16–32) is a
@@ -58,8 +69,14 @@ def wait_healthy(base: str, wait_s: float, pid: int | None) -> float | None:
     return None
 
 
+SAMPLED = {"temperature": 0.8, "top_p": 0.95}
+
+
 def generate(base: str, req: dict, *, logprobs: bool) -> dict:
     sp = {"temperature": 0.0, "max_new_tokens": req["max_new"], "ignore_eos": True}
+    if req.get("sampled"):
+        sp.update(SAMPLED)
+    sp.update(req.get("params") or {})
     if req.get("stop"):
         sp["stop_token_ids"] = req["stop"]
     body: dict = {"input_ids": req["prompt"], "sampling_params": sp}
@@ -156,6 +173,61 @@ def make_workload(base: str, ctx: int) -> dict:
     return {"ctx": ctx, "round1": make_round1(ctx, rng, stops)}
 
 
+def make_limits_workload(ctx: int, graph_bs: int) -> dict:
+    """Two full graph batches near the context limit (module docstring)."""
+    rng = random.Random(SEED + 1)
+    tok = lambda n: [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(n)]  # noqa: E731
+    round1 = []
+    for i in range(graph_bs):
+        n = ctx - 124 - i % 3
+        req = {"id": f"lim{i}", "prompt": tok(n), "max_new": ctx - 8 - n, "at_ms": 0}
+        if i % 4 == 3:
+            req["sampled"] = True
+        if i in (5, 17):
+            req["abort_after"] = 30
+        round1.append(req)
+    round2 = [{"id": f"lim2_{i}", "prompt": tok(ctx - 40 - i % 2), "max_new": 34 + i % 2, "at_ms": 0}
+              for i in range(graph_bs)]
+    return {"ctx": ctx, "kind": "limits", "round1": round1, "round2": round2}
+
+
+def make_penalties_workload() -> dict:
+    """Greedy requests with penalties, on the peaked model (its favourite token 7 repeats, so penalties
+    decide where it stops being chosen, which drafted paths must reproduce)."""
+    rng = random.Random(SEED + 2)
+    tok = lambda n: [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(n)]  # noqa: E731
+    settings = (
+        [("rep", {"repetition_penalty": 1.3})] * 4 + [("rep_low", {"repetition_penalty": 0.8})] * 2
+        + [("freq", {"frequency_penalty": 0.8})] * 4 + [("pres", {"presence_penalty": 0.6})] * 4
+        + [("freq_pres", {"frequency_penalty": 0.5, "presence_penalty": 0.5})] * 2
+        + [("rep_freq", {"repetition_penalty": 1.2, "frequency_penalty": 0.4})] * 2
+        + [("bias", {"logit_bias": {"7": -2.0}})] * 2
+    )
+    round1 = [{"id": f"{name}{i}", "prompt": tok(rng.randrange(8, 200)), "max_new": rng.choice([64, 96, 128]),
+               "params": params, "at_ms": rng.randrange(0, 200)} for i, (name, params) in enumerate(settings)]
+    # min_new_tokens against the stop token 7, which the peaked model emits almost at once
+    round1 += [{"id": f"min_new{i}", "prompt": tok(rng.randrange(8, 100)), "max_new": 100, "stop": [7],
+                "params": {"min_new_tokens": 20 + 9 * i}, "at_ms": 0} for i in range(3)]
+    return {"ctx": None, "kind": "penalties", "round1": round1, "round2": []}
+
+
+def logprob_probe(base: str) -> dict:
+    """One request with return_logprob and top_logprobs_num: plain answers, DFLASH refuses per request."""
+    body = {"input_ids": list(range(100, 140)), "return_logprob": True, "top_logprobs_num": 3,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": 8}}
+    try:
+        r = requests.post(base + "/generate", json=body, timeout=60)
+    except requests.RequestException as e:
+        return {"error": repr(e)[:300]}
+    out: dict = {"status": r.status_code}
+    if r.status_code == 200:
+        meta = r.json().get("meta_info", {})
+        out["output_token_logprobs"] = [lp[:2] for lp in meta.get("output_token_logprobs") or []]
+    else:
+        out["body"] = r.text[:400]
+    return out
+
+
 def make_round2(round1: list[dict], plain_out: dict[str, dict], ctx: int) -> list[dict]:
     out = []
     for req in round1:
@@ -207,20 +279,30 @@ def cmd_run(a: argparse.Namespace) -> int:
         _write(a.out, res)
         print(f"[mix] {a.tag}: never healthy", flush=True)
         return 2
-    if a.make:
-        workload = make_workload(base, a.context_length)
-        _write(a.workload, workload)
-    else:
+    if not a.make:
         workload = _read(a.workload)
+    elif a.kind == "limits":
+        workload = make_limits_workload(a.context_length, a.graph_bs)
+    elif a.kind == "penalties":
+        workload = make_penalties_workload()
+    else:
+        workload = make_workload(base, a.context_length)
+    if a.make:
+        _write(a.workload, workload)
+    if a.greedy_only:
+        workload = {**workload, "round1": [{**r, "sampled": False} for r in workload["round1"]]}
     t = time.time()
     res["round1"] = run_concurrently(base, workload["round1"], logprobs=a.make)
     res["round1_s"] = time.time() - t
-    if a.make:
+    if a.make and a.kind == "mix":
         workload["round2"] = make_round2(workload["round1"], res["round1"], workload["ctx"])
         _write(a.workload, workload)
     t = time.time()
     res["round2"] = run_concurrently(base, workload["round2"], logprobs=a.make)
     res["round2_s"] = time.time() - t
+    res["sampled"] = [r["id"] for r in workload["round1"] if r.get("sampled")]
+    if a.kind == "penalties":
+        res["logprob_probe"] = logprob_probe(base)
     res["idle_kv_tokens"] = idle_kv_tokens(base)
     try:
         info = requests.get(base + "/server_info", timeout=10).json()
@@ -280,7 +362,7 @@ def classify(plain: dict, cand: dict, upstream: dict | None = None) -> tuple[str
 
 def cmd_compare(a: argparse.Namespace) -> int:
     def load(tag: str) -> dict | None:
-        p = os.path.join(a.out_dir, f"{tag}.json")
+        p = os.path.join(a.out_dir, f"{tag}{a.suffix}.json")
         return _read(p) if os.path.exists(p) else None
 
     plain = load(a.plain)
@@ -299,9 +381,18 @@ def cmd_compare(a: argparse.Namespace) -> int:
             summary["variants"][tag] = row
             print(f"{tag}: NO RESULTS")
             continue
+        if tag in a.expect_dead:  # upstream before the fix: the workload must have killed it
+            dead = cand.get("alive") is False or cand.get("ready_s") is None
+            row["verdict"] = "crashed (expected: upstream)" if dead else "SURVIVED (expected to crash)"
+            bad |= not dead
+            summary["variants"][tag] = row
+            print(f"{tag:>16}: {row['verdict']} alive={cand.get('alive')} "
+                  f"errors={sum('error' in v for r in ('round1', 'round2') for v in cand.get(r, {}).values())}")
+            continue
+        skip = set(plain.get("sampled") or [])
         for rnd in ("round1", "round2"):
             for rid, p in plain[rnd].items():
-                if "aborted_after_chunks" in p:
+                if "aborted_after_chunks" in p or rid in skip:
                     continue
                 shared = upstream[rnd].get(rid) if upstream and tag != a.upstream else None
                 kind, detail = classify(p, cand[rnd].get(rid, {"error": "missing"}), shared)
@@ -309,6 +400,8 @@ def cmd_compare(a: argparse.Namespace) -> int:
                 if kind != "same":
                     row[kind + "s"].append({"id": rid, **detail})
         aborts = [v for v in cand["round1"].values() if "aborted_after_chunks" in v]
+        if "logprob_probe" in cand:
+            row["logprob_probe"] = cand["logprob_probe"]
         st = cand.get("internal_state", {})
         dd = st.get("ddtree") or {}
         row.update(idle_kv_tokens=cand.get("idle_kv_tokens"), alive=cand.get("alive"), aborted=len(aborts),
@@ -318,6 +411,8 @@ def cmd_compare(a: argparse.Namespace) -> int:
                                                    "graph_steps", "fallback_reasons", "avg_tree_nodes", "budget")}
                    if dd else None)
         ok = row["fault"] == 0 and row.get("idle_kv_tokens") == 0 and row.get("alive")
+        if tag in a.expect_fault:  # the code before a fix: the workload must catch it (power shown)
+            ok = row["fault"] > 0 and row.get("alive")
         if tag in a.expect_padded and not dd.get("padded_steps"):  # a pass that never ran the path proves nothing
             row["not_exercised"] = "no step was padded to the verify graphs' width"
             ok = False
@@ -325,7 +420,10 @@ def cmd_compare(a: argparse.Namespace) -> int:
             row["verdict"] = "reference" + ("" if ok else " (diverges from plain beyond a tie)")
         else:
             bad |= not ok
-            row["verdict"] = "pass" if ok else "FAIL"
+            if tag in a.expect_fault:
+                row["verdict"] = "faults (expected: before the fix)" if ok else "NO FAULT (expected some)"
+            else:
+                row["verdict"] = "pass" if ok else "FAIL"
         summary["variants"][tag] = row
         print(f"{tag:>16}: {row['verdict']}{' (' + row['not_exercised'] + ')' if 'not_exercised' in row else ''} "
               f"same={row['same']} tie={row['tie']} upstream={row['upstream']} "
@@ -337,7 +435,7 @@ def cmd_compare(a: argparse.Namespace) -> int:
         for kind in ("upstreams", "ties"):
             for f in row[kind][:3]:
                 print(f"{'':>18}{kind[:-1]} {f}")
-    with open(os.path.join(a.out_dir, f"mix_summary_{a.plain}_{a.tags[-1]}.json"), "w") as f:
+    with open(os.path.join(a.out_dir, f"mix_summary{a.suffix}_{a.plain}_{a.tags[-1]}.json"), "w") as f:
         json.dump(summary, f, indent=1)
     return 1 if bad else 0
 
@@ -358,14 +456,20 @@ def main() -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = server_run_parser(sub)
     r.add_argument("--workload", required=True)
-    r.add_argument("--make", action="store_true", help="plain server: build the workload and return top-2 logprobs")
+    r.add_argument("--make", action="store_true", help="plain server: build the workload and return top-5 logprobs")
+    r.add_argument("--kind", choices=("mix", "limits", "penalties"), default="mix")
     r.add_argument("--context-length", type=int, default=1024)
+    r.add_argument("--graph-bs", type=int, default=32, help="limits: requests per batch (--cuda-graph-max-bs)")
+    r.add_argument("--greedy-only", action="store_true", help="send the workload's sampled requests greedily")
     c = sub.add_parser("compare")
     c.add_argument("out_dir")
     c.add_argument("plain")
     c.add_argument("--upstream", help="the set's DFLASH tag: divergences it shares are classed 'upstream'")
     c.add_argument("--expect-padded", nargs="*", default=[],
                    help="tags that fail unless some step was padded to the verify graphs' width (TEST_CYCLE_BUDGETS)")
+    c.add_argument("--suffix", default="", help="result files are TAG{suffix}.json (a workload kind's)")
+    c.add_argument("--expect-dead", nargs="*", default=[], help="tags the workload must crash (upstream)")
+    c.add_argument("--expect-fault", nargs="*", default=[], help="tags the workload must catch faulting")
     c.add_argument("tags", nargs="+")
     a = ap.parse_args()
     return cmd_run(a) if a.cmd == "run" else cmd_compare(a)

@@ -32,6 +32,9 @@
 #   start; the DDTree gather is an all-gather over NCCL either way) is added to the TP servers' flags.
 # GRAPHS=1 (issue 13): graphs_phases.sh. SWEEP=1 (issue 14): sweep_phases.sh, on the trained pair that
 #   train_pair_device.sh made (unpack its pair.tar and heldout_prompts.json into .gpu/pair/).
+# LIMITS=1 (issue 23): limits_phases.sh: full graph batches at the context limit (1024 and 4096), penalties,
+#   samples at T 1 / top_p 1, the logprob probe, the production mix; upstream DFLASH (and, with
+#   dist/old/, the previous payload's full 64) on the limits workload, expected to crash.
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 source "$HERE/device_env.sh"
@@ -45,7 +48,7 @@ rm -rf /tmp/site && mkdir -p /tmp/site && tar -C /tmp/site -xJf .gpu/site312.tar
 export PYTHONPATH=/tmp/site
 BUNDLE=$(ls dist/ddtree-payload-*.tar.gz | head -1)
 OLD_BUNDLE=$(ls dist/old/ddtree-payload-*.tar.gz 2>/dev/null | head -1)
-if [ "${MIX:-0}" = 1 ] && [ -n "$OLD_BUNDLE" ]; then
+if { [ "${MIX:-0}" = 1 ] || [ "${LIMITS:-0}" = 1 ]; } && [ -n "$OLD_BUNDLE" ]; then
   rm -rf /tmp/site_old && mkdir -p /tmp/site_old && tar -C /tmp/site_old -xJf .gpu/site312.tar.xz \
     && PYTHONPATH=/tmp/site_old:$PWD python3 -c "import sys; from ddtree_ops.bundle import install_bundle; \
 print('old bundle', install_bundle(sys.argv[1], '/tmp/site_old').payload_version)" "$OLD_BUNDLE" || OLD_BUNDLE=
@@ -151,6 +154,33 @@ if [ "${GRAPHS:-0}" = 1 ]; then
       tests/test_ddtree_triton.py tests/test_ddtree_verify_step.py > "$OUT/triton_tests.log" 2>&1; echo "rc=$?" >> "$OUT/triton_tests.log"; fi ) &
   SKC_PID=$!
 fi
+if [ "${LIMITS:-0}" = 1 ]; then
+  # Issue 23: every server with CUDA graphs and no overlap scheduler (DFLASH runs without it, and plain
+  # with it counts penalties one token late), a pool that holds a full graph batch at the context limit,
+  # and one prefill for all of it (a whole batch reaches the limit together).
+  KEEP=(); for c in "${COMMON[@]}"; do [ "$c" = --disable-cuda-graph ] || [ "$c" = 16384 ] || [ "$c" = --max-total-tokens ] || KEEP+=("$c"); done
+  COMMON=("${KEEP[@]}" --max-total-tokens 65536 --cuda-graph-max-bs 32 --context-length 1024 --schedule-policy fcfs
+          --sleep-on-idle --disable-overlap-schedule --chunked-prefill-size 32768 --max-prefill-tokens 32768)
+  FULL="DF --speculative-ddtree-mode full --speculative-ddtree-budget"
+  VARIANTS=(
+    "r_full64|/tmp/tiny_r|$FULL 64"  # first: starts alone, warms the JIT caches
+    "r_plain|/tmp/tiny_r|" "r_dflash|/tmp/tiny_r|DF" "r_full15|/tmp/tiny_r|$FULL 15" "r_full256|/tmp/tiny_r|$FULL 256"
+    "q_plain|/tmp/tiny_r|CTX4K" "q_dflash|/tmp/tiny_r|DF CTX4K" "q_full64|/tmp/tiny_r|$FULL 64 CTX4K"
+    "q_full512|/tmp/tiny_r|$FULL 512 CTX4K"
+    "p_plain|/tmp/tiny_p|" "p_dflash|/tmp/tiny_p|DF" "p_full64|/tmp/tiny_p|$FULL 64"
+    "r_dflash_pristine|/tmp/tiny_r|DF PRISTINE" "q_full512_old|/tmp/tiny_r|$FULL 512 CTX4K OLD"  # upstream / the previous payload: run last
+  )
+  # LIMITS_SET=p: the peaked set alone: its production mix, samples at T 0.8 with the biased walk's
+  # power check, and the penalties on upstream DFLASH and the previous payload (expected to fault).
+  [ "${LIMITS_SET:-}" = p ] && VARIANTS=("p_full64|/tmp/tiny_p|$FULL 64" "p_plain|/tmp/tiny_p|" "p_dflash|/tmp/tiny_p|DF"
+    "p_full64_bias|/tmp/tiny_p|$FULL 64 BIAS" "p_dflash_pristine|/tmp/tiny_p|DF PRISTINE" "p_full64_old|/tmp/tiny_p|$FULL 64 OLD")
+  if [ -z "$OLD_BUNDLE" ]; then VARIANTS=("${VARIANTS[@]/*_old|*}"); fi
+  rm -rf /tmp/site_pristine && mkdir -p /tmp/site_pristine && tar -C /tmp/site_pristine -xJf .gpu/site312.tar.xz
+  ( python3 $HERE/sampling_kernels_check.py walk > "$OUT/sampling_kernels_check.log" 2>&1; echo "rc=$?" >> "$OUT/sampling_kernels_check.log"
+    if [ -d .gpu/pytest_site ]; then PYTHONPATH=/tmp/site:$PWD/.gpu/pytest_site timeout 240 python3 -m pytest -q -p no:cacheprovider \
+      tests/test_ddtree_triton.py tests/test_ddtree_verify_step.py > "$OUT/triton_tests.log" 2>&1; echo "rc=$?" >> "$OUT/triton_tests.log"; fi ) &
+  SKC_PID=$!
+fi
 if [ "${SWEEP:-0}" = 1 ]; then
   # Issue 14: the trained pair, every server with CUDA graphs (target verify and draft); the first
   # three start together and warm the JIT caches (the builder with cap and keep-chain included).
@@ -198,10 +228,11 @@ launch() {  # TAG MODEL_DIR EXTRA...
       OLD) envs+=(PYTHONPATH=/tmp/site_old) ;;
       CAP) envs+=(SGLANG_DDTREE_MAX_VERIFY_TOKENS=1024) ;;  # steps must shrink their trees
       PRISTINE) envs+=(PYTHONPATH=/tmp/site_pristine) ;;  # upstream 0.5.13.post1, no payload
-      BIAS) envs+=(SGLANG_DDTREE_TEST_BIASED_WALK=1) ;;  # a deliberately wrong sampled walk
+      BIAS) envs+=(SGLANG_DDTREE_TEST_BIASED_WALK=1 SGLANG_DDTREE_ALLOW_TEST_SWITCHES=1) ;;  # a deliberately wrong sampled walk
       PROF) envs+=(SGLANG_DDTREE_PROFILE=1) ;;  # per-phase step times in /server_info (ddtree_profile)
       UNFUSED) envs+=(SGLANG_DDTREE_VERIFY_KERNELS=0) ;;  # the verify step on torch ops (ddtree_verify_step)
-      CYCLE) envs+=(SGLANG_DDTREE_TEST_CYCLE_BUDGETS=1) ;;  # step k takes the k-th ladder budget (0 included)
+      CYCLE) envs+=(SGLANG_DDTREE_TEST_CYCLE_BUDGETS=1 SGLANG_DDTREE_ALLOW_TEST_SWITCHES=1) ;;  # step k takes the k-th ladder budget (0 included)
+      CTX4K) args+=(--context-length 4096 --cuda-graph-max-bs 8) ;;  # LIMITS: the second context length (after COMMON's)
       EVERY1) envs+=(SGLANG_DDTREE_SHADOW_EVERY=1) ;;  # shadow builds on every step, not one in 4: the build's cost x4
       TP2) args+=(--tp-size 2 --nccl-port $(( PORT[$tag] + 5 )) "${TP2_EXTRA_ARGS[@]}") ;;
       *) args+=("$a") ;;
@@ -256,6 +287,22 @@ client() {  # TAG WAIT_S: the proof's client for this server
 }
 
 first=${TAGS[0]}; rest=("${TAGS[@]:1}")
+start_servers() {  # MARGIN_S: the first server alone (it warms the JIT caches), then the rest together;
+  # wait until all are up or dead, MARGIN_S before the deadline at the latest
+  IFS='|' read -r tag model extra <<< "$first"; launch "$tag" "$model" $extra
+  python3 $HERE/wait_all.py 300 "${PORT[$tag]}:${PID[$tag]}"
+  ts "$first up (warm-up)"
+  wait $MAKE_PID; ts "other models made"
+  for v in "${rest[@]}"; do IFS='|' read -r tag model extra <<< "$v"; launch "$tag" "$model" $extra; done
+  local ports=() t
+  for v in "${rest[@]}"; do t=${v%%|*}; ports+=("${PORT[$t]}:${PID[$t]}"); done
+  python3 $HERE/wait_all.py $(( DEADLINE - $(date +%s) - $1 )) "${ports[@]}"
+  ts "all servers up or dead; GPU mem: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader | paste -sd' ')"
+}
+if [ "${LIMITS:-0}" = 1 ]; then
+  source $HERE/limits_phases.sh
+  exit $?
+fi
 if [ "${GRAPHS:-0}" = 1 ]; then
   source $HERE/graphs_phases.sh
   exit $?

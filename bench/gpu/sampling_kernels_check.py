@@ -1,15 +1,24 @@
 #!/usr/bin/env python3
-"""On the GPU, with the payload installed (PYTHONPATH=/tmp/site): two checks for issue 13.
+"""On the GPU, with the payload installed (PYTHONPATH=/tmp/site): the sampled walk's checks (issues 13, 23).
 
 Usage: sampling_kernels_check.py walk | renorm [TIMEOUT_S]
 1. walk: the sampled tree walk: sgl_kernel's tree_speculative_sampling_target_only (zero draft probs) against
    the payload's plain-torch walk (`ddtree_sampling.sample_tree_walk`) on the same trees, target
-   distributions and coins: accepted paths, lengths and bonus tokens must agree.
+   distributions and coins: accepted paths, lengths and bonus tokens must agree. Then (issue 23):
+   - leftover: nodes whose children hold their whole top-k distribution, with float32 sums below the
+     largest coin; at that coin the raw kernel emits vocab - 1 (no mass), the payload the last child;
+     and 200 000 walks with uniform coins through the real kernel follow the target (two-sample test
+     against torch.multinomial on the same distribution);
+   - filters: `target_probs` against plain's own samplers on the GPU, per --sampling-backend rule:
+     SGLang's top_k_top_p_min_p_sampling_from_probs_torch and flashinfer's joint top_k_top_p sampling,
+     100 000 draws a row on rows with ties at the boundaries (every draw inside the support, and a
+     chi-square fit), and the identity rows (T 1, top_p 1) unfiltered.
 2. renorm: the stall's cause: sgl_kernel's top_k_renorm_prob / top_p_renorm_prob on rows whose top
    probabilities tie (a greedy row carries top_k 1 in a mixed batch), each in a subprocess with a
-   timeout, beside the payload's sort-based `filtered_probs_top_k_first` on the same rows.
-Prints one JSON line per check.
+   timeout, beside the payload's sort-based `target_probs` on the same rows.
+Prints one JSON line per check; exit 1 if one fails.
 """
+
 from __future__ import annotations
 
 import json
@@ -92,13 +101,14 @@ def renorm_check(timeout: float) -> list[dict]:
                         "wall_s": round(time.time() - t, 2)})
             print(json.dumps(out[-1]), flush=True)
     import torch
-    from sglang.srt.speculative.ddtree_sampling import filtered_probs_top_k_first
+    from sglang.srt.speculative.ddtree_sampling import target_probs
 
     logits = (torch.randn(256, 4096, device="cuda") * 0.05).to(torch.bfloat16).float()
     logits[:, 1] = logits.max(-1).values
     torch.cuda.synchronize()
     t = time.time()
-    p = filtered_probs_top_k_first(logits, torch.ones(256, dtype=torch.int64, device="cuda"), None)
+    ones = torch.ones(256, device="cuda")
+    p = target_probs(logits, ones, torch.ones(256, dtype=torch.int64, device="cuda"), ones)
     torch.cuda.synchronize()
     out.append({"check": "renorm", "inputs": "ties", "kind": "payload sort, top_k1", "rows": 256, "vocab": 4096,
                 "s": round(time.time() - t, 4), "one_hot": bool(((p > 0).sum(-1) == 1).all())})
@@ -106,17 +116,161 @@ def renorm_check(timeout: float) -> list[dict]:
     return out
 
 
+def _chi2(counts: list[int], probs: list[float]) -> dict:
+    """Pearson goodness of fit, cells of expectation < 5 pooled; p from Wilson-Hilferty."""
+    import math
+
+    n = sum(counts)
+    stat, df, po, pe = 0.0, -1, 0, 0.0
+    for c, p in zip(counts, probs, strict=True):
+        if p == 0:
+            if c:
+                return {"outside_support": c, "p": 0.0}
+            continue
+        if n * p < 5:
+            po, pe = po + c, pe + n * p
+            continue
+        stat, df = stat + (c - n * p) ** 2 / (n * p), df + 1
+    if pe > 0:
+        stat, df = stat + (po - pe) ** 2 / pe, df + 1
+    if df <= 0:
+        return {"chi2": stat, "df": df, "p": 1.0}
+    z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+    return {"chi2": round(stat, 2), "df": df, "p": 0.5 * math.erfc(z / math.sqrt(2))}
+
+
+def leftover_check() -> dict:
+    import torch
+    from sglang.srt.speculative import ddtree_sampling as ds
+    from sglang.srt.speculative.ddtree_utils import build_ddtree
+
+    kernel = ds._kernel()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    last_coin = 1.0 - 2.0**-24
+    found, raw_bad, fixed_bad, law = 0, 0, 0, []
+    for k in (2, 3, 5, 8):
+        vocab = 64
+        logits = torch.randn(4096, vocab, device="cuda", generator=g) * 2
+        ks = torch.full((4096,), k, device="cuda")
+        q = ds.target_probs(logits, torch.ones(4096, device="cuda"), ks, torch.ones(4096, device="cuda"))
+        top = torch.topk(q, k, dim=-1).indices  # the support, most probable first: the root's children
+        acc = torch.zeros(4096, device="cuda")
+        for j in range(k):
+            acc = acc + q.gather(1, top[:, j : j + 1]).view(-1)
+        rows = torch.nonzero(acc < last_coin).view(-1)[:256]  # the float32 sum below the largest coin
+        if rows.numel() == 0:
+            continue
+        bs = rows.numel()
+        draft = torch.full((bs, 1, vocab), -30.0, device="cuda")
+        draft[:, 0].scatter_(1, top[rows], torch.arange(k, 0, -1, device="cuda", dtype=torch.float32).expand(bs, k) * 3)
+        tree = build_ddtree(draft, k)
+        cand = tree.full_token_ids(torch.zeros(bs, dtype=torch.int64, device="cuda"))
+        probs = q[rows].unsqueeze(1).expand(bs, k + 1, vocab).contiguous()
+        coins = torch.full((bs, k + 1), last_coin, device="cuda")
+        final = torch.rand((bs,), device="cuda", generator=g)
+        # the raw kernel (as upstream's sampled DFLASH / a tree walk calls it)
+        predicts = torch.empty(bs * (k + 1), dtype=torch.int32, device="cuda")
+        index = torch.full((bs, 2), -1, dtype=torch.int32, device="cuda")
+        num = torch.zeros(bs, dtype=torch.int32, device="cuda")
+        kernel(predicts=predicts, accept_index=index, accept_token_num=num, candidates=cand,
+               retrive_index=torch.arange(bs * (k + 1), device="cuda").view(bs, k + 1),
+               retrive_next_token=tree.retrive_next_token, retrive_next_sibling=tree.retrive_next_sibling,
+               uniform_samples=coins, uniform_samples_for_final_sampling=final, target_probs=probs,
+               draft_probs=torch.zeros_like(probs), threshold_single=1.0, threshold_acc=1.0, deterministic=True)
+        raw = predicts.view(bs, k + 1)[:, 0].long()
+        stopped = num == 0
+        found += int(stopped.sum())
+        raw_bad += int(((probs[:, 0].gather(1, raw[:, None]).view(-1) == 0) & stopped).sum())
+        nodes, lengths, bonus = ds._kernel_walk(kernel, tree, cand, probs, coins, final)
+        first = torch.where(lengths > 0, cand.gather(1, nodes[:, 1:2].clamp(min=0)).view(-1), bonus)
+        fixed_bad += int((probs[:, 0].gather(1, first[:, None]).view(-1) == 0).sum())
+        if k == 3:  # the law through the real kernel, uniform coins, against multinomial draws
+            reps = 200_000 // bs
+            big = ds._tree_rows(tree, torch.arange(bs, device="cuda").repeat(reps))
+            cand_r, probs_r = cand.repeat(reps, 1), probs.repeat(reps, 1, 1)
+            nodes, lengths, bonus = ds._kernel_walk(kernel, big, cand_r, probs_r,
+                                                    torch.rand((bs * reps, k + 1), device="cuda", generator=g),
+                                                    torch.rand((bs * reps,), device="cuda", generator=g))
+            first = torch.where(lengths > 0, cand_r.gather(1, nodes[:, 1:2].clamp(min=0)).view(-1), bonus)
+            draws = torch.multinomial(probs_r[:, 0], 1, generator=g).view(-1)
+            # pooled over the rows: per (row, token) counts as one contingency table
+            key_a = (torch.arange(bs * reps, device="cuda") % bs) * vocab + first
+            key_b = (torch.arange(bs * reps, device="cuda") % bs) * vocab + draws
+            ca = torch.bincount(key_a, minlength=bs * vocab).tolist()
+            cb = torch.bincount(key_b, minlength=bs * vocab).tolist()
+            stat, df = 0.0, -1
+            for a, b in zip(ca, cb, strict=True):
+                if a + b >= 10:
+                    e = (a + b) / 2
+                    stat, df = stat + (a - e) ** 2 / e + (b - e) ** 2 / e, df + 1
+            law.append({"two_sample_chi2": round(stat, 1), "df": df, "p": _chi2_sf(stat, df), "walks": bs * reps})
+    ok = found > 0 and fixed_bad == 0 and all(t["p"] > 1e-4 for t in law) and bool(law)
+    return {"check": "leftover", "ok": ok, "rows_at_the_largest_coin": found, "raw_kernel_outside_support": raw_bad,
+            "payload_outside_support": fixed_bad, "law": law}
+
+
+def _chi2_sf(stat: float, df: int) -> float:
+    import math
+
+    if df <= 0:
+        return 1.0
+    z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def filters_check() -> dict:
+    import torch
+    from flashinfer.sampling import top_k_top_p_sampling_from_probs
+    from sglang.srt.layers.sampler import top_k_top_p_min_p_sampling_from_probs_torch
+    from sglang.srt.speculative.ddtree_sampling import TOP_K_ALL, target_probs
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    vocab, draws = 48, 100_000
+    # quantised logits: ties at the top-k and top-p boundaries
+    logits = (torch.randint(-4, 5, (6, vocab), device="cuda", generator=g) * 0.5).float()
+    temps = torch.tensor([1.0, 0.7, 1.3, 1.0, 1.0, 0.9], device="cuda")
+    ks = torch.tensor([3, 5, TOP_K_ALL, 8, TOP_K_ALL, 2], device="cuda")
+    ps = torch.tensor([1.0, 0.8, 0.6, 0.9, 1.0, 1.0], device="cuda")
+    mins = torch.tensor([0.0, 0.0, 0.1, 0.0, 0.0, 0.0], device="cuda")
+    out = {}
+    for rule in ("pytorch", "flashinfer"):
+        want = target_probs(logits, temps, ks, ps, mins, rule=rule)
+        rows = []
+        for r in range(logits.shape[0]):
+            if rule == "flashinfer" and float(mins[r]) > 0:
+                continue  # its min-p path runs sgl_kernel's renorm kernels (the stall): CPU-tested only
+            probs = torch.softmax(logits[r : r + 1] / temps[r], -1).repeat(draws, 1)
+            k, p = ks[r : r + 1].repeat(draws), ps[r : r + 1].repeat(draws)
+            if rule == "pytorch":
+                got = top_k_top_p_min_p_sampling_from_probs_torch(probs, k, p, mins[r : r + 1].repeat(draws),
+                                                                  float(mins[r]) > 0, None, None)
+            else:
+                got = top_k_top_p_sampling_from_probs(probs, k.int(), p, filter_apply_order="joint")
+            counts = torch.bincount(got.long(), minlength=vocab).tolist()
+            rows.append({"row": r, **_chi2(counts, want[r].tolist()),
+                         "support": int((want[r] > 0).sum())})
+        out[rule] = rows
+    ones = torch.ones(2, device="cuda")
+    ident = target_probs(logits[:2], ones, torch.full((2,), TOP_K_ALL, device="cuda"), ones)
+    identity_ok = bool(torch.equal(ident, torch.softmax(logits[:2], -1)))
+    ok = identity_ok and all(t.get("p", 0) > 1e-4 for rows in out.values() for t in rows)
+    return {"check": "filters", "ok": ok, "identity_unfiltered": identity_ok, **out}
+
+
 def main() -> int:
     """walk | renorm [TIMEOUT_S]"""
     if sys.argv[1:2] == ["renorm"]:
         renorm_check(float(sys.argv[2]) if len(sys.argv) > 2 else 20.0)
         return 0
-    try:
-        r = walk_check()
-    except Exception as e:  # noqa: BLE001 - reported, the proof call goes on
-        r = {"check": "walk", "ok": False, "error": repr(e)[:500]}
-    print(json.dumps(r), flush=True)
-    return 0 if r["ok"] else 1
+    ok = True
+    for check in (walk_check, leftover_check, filters_check):
+        try:
+            r = check()
+        except Exception as e:  # noqa: BLE001 - reported, the proof call goes on
+            r = {"check": check.__name__, "ok": False, "error": repr(e)[:500]}
+        print(json.dumps(r), flush=True)
+        ok &= bool(r["ok"])
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

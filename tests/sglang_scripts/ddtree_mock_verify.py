@@ -224,6 +224,7 @@ def main() -> int:
         if controller.widths != [n]:
             failures.append(f"trial {trial}: verify width calls {controller.widths}")
     failures += guard_checks()
+    failures += penalty_checks()
     failures += dflash_sampling_checks()
     failures += hook_checks()
     print(json.dumps({"ok": not failures, "steps": steps, "failures": failures[:10]}))
@@ -305,6 +306,16 @@ def guard_checks() -> list[str]:
             assert ctl is not None and ctl.budget == 64
         except Exception as e:
             out.append(f"guard {name}: refused unexpectedly: {e!r}")
+    # A sampling backend whose filter rule the verify does not reproduce is refused (issue 23); the
+    # CPU server-args cases cannot reach it (--device cpu forces the torch sampler).
+    from sglang.srt.speculative import ddtree_args
+
+    try:
+        ddtree_args._check_full_mode(SimpleNamespace(sampling_backend="ascend", speculative_ddtree_budget=64))
+        out.append("full mode accepted --sampling-backend ascend")
+    except ddtree_args.DDTreeConfigError as e:
+        if "got --sampling-backend ascend" not in str(e):
+            out.append(f"sampling backend refusal: {e}")
     if dw.DDTreeController.maybe_create(_worker(mode="off")) is not None:
         out.append("mode off created a controller")
     ctl = dw.DDTreeController.maybe_create(_worker())
@@ -546,6 +557,98 @@ def step_limit_checks(batch_for, head, draft_hidden, bonus) -> list[str]:
     return out
 
 
+
+
+class _Batch:  # weak-referenceable, as SGLang's orchestrator holds its batch
+    def __init__(self, reqs, device="cpu"):
+        self.reqs, self.device = reqs, device
+
+
+def _plain_penalised(logits_row: torch.Tensor, req, sequence: list[int]) -> torch.Tensor:
+    """The oracle: SGLang's own penalizers for a batch of this one request, fed its output tokens one
+    decode step at a time (what plain decoding without the overlap scheduler has cumulated when it
+    samples the next token), then applied to the row (in their dict order)."""
+    from sglang.srt.sampling.penaltylib import (
+        BatchedFrequencyPenalizer,
+        BatchedMinNewTokensPenalizer,
+        BatchedPenalizerOrchestrator,
+        BatchedPresencePenalizer,
+        BatchedRepetitionPenalizer,
+    )
+
+    batch = _Batch([req])
+    orch = BatchedPenalizerOrchestrator(
+        vocab_size=logits_row.shape[-1], batch=batch,
+        penalizers={BatchedFrequencyPenalizer, BatchedMinNewTokensPenalizer, BatchedPresencePenalizer,
+                    BatchedRepetitionPenalizer})
+    for t in sequence:
+        orch.cumulate_output_tokens(torch.tensor([t]))
+    row = logits_row.clone().view(1, -1)
+    if orch.is_required:
+        orch.apply(row)
+    return row.view(-1), orch
+
+
+def penalty_checks() -> list[str]:
+    """Penalties on tree and chain verify logits (`adjust_verify_logits`, issue 23), bit for bit against
+    SGLang's own penalizers fed the request's output plus each position's path; then a tree verify
+    with penalties emits exactly plain greedy decoding with them."""
+    out: list[str] = []
+    rng = torch.Generator().manual_seed(23)
+    vocab = 12
+    tokenizer = SimpleNamespace(eos_token_id=11, additional_stop_token_ids={10})
+    for trial in range(80):
+        bs = 1 + trial % 3
+        depth, budget = 1 + trial % 4, [3, 7, 15][trial % 3]
+        reqs, histories = [], []
+        for i in range(bs):
+            hist = torch.randint(0, vocab, (2 + (trial + i) % 7,), generator=rng).tolist()
+            sp = SimpleNamespace(
+                top_k=1, frequency_penalty=[0.0, 0.8, 0.3][(trial + i) % 3], presence_penalty=[0.0, 0.5][trial % 2],
+                repetition_penalty=[1.0, 1.3, 0.7][(trial // 2 + i) % 3],
+                min_new_tokens=[0, len(hist) + 2, len(hist) + depth + 3][trial % 3], stop_token_ids={3},
+            )
+            req = FakeReq(hist[:1], 64)
+            req.sampling_params, req.output_ids, req.tokenizer = sp, hist, tokenizer
+            reqs.append(req)
+            histories.append(hist)
+        chain = trial % 4 == 3
+        n = depth + 1 if chain else budget + 1
+        logits = torch.randn(bs, n, vocab, generator=rng) * 3
+        logits[..., 5] = logits[..., 6]  # ties: a scaled pair must stay bit-exact
+        if chain:
+            tokens = torch.randint(0, vocab, (bs, n), generator=rng)
+            tokens[:, 0] = torch.tensor([h[-1] for h in histories])
+            shape = dw.chain_shape(bs, n, "cpu")
+            paths = [[tokens[i, 1 : j + 1].tolist() for j in range(n)] for i in range(bs)]
+        else:
+            tree = build_ddtree(torch.randn(bs, depth, vocab, generator=rng), budget)
+            tokens = tree.full_token_ids(torch.tensor([h[-1] for h in histories]))
+            shape = {"parents": tree.parents, "depths": tree.depths}
+            paths = []
+            for i in range(bs):
+                per = []
+                for node in range(n):
+                    path, j = [], node
+                    while j > 0:
+                        path.append(int(tokens[i, j]))
+                        j = int(tree.parents[i, j])
+                    per.append(path[::-1] if node < int(tree.num_nodes[i]) else [])
+                paths.append(per)
+        want = logits.clone()
+        orch = None
+        for i in range(bs):
+            for node in range(n):
+                want[i, node], orch = _plain_penalised(logits[i, node], reqs[i], histories[i] + paths[i][node])
+        batch = _Batch(reqs)
+        batch.sampling_info = SimpleNamespace(penalizer_orchestrator=orch, logit_bias=None)
+        got = logits.clone()
+        dw.adjust_verify_logits(got, batch, tokens=tokens, max_depth=depth if not chain else n - 1, **shape)
+        if not torch.equal(got, want):
+            bad = (got != want).nonzero()[:3].tolist()
+            out.append(f"penalties trial {trial} ({'chain' if chain else 'tree'}): differ at {bad}, "
+                       f"got {[float(got[tuple(b)]) for b in bad]} want {[float(want[tuple(b)]) for b in bad]}")
+    return out
 
 
 def dflash_sampling_checks() -> list[str]:

@@ -1,7 +1,8 @@
 """Run inside a patched sglang tree (PYTHONPATH): parse each argv case with SGLang's own
 `prepare_server_args` and print one JSON object per case (accepted + the DDTree fields, or the error).
 
-Usage: python server_args_cases.py CASES.json   (a list of {"name", "argv"} or {"name", "kwargs"})
+Usage: python server_args_cases.py CASES.json   (a list of {"name", "argv"} or {"name", "kwargs"}, each
+with an optional "env": variables set for that case alone)
 All cases run in one process because importing sglang costs ~8 s.
 """
 
@@ -10,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import sys
+from unittest import mock
 
 from sglang.srt.server_args import ServerArgs, prepare_server_args
 
@@ -30,7 +33,7 @@ FIELDS = (
 def run(case: dict) -> dict:
     err = io.StringIO()
     try:
-        with contextlib.redirect_stderr(err):
+        with contextlib.redirect_stderr(err), mock.patch.dict(os.environ, case.get("env", {})):
             args = ServerArgs(**case["kwargs"]) if "kwargs" in case else prepare_server_args(case["argv"])
     except SystemExit as e:  # argparse: type errors print to stderr and exit 2
         return {"name": case["name"], "ok": False, "error": err.getvalue().strip().splitlines()[-1:], "exit": e.code}

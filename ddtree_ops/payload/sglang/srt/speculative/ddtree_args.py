@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,16 @@ FLAG_BUDGET = "--speculative-ddtree-budget"
 FLAG_TOPK_CAP = "--speculative-ddtree-topk-cap"
 FLAG_KEEP_CHAIN = "--speculative-ddtree-keep-chain"
 FLAG_ALLOW_HYBRID = "--speculative-ddtree-allow-hybrid-unsafe"
+
+# Switches that make a server deliberately wrong or slow, for the proofs' power checks; a server
+# refuses to start with one unless ALLOW_TEST_SWITCHES=1 says it is a test.
+TEST_SWITCHES = ("SGLANG_DDTREE_TEST_BIASED_WALK", "SGLANG_DDTREE_TEST_CYCLE_BUDGETS")
+ALLOW_TEST_SWITCHES = "SGLANG_DDTREE_ALLOW_TEST_SWITCHES"
+
+
+def test_switch(name: str, environ: Any = None) -> bool:
+    """A test switch is on when its variable is "1"."""
+    return (os.environ if environ is None else environ).get(name, "") == "1"
 
 
 class DDTreeConfigError(ValueError):
@@ -173,6 +184,13 @@ def handle_ddtree_server_args(server_args: Any) -> None:
             f"Raise {FLAG_BUDGET} or drop {FLAG_KEEP_CHAIN}."
         )
 
+    on = [name for name in TEST_SWITCHES if test_switch(name)]
+    if on and not test_switch(ALLOW_TEST_SWITCHES):
+        raise DDTreeConfigError(
+            f"{', '.join(on)}=1 {'is a test switch' if len(on) == 1 else 'are test switches'} (deliberately "
+            f"wrong or slow verification), refused on a server; a test that means it sets {ALLOW_TEST_SWITCHES}=1."
+        )
+
     if server_args.speculative_ddtree_allow_hybrid_unsafe:
         # Hybrid targets get SGLang's HybridLinearAttnBackend and an upstream linear Mamba-state
         # commit: full mode there would be refused by the worker anyway, or be wrong.
@@ -209,6 +227,29 @@ def _check_full_mode(server_args: Any) -> None:
         )
     if getattr(server_args, "enable_dp_attention", False):
         raise DDTreeConfigError(f"{FLAG_MODE} full does not support --enable-dp-attention.")
+    if getattr(server_args, "enable_deterministic_inference", False):
+        # Its batch-invariant kernels cover decode and prefill; a tree verify's width and custom
+        # mask change with the draft, and nothing makes that step batch-invariant.
+        raise DDTreeConfigError(
+            f"{FLAG_MODE} full cannot honour --enable-deterministic-inference (also implied by "
+            f"--rl-on-policy-target): a tree verify step is not batch-invariant. Use {FLAG_MODE} "
+            "shadow-linear or drop the flag."
+        )
+    from sglang.srt.speculative.ddtree_sampling import SAMPLING_RULES
+
+    backend = getattr(server_args, "sampling_backend", None)
+    if backend is not None and backend not in SAMPLING_RULES:
+        raise DDTreeConfigError(
+            f"{FLAG_MODE} full samples tree nodes with plain SGLang's filter rules of --sampling-backend "
+            f"pytorch or flashinfer; got --sampling-backend {backend}."
+        )
+    if getattr(server_args, "enable_custom_logit_processor", False):
+        # A processor reads the request's own state (its output so far), not a tree node's path, so
+        # no tree node's logits could be made what plain decoding computes there.
+        raise DDTreeConfigError(
+            f"{FLAG_MODE} full cannot apply custom logit processors per tree node "
+            f"(--enable-custom-logit-processor): use {FLAG_MODE} shadow-linear or drop the flag."
+        )
     # A tree verify writes 1 + budget KV slots per request, more than the block size the
     # req_to_token rows (context length + 4 + this value) and the scheduler's per-step
     # reservation are sized by; without this a request near the context limit writes its tree
@@ -229,3 +270,48 @@ def target_verify_width(server_args: Any, block_size: int) -> int:
         if budget is not None:
             return 1 + int(budget)
     return int(block_size)
+
+
+def sampling_rule(server_args: Any = None) -> str:
+    """The filter rule of plain sampling a verify must reproduce: the server's --sampling-backend
+    (``ddtree_sampling.SAMPLING_RULES``); pytorch's for a backend without one of its own here (full
+    mode refuses those at start)."""
+    from sglang.srt.speculative.ddtree_sampling import SAMPLING_RULES
+
+    if server_args is None:
+        from sglang.srt.server_args import get_global_server_args
+
+        try:
+            server_args = get_global_server_args()
+        except ValueError:  # no server (tests, tools): the torch sampler's rule
+            return "pytorch"
+    backend = getattr(server_args, "sampling_backend", None)
+    return backend if backend in SAMPLING_RULES else "pytorch"
+
+
+def check_verify_graph_buffers(backend: Any, max_bs: int, max_num_tokens: int) -> None:
+    """Called by the triton backend before it allocates its CUDA-graph buffers (payload patch): in full
+    mode they hold `max_bs * (1 + budget)` tokens, so the attention scratch and the KV indices over the
+    context grow with the budget, outside SGLang's memory estimate. A start whose buffers do not fit in
+    the free device memory is refused here, naming the flags that shrink them."""
+    from sglang.srt.server_args import get_global_server_args
+
+    server_args = get_global_server_args()
+    if getattr(server_args, "speculative_ddtree_mode", "off") != "full" or not str(backend.device).startswith("cuda"):
+        return
+    import torch
+    from sglang.srt.speculative.ddtree_step_budget import verify_graph_buffer_bytes
+
+    width = max_num_tokens // max(1, max_bs)
+    need = verify_graph_buffer_bytes(
+        max_bs, width, row_width=int(backend.req_to_token.shape[1]), context_len=int(backend.max_context_len),
+        heads=int(backend.num_head), kv_splits=int(backend.max_kv_splits), v_head_dim=int(backend.v_head_dim),
+    )
+    free, _total = torch.cuda.mem_get_info(backend.device)
+    if need > free:
+        raise DDTreeConfigError(
+            f"{FLAG_MODE} full refused: the target's verify CUDA graphs need {need / 2**30:.2f} GiB of static "
+            f"buffers ({max_bs} requests x {width} tokens over a {backend.max_context_len}-token context), "
+            f"{free / 2**30:.2f} GiB is free. Lower --cuda-graph-max-bs, {FLAG_BUDGET} or --context-length "
+            "(or --mem-fraction-static)."
+        )

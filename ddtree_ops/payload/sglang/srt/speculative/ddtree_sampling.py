@@ -22,17 +22,58 @@ from __future__ import annotations
 import torch
 
 __all__ = [
-    "filtered_probs_top_k_first",
+    "SAMPLING_RULES",
     "sample_tree_walk",
     "target_probs",
     "tree_walk",
 ]
 
+TOP_K_ALL = 1 << 30  # SGLang's "no top-k" (sampling_params.TOP_K_ALL)
+# Plain SGLang's filter semantics per --sampling-backend (layers/sampler.py):
+# - "pytorch": top_k_top_p_min_p_sampling_from_probs_torch: top-k and top-p together on the sorted
+#   probabilities (a token is dropped at rank >= k or when the running sum before it, cum - p, exceeds
+#   top_p), then min-p against the most probable token;
+# - "flashinfer": top_k_top_p_sampling_from_probs(filter_apply_order="joint") keeps a token when fewer
+#   than k tokens and less than top_p of the mass are strictly more probable (ties kept together); with
+#   min-p it renormalises in turn: top-k (top_k_renorm_prob), then top-p over what is left
+#   (top_p_renorm_prob, none at top_p >= 1), then min-p (min_p_sampling_from_probs).
+SAMPLING_RULES = ("pytorch", "flashinfer")
+
 
 def _sorted_desc(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # Stable: among equal probabilities the lower token id ranks first, so a boundary tie is cut the
-    # same way on every run.
-    return torch.sort(probs, dim=-1, descending=True, stable=True)
+    # The torch sampler's own call: which of two equally probable tokens ranks first (and so survives a
+    # top-k or top-p boundary between them) is the sort's choice, and this makes the same one.
+    return probs.sort(dim=-1, descending=True)
+
+
+def _strictly_above(sorted_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each sorted position: how many tokens, and how much mass, are strictly more probable (a
+    run of equal probabilities shares its first member's figures)."""
+    rank = torch.arange(sorted_p.shape[-1], device=sorted_p.device).expand_as(sorted_p)
+    new_run = torch.ones_like(sorted_p, dtype=torch.bool)
+    new_run[:, 1:] = sorted_p[:, 1:] != sorted_p[:, :-1]
+    first = torch.where(new_run, rank, torch.zeros_like(rank)).cummax(dim=-1).values
+    mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+    return first, mass_before.gather(-1, first)
+
+
+def _keep_pytorch(sorted_p: torch.Tensor, k: torch.Tensor, p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    rank = torch.arange(sorted_p.shape[-1], device=sorted_p.device).view(1, -1)
+    keep = (rank < k.view(-1, 1)) & ~((torch.cumsum(sorted_p, dim=-1) - sorted_p) > p.view(-1, 1))
+    return keep & ~(sorted_p < sorted_p[:, :1] * min_p.view(-1, 1))
+
+
+def _keep_flashinfer(sorted_p: torch.Tensor, k: torch.Tensor, p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    count, mass = _strictly_above(sorted_p)
+    joint = (count < k.view(-1, 1)) & (mass < p.view(-1, 1))
+    # With min-p the filters apply in turn, each on the renormalised survivors of the one before.
+    top_k = count < k.view(-1, 1)
+    renormed = torch.where(top_k, sorted_p, torch.zeros_like(sorted_p))
+    renormed = renormed / renormed.sum(-1, keepdim=True)
+    _, mass_k = _strictly_above(renormed)
+    in_turn = top_k & ((mass_k < p.view(-1, 1)) | (p.view(-1, 1) >= 1.0))
+    in_turn &= sorted_p >= sorted_p[:, :1] * min_p.view(-1, 1)
+    return torch.where((min_p > 0).view(-1, 1), in_turn, joint)
 
 
 def target_probs(
@@ -41,52 +82,37 @@ def target_probs(
     top_ks: torch.Tensor,
     top_ps: torch.Tensor,
     min_ps: torch.Tensor | None = None,
+    *,
+    rule: str = "pytorch",
+    max_elements: int = 1 << 24,
 ) -> torch.Tensor:
-    """float32 ``[rows, vocab]``: the distribution SGLang's sampler draws a sampled request's token from.
+    """float32 ``[rows, vocab]``: the distribution plain SGLang samples a request's token from.
 
-    Per row: ``softmax(logits / temperature)``; keep the ``top_k`` most probable tokens that also lie in
-    the top-p nucleus of the unfiltered distribution (a token is kept while the mass ranked above it is
-    ``<= top_p``: the sampler's "joint" order); then drop tokens below ``min_p`` times the most probable
-    one; renormalise. ``top_k >= vocab`` and ``top_p >= 1`` filter nothing.
+    Per row ``softmax(logits / temperature)`` (float32, as the sampler divides and softmaxes in place),
+    filtered by ``rule`` (see SAMPLING_RULES) and renormalised. A row at the identity settings
+    (top_k all, top_p 1, min_p 0) is not filtered at all: plain samples it unfiltered (a filter at
+    top_p 1 would still drop the tail where the float32 running sum passes 1). Rows are processed
+    ``max_elements`` entries at a time, so the sorting scratch is bounded whatever the row count.
     """
-    probs = torch.softmax(logits.float() / temperatures.float().view(-1, 1), dim=-1)
-    sorted_p, order = _sorted_desc(probs)
-    vocab = probs.shape[-1]
-    rank = torch.arange(vocab, device=probs.device).view(1, -1)
-    mass_above = torch.cumsum(sorted_p, dim=-1) - sorted_p
-    keep = (rank < top_ks.view(-1, 1).to(torch.int64)) & (mass_above <= top_ps.float().view(-1, 1))
-    if min_ps is not None:
-        keep &= sorted_p >= sorted_p[:, :1] * min_ps.float().view(-1, 1)
-    keep[:, 0] = True  # the most probable token always survives
-    kept = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
-    out = torch.zeros_like(probs).scatter_(1, order, kept)
-    return out / out.sum(-1, keepdim=True)
-
-
-def filtered_probs_top_k_first(
-    scaled_logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor | None
-) -> torch.Tensor:
-    """float32 ``[rows, vocab]``: upstream DFLASH's sampled-verify distribution (top-k first, then top-p
-    over the renormalised top-k), by one sort instead of sgl_kernel's renorm kernels.
-
-    Why: ``top_k_renorm_prob`` searches its threshold by pivoting and, on a row whose top token ties
-    (greedy rows carry ``top_k = 1`` in a mixed batch; bf16 logits tie often), runs for seconds to
-    minutes (flashinfer issue 1049: the same search in ``top_k_mask_logits`` hangs on such rows).
-    """
-    probs = torch.softmax(scaled_logits.float(), dim=-1)
-    sorted_p, order = _sorted_desc(probs)
-    vocab = probs.shape[-1]
-    rank = torch.arange(vocab, device=probs.device).view(1, -1)
-    keep = rank < top_ks.view(-1, 1).to(torch.int64).clamp(min=1)
-    sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
-    if top_ps is not None:
-        renormed = sorted_p / sorted_p.sum(-1, keepdim=True)
-        mass_above = torch.cumsum(renormed, dim=-1) - renormed
-        keep = mass_above < top_ps.float().view(-1, 1)
-        keep[:, 0] = True
-        sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
-    out = torch.zeros_like(probs).scatter_(1, order, sorted_p)
-    return out / out.sum(-1, keepdim=True)
+    if rule not in SAMPLING_RULES:
+        raise ValueError(f"unknown sampling rule {rule!r}; one of {SAMPLING_RULES}")
+    rows, vocab = logits.shape
+    device = logits.device
+    min_ps = torch.zeros(rows, device=device) if min_ps is None else min_ps.float()
+    out = torch.empty((rows, vocab), dtype=torch.float32, device=device)
+    keep_fn = _keep_pytorch if rule == "pytorch" else _keep_flashinfer
+    step = max(1, max_elements // vocab)
+    for lo in range(0, rows, step):
+        sl = slice(lo, lo + step)
+        probs = torch.softmax(logits[sl].float() / temperatures[sl].float().view(-1, 1), dim=-1)
+        k, p, m = top_ks[sl].to(torch.int64), top_ps[sl].float(), min_ps[sl]
+        filtered = (k < TOP_K_ALL) | (p != 1.0) | (m > 0)
+        sorted_p, order = _sorted_desc(probs)
+        kept = torch.where(keep_fn(sorted_p, k, p, m), sorted_p, torch.zeros_like(sorted_p))
+        kept = torch.zeros_like(probs).scatter_(1, order, kept)
+        kept = kept / kept.sum(-1, keepdim=True)
+        out[sl] = torch.where(filtered.view(-1, 1), kept, probs)
+    return out
 
 
 def sample_tree_walk(
@@ -129,17 +155,33 @@ def sample_tree_walk(
         accept_lengths += moved.to(torch.int64)
         done |= ~moved
     # Bonus: the last node's distribution without its children's tokens (all of them were rejected).
-    q_last = probs[rows, cur]
-    child = valid & (tree.parents == cur[:, None])
-    drop = torch.zeros(q_last.shape, dtype=torch.int32, device=device)
-    drop.scatter_add_(1, candidates, child.to(torch.int32))
-    residual = torch.where(drop > 0, torch.zeros((), device=device), q_last)
-    total = residual.sum(-1)
+    residual, total = _residual(tree, candidates, probs, cur)
     cum = torch.cumsum(residual, dim=-1)
     drawn = torch.argmax((cum > (final_coins * total)[:, None]).to(torch.int8), dim=1)
-    # total == 0 only when rounding left a coin above the children's whole mass: the last child.
-    bonus = torch.where(total > 0, drawn, torch.argmax(q_last, dim=-1))
-    return accepted, accept_lengths, bonus
+    return accepted, accept_lengths, _leftover_bonus(tree, candidates, probs, cur, total, drawn)
+
+
+def _residual(tree, candidates: torch.Tensor, probs: torch.Tensor, cur: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distribution at node ``cur`` without its children's tokens, and its total mass."""
+    rows = torch.arange(cur.shape[0], device=cur.device)
+    q = probs[rows, cur]
+    child = tree.valid & (tree.parents == cur[:, None])
+    drop = torch.zeros(q.shape, dtype=torch.int32, device=q.device)
+    drop.scatter_add_(1, candidates, child.to(torch.int32))
+    residual = torch.where(drop > 0, torch.zeros((), device=q.device), q)
+    return residual, residual.sum(-1)
+
+
+def _leftover_bonus(tree, candidates, probs, cur, total, drawn) -> torch.Tensor:
+    """The bonus token, with the leftover case resolved: when the children of the last node cover all
+    of its distribution (``total`` 0), the walk stopped there only because float32 rounding left the
+    coin above the children's summed mass (exactly 1); that coin falls in the last child's share, so
+    that child's token is the sample (sgl_kernel's draw from the empty residual returns vocab - 1)."""
+    rows = torch.arange(cur.shape[0], device=cur.device)
+    q = probs[rows, cur]
+    child = tree.valid & (tree.parents == cur[:, None]) & (q.gather(1, candidates) > 0)
+    last = (child.to(torch.int64) * torch.arange(child.shape[1], device=cur.device)).argmax(1)
+    return torch.where(total > 0, drawn, candidates[rows, last])
 
 
 def _utils():
@@ -197,8 +239,10 @@ def _kernel_walk(kernel, tree, candidates, probs, coins, final_coins):
     on_path = torch.arange(depth + 1, device=device)[None, :] <= lengths[:, None]
     local = flat - torch.arange(bs, device=device)[:, None] * n
     accepted = torch.where(on_path, local, -1)
-    bonus = predicts.to(torch.int64)[flat.gather(1, lengths[:, None]).view(-1)]
-    return accepted, lengths, bonus
+    drawn = predicts.to(torch.int64)[flat.gather(1, lengths[:, None]).view(-1)]
+    last = accepted.gather(1, lengths[:, None]).view(-1)
+    _, total = _residual(tree, candidates, probs, last)
+    return accepted, lengths, _leftover_bonus(tree, candidates, probs, last, total, drawn)
 
 
 def tree_walk(
@@ -214,15 +258,17 @@ def tree_walk(
     generator: torch.Generator | None = None,
     use_kernel: bool = True,
     coin_scale: float = 1.0,
-    max_elements: int = 1 << 25,
+    rule: str = "pytorch",
+    max_elements: int = 1 << 24,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Walk every request's tree: argmax for greedy rows, the sampled walk for ``sampled_rows``.
 
-    ``logits`` float ``[bs, n, vocab]`` (after any logit processors, penalties and biases);
-    sampling parameters are per request (``[bs]``), read only for the sampled rows. ``coin_scale`` < 1
-    biases the walk towards drafted children (a deliberate fault, to show a distribution test's power).
-    ``max_elements`` bounds the ``[requests * n, vocab]`` distributions built at once (2^25: 128 MiB
-    per float32 copy; at a 152k vocabulary and n = 65, 3 requests per chunk).
+    ``logits`` float ``[bs, n, vocab]`` (after penalties and biases); sampling parameters are per
+    request (``[bs]``), read only for the sampled rows; ``rule``: the server's --sampling-backend
+    (``target_probs``). ``coin_scale`` < 1 biases the walk towards drafted children (a deliberate
+    fault, to show a distribution test's power). Memory (``walk_bytes``): the distributions of one
+    chunk of requests (``[requests * n, vocab]`` float32 and the kernel's zero draft copy), a chunk
+    holding ``max_elements`` entries or one request, plus ``target_probs``' sorting scratch.
     Returns ``(accepted_nodes, accept_lengths, bonus_tokens)`` (see ``follow_verified_tree``).
     """
     bs, n, vocab = logits.shape
@@ -236,8 +282,6 @@ def tree_walk(
     final_coins = torch.rand((k,), device=device, generator=generator)
     kernel = _kernel() if (use_kernel and logits.is_cuda) else None
     walk = (lambda *args: _kernel_walk(kernel, *args)) if kernel is not None else sample_tree_walk
-    # The distributions take ~10 float32 copies of [requests * n, vocab] (softmax, sort values and
-    # ids, cumsum, the kernel's draft buffer): chunk the requests so one chunk holds max_elements.
     per_chunk = max(1, max_elements // (n * vocab))
     for lo in range(0, k, per_chunk):
         rows = sampled_rows[lo : lo + per_chunk]
@@ -248,6 +292,7 @@ def tree_walk(
             top_ks.index_select(0, idx).repeat_interleave(n),
             top_ps.index_select(0, idx).repeat_interleave(n),
             None if min_ps is None else min_ps.index_select(0, idx).repeat_interleave(n),
+            rule=rule, max_elements=max_elements,
         ).view(len(rows), n, vocab)
         acc_s, len_s, bonus_s = walk(
             _tree_rows(tree, idx), candidates.index_select(0, idx), probs,
@@ -271,3 +316,16 @@ def _tree_rows(tree, idx: torch.Tensor):
         fields[f.name] = value.index_select(0, idx) if isinstance(value, torch.Tensor) else value
     fields["retrive_index"] = torch.arange(len(idx) * n, dtype=torch.int64, device=idx.device).view(-1, n)
     return type(tree)(**fields)
+
+
+# Bytes per entry of target_probs' scratch (softmax, sorted values and int64 ids, running sums, masks,
+# the scattered result) and per entry of a walk chunk's distributions (float32 and the kernel's zero
+# draft copy, the logits' row copy): what `walk_bytes` sizes.
+SCRATCH_BYTES_PER_ENTRY = 48
+CHUNK_BYTES_PER_ENTRY = 12
+
+
+def walk_bytes(width: int, vocab: int, max_elements: int = 1 << 24) -> int:
+    """Peak device memory of one sampled walk (``tree_walk``) at ``width`` verify tokens per request."""
+    chunk = max(max_elements, int(width) * int(vocab))
+    return CHUNK_BYTES_PER_ENTRY * chunk + SCRATCH_BYTES_PER_ENTRY * max_elements

@@ -21,6 +21,23 @@ BYTES_PER_VOCAB_ENTRY = 2 + 4 + 4
 BYTES_PER_HIDDEN_UNIT = 64
 
 
+def verify_graph_mask_bytes(max_bs: int, width: int, row_width: int) -> int:
+    """The triton backend's CUDA-graph custom-mask buffer: a step's mask is `width * sum(prefix_i + width)`
+    bytes and a prefix reaches at most the req_to_token row, so `max_bs` rows of `width * (row + width)`."""
+    return int(max_bs) * int(width) * (int(row_width) + int(width))
+
+
+def verify_graph_buffer_bytes(
+    max_bs: int, width: int, *, row_width: int, context_len: int, heads: int, kv_splits: int, v_head_dim: int
+) -> int:
+    """Every static buffer the triton backend's `init_cuda_graph_state` allocates for `max_bs` requests of
+    `width` tokens: decode scratch (attention logits and log-sum-exp, split counts: float32 / int32), the KV
+    indices over the context (int64) and the custom mask (`verify_graph_mask_bytes`)."""
+    tokens = int(max_bs) * int(width)
+    scratch = 4 * tokens * int(heads) * int(kv_splits) * (int(v_head_dim) + 1) + 4 * tokens
+    return scratch + 8 * tokens * int(context_len) + verify_graph_mask_bytes(max_bs, width, row_width)
+
+
 def budget_ladder(budget: int) -> list[int]:
     """The budgets a step may use, largest first: the configured one, then 2^k - 1 below it."""
     ladder = [int(budget)]
@@ -100,3 +117,56 @@ def padded_step_budget(
         if max_seq_len + 1 + b <= limits.row_width:
             return b
     return None
+
+
+@dataclass(frozen=True)
+class VerifySizing:
+    """A full-mode server's verify memory, sized once at start: the steps' limits and what is reserved."""
+
+    max_verify_tokens: int
+    max_mask_bytes: int
+    walk_bytes: int  # one sampled walk's distributions and scratch (ddtree_sampling.walk_bytes)
+    reserve_bytes: int
+
+
+def size_verify_steps(
+    free_bytes: int,
+    *,
+    max_running: int,
+    width: int,
+    block_size: int,
+    row_width: int,
+    vocab: int,
+    hidden: int,
+    walk_bytes: int,
+    override_tokens: int | None = None,
+) -> VerifySizing | str:
+    """The verify limits that the free device memory after start-up affords, or why it affords none.
+
+    The worst step holds every running request's full tree (`max_running * width` tokens, a mask of
+    `width * (row + width)` bytes each) and one sampled walk. The walk must fit whole (its chunk holds
+    at least one request's `width` distributions); the mask takes at most a quarter of what is left,
+    the tokens half of the rest (`max_verify_tokens_for`). A step beyond the limits shrinks its tree;
+    fewer tokens than linear DFLASH verifies (`max_running * block_size`) refuses the start.
+    """
+    worst_tokens = int(max_running) * int(width)
+    worst_mask = verify_graph_mask_bytes(max_running, width, row_width)
+    left = int(free_bytes) - int(walk_bytes)
+    if left <= 0:
+        return (
+            f"{free_bytes / 2**30:.2f} GiB free after start-up cannot hold one sampled walk over {width} "
+            f"verify tokens ({walk_bytes / 2**30:.2f} GiB). Lower --speculative-ddtree-budget or "
+            "--mem-fraction-static."
+        )
+    mask = min(worst_mask, left // 4)
+    tokens = min(worst_tokens, max_verify_tokens_for(left - mask, vocab=vocab, hidden=hidden))
+    if override_tokens is not None:
+        tokens = min(tokens, int(override_tokens))
+    floor = min(worst_tokens, int(max_running) * int(block_size))
+    if tokens < floor:
+        return (
+            f"{free_bytes / 2**30:.2f} GiB free after start-up holds {tokens} verify tokens per step, fewer "
+            f"than linear DFLASH needs ({floor}). Lower --mem-fraction-static or --max-running-requests."
+        )
+    reserve = tokens * verify_token_bytes(vocab, hidden) + mask + int(walk_bytes)
+    return VerifySizing(max_verify_tokens=tokens, max_mask_bytes=mask, walk_bytes=int(walk_bytes), reserve_bytes=reserve)

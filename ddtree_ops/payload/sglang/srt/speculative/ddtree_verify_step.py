@@ -190,3 +190,8 @@ def _check_kernels_on(kernels: Any, tree: Any, kv_width: int, follow: Any, g: to
 
 def kernels_in_use(device: torch.device) -> bool:
     return _fused(torch.empty(0, device=device)) is not None
+
+
+def turn_kernels_off(reason: str) -> None:
+    """Every later step takes the torch path (e.g. the kernels failed their check on another TP rank)."""
+    _KERNELS_OFF.append(reason)

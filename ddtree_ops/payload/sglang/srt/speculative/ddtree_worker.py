@@ -22,34 +22,50 @@ Why full mode is lossless here: every tree node's KV entry is computed at positi
 what a linear pass over `prefix + path` computes; the walk accepts a child only when its token
 is the target's own choice at the parent (argmax, or the sample drawn there), and the first
 miss yields the target's own token. The accepted path's slots are re-pointed (req_to_token) in
-path order, the rest are freed. Logit processors, penalties and logit biases are applied to every
-node's logits exactly as upstream's linear DFLASH verify applies them to every block position.
+path order, the rest are freed. Penalties and logit biases are applied to every node's logits as
+plain decoding applies them after the output so far plus that node's path (`ddtree_penalties`), and a
+sampled node draws from plain's own distribution for the request (`ddtree_sampling.target_probs`).
 """
 
 from __future__ import annotations
 
 import collections
+import copy
 import logging
 import os
 import time
+import types
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
-from sglang.srt.layers.sampler import apply_custom_logit_processor
 from sglang.srt.managers.schedule_batch import ScheduleBatch
 from sglang.srt.mem_cache.common import alloc_token_slots, evict_from_tree_cache
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
-from sglang.srt.speculative.ddtree_args import DDTREE_FULL_ATTENTION_BACKENDS, FLAG_MODE
+from sglang.srt.speculative.ddtree_args import (
+    DDTREE_FULL_ATTENTION_BACKENDS,
+    FLAG_MODE,
+    sampling_rule,
+    test_switch,
+)
+from sglang.srt.speculative.ddtree_penalties import (
+    DEFAULT_ORDER,
+    PENALIZERS,
+    RequestPenalties,
+    apply_verify_penalties,
+    path_tokens,
+)
 from sglang.srt.speculative.ddtree_profile import StepProfile, median
+from sglang.srt.speculative.ddtree_ranks import agree_all, agree_min
+from sglang.srt.speculative.ddtree_sampling import target_probs, tree_walk, walk_bytes
 from sglang.srt.speculative.ddtree_step_budget import (
     StepLimits,
+    VerifySizing,
     budget_ladder,
-    max_verify_tokens_for,
     padded_step_budget,
+    size_verify_steps,
     step_budget,
-    verify_token_bytes,
 )
 from sglang.srt.speculative.ddtree_utils import (
     DDTreeRefused,
@@ -65,6 +81,7 @@ from sglang.srt.speculative.ddtree_verify_step import (
     pack_walk,
     self_test,
     tree_custom_mask,
+    turn_kernels_off,
 )
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.spec_utils import assign_req_to_token_pool_func
@@ -76,13 +93,14 @@ LOG_EVERY = max(1, int(os.environ.get("SGLANG_DDTREE_LOG_EVERY", "64") or 64))
 # Shadow-linear builds and measures the tree on one step in this many (the first included): enough to
 # report tree sizes and build times, at a quarter of the per-step cost on top of linear DFLASH.
 SHADOW_EVERY = max(1, int(os.environ.get("SGLANG_DDTREE_SHADOW_EVERY", "4") or 4))
-# Test-only fault (bench/gpu/graphs_proof.py): halve the sampled walk's coins, which biases sampled
-# requests towards drafted tokens; the distribution test must reject it.
-TEST_BIASED_WALK = os.environ.get("SGLANG_DDTREE_TEST_BIASED_WALK", "") == "1"
-# Test-only (bench/gpu/run_device.sh token CYCLE): step k may use at most the k-th budget of the ladder, 0 (the
+# Test-only switches, refused at start unless SGLANG_DDTREE_ALLOW_TEST_SWITCHES=1 (ddtree_args).
+# Fault (bench/gpu/graphs_proof.py): halve the sampled walk's coins, which biases sampled requests
+# towards drafted tokens; the distribution test must reject it.
+TEST_BIASED_WALK = test_switch("SGLANG_DDTREE_TEST_BIASED_WALK")
+# bench/gpu/run_device.sh token CYCLE: step k may use at most the k-th budget of the ladder, 0 (the
 # root alone) included where the step is padded, as if the KV pool were short on every step; the
 # shrunk and padded paths then run under a real workload, which must stay token-identical.
-TEST_CYCLE_BUDGETS = os.environ.get("SGLANG_DDTREE_TEST_CYCLE_BUDGETS", "") == "1"
+TEST_CYCLE_BUDGETS = test_switch("SGLANG_DDTREE_TEST_CYCLE_BUDGETS")
 # SGLANG_DDTREE_BUILD_GRAPHS=0 builds every tree eagerly (ddtree_build_graphs: captured by default
 # wherever the target verify runs on CUDA graphs, one device).
 BUILD_GRAPHS = os.environ.get("SGLANG_DDTREE_BUILD_GRAPHS", "1") != "0"
@@ -137,23 +155,103 @@ def sampled_rows(batch: ScheduleBatch) -> list[int]:
     return [i for i, req in enumerate(batch.reqs) if int(req.sampling_params.top_k) > 1]
 
 
-def apply_logit_adjustments(logits: torch.Tensor, info: Any, tokens_per_request: int) -> bool:
-    """Custom logit processors, penalties and logit biases on every verify row, as upstream's
-    linear DFLASH verify applies them (held fixed within a step). True if anything was applied."""
-    if info is None:
-        return False
-    applied = False
-    if info.has_custom_logit_processor:
-        apply_custom_logit_processor(logits, info, num_tokens_in_batch=tokens_per_request)
-        applied = True
-    orchestrator = getattr(info, "penalizer_orchestrator", None)
-    if (orchestrator is not None and orchestrator.is_required) or info.logit_bias is not None:
-        per_request = torch.zeros((len(info), logits.shape[1]), dtype=torch.float32, device=logits.device)
-        info.apply_logits_bias(per_request)
-        logits.add_(torch.repeat_interleave(per_request, tokens_per_request, dim=0))
-        applied = True
-    return applied
+def request_penalties(req: Any) -> RequestPenalties:
+    """A request's penalty settings as plain's penalizers read them (stop tokens as
+    BatchedMinNewTokensPenalizer collects them), with its output so far."""
+    sp = req.sampling_params
+    stops = set(getattr(sp, "stop_token_ids", None) or ())
+    tokenizer = getattr(req, "tokenizer", None)
+    if tokenizer is not None:
+        stops |= set(getattr(tokenizer, "additional_stop_token_ids", None) or ())
+        stops.add(getattr(tokenizer, "eos_token_id", None))
+    return RequestPenalties(
+        output_ids=req.output_ids,
+        frequency=float(getattr(sp, "frequency_penalty", 0.0) or 0.0),
+        presence=float(getattr(sp, "presence_penalty", 0.0) or 0.0),
+        repetition=float(getattr(sp, "repetition_penalty", 1.0) or 1.0),
+        min_new_tokens=int(getattr(sp, "min_new_tokens", 0) or 0),
+        stop_ids=tuple(sorted(t for t in stops if t is not None)),
+    )
 
+
+def penalizer_order(info: Any) -> tuple[str, ...]:
+    """The order plain applies the batch's penalizers in (their dict in the batch's orchestrator)."""
+    penalizers = getattr(getattr(info, "penalizer_orchestrator", None), "penalizers", None) or {}
+    order = tuple(PENALIZERS[c.__name__] for c in penalizers if getattr(c, "__name__", None) in PENALIZERS)
+    return order if len(order) == len(PENALIZERS) else DEFAULT_ORDER
+
+
+# What upstream's penalty block reads once this payload has applied the penalties itself.
+_NOTHING_REQUIRED = types.SimpleNamespace(is_required=False)
+
+
+def _scale_fn(logits: torch.Tensor) -> Any:
+    """On CUDA plain's own compiled repetition scaling (its division is the one plain computes)."""
+    if not logits.is_cuda:
+        return None
+    from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties
+
+    return apply_scaling_penalties
+
+
+def adjust_verify_logits(
+    logits: torch.Tensor, batch: Any, *, parents: torch.Tensor, depths: torch.Tensor, tokens: torch.Tensor,
+    max_depth: int,
+) -> tuple[Any, bool]:
+    """Penalties (exact per verify position: `ddtree_penalties`) and logit biases on the verify logits
+    `[bs, n, vocab]` of a tree or of DFLASH's linear block (parents / depths / tokens describe it).
+
+    Returns the batch's sampling info with both marked applied (a copy whose penalizer requires nothing
+    and whose bias is None: upstream DFLASH's own penalty block after the hook then applies nothing)
+    and whether anything was applied. Custom logit processors: refused in full mode (ddtree_args);
+    DFLASH's linear verify applies them as upstream does, before this."""
+    info = batch.sampling_info
+    if info is None:
+        return None, False
+    settings = [request_penalties(req) for req in batch.reqs]
+    rows = [i for i, p in enumerate(settings) if p.active]
+    if rows:
+        kw = {"scale_fn": fn} if (fn := _scale_fn(logits)) is not None else {}
+        apply_verify_penalties(logits, rows, [settings[i] for i in rows],
+                               path_tokens(parents, depths, tokens, max_depth), depths,
+                               order=penalizer_order(info), **kw)
+    if info.logit_bias is not None:
+        logits.add_(info.logit_bias[:, None, :])
+    applied = copy.copy(info)
+    applied.penalizer_orchestrator, applied.logit_bias = _NOTHING_REQUIRED, None
+    return applied, bool(rows) or info.logit_bias is not None
+
+
+def verify_target_probs(logits: torch.Tensor, info: Any, n: int) -> torch.Tensor:
+    """Upstream DFLASH's sampled verify distribution, made plain's (`ddtree_sampling.target_probs` with the
+    server's rule): `logits` `[bs * n, vocab]`, the batch's sampling parameters repeated per position."""
+    repeat = lambda t: torch.repeat_interleave(t, n, dim=0)  # noqa: E731
+    min_ps = getattr(info, "min_ps", None)
+    use_min_p = min_ps is not None and getattr(info, "need_min_p_sampling", False)
+    return target_probs(logits, repeat(info.temperatures), repeat(info.top_ks), repeat(info.top_ps),
+                        repeat(min_ps) if use_min_p else None, rule=sampling_rule())
+
+
+def chain_shape(bs: int, n: int, device: Any) -> dict[str, torch.Tensor]:
+    """DFLASH's linear block as a tree: position j's parent is j - 1, its depth j."""
+    j = torch.arange(n, device=device)
+    return {"parents": (j - 1).expand(bs, n), "depths": j.expand(bs, n)}
+
+
+def free_device_memory(device: Any) -> int | None:
+    """Bytes free on a CUDA device (None elsewhere: nothing is sized)."""
+    if not str(device).startswith("cuda") or not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.mem_get_info(torch.device(device))[0])
+
+
+def tp_cpu_group(worker: Any) -> Any:
+    """The TP group's CPU (gloo) group, or None with one rank."""
+    if int(getattr(worker.server_args, "tp_size", 1) or 1) == 1:
+        return None
+    from sglang.srt.distributed import get_tp_group
+
+    return get_tp_group().cpu_group
 
 
 @dataclass
@@ -288,6 +386,10 @@ class DDTreeController:
         self._warm_up_build(worker)
         self._build_graphs = self._capture_build_graphs(worker, graph_runner)
         self.verify_kernels = mode == "full" and self._check_verify_kernels(worker)
+        if mode == "full" and not agree_all(self.verify_kernels, tp_cpu_group(worker)):
+            # Same results either way, but one path on every rank: nothing per rank decides a step.
+            turn_kernels_off("off on another TP rank")
+            self.verify_kernels = False
 
         if TEST_BIASED_WALK and self.tp_rank == 0:
             logger.warning("DDTree: SGLANG_DDTREE_TEST_BIASED_WALK=1, sampled requests are WRONG (test fault)")
@@ -391,46 +493,42 @@ class DDTreeController:
         """Verify tokens and mask bytes a step may use, sized once at start and reserved.
 
         Runs after the target and draft runners allocated their KV pools and graphs, so the free
-        device memory is what verify steps have. The worst step (every running request with a full
-        tree) is allocated once here: a server that cannot afford it fails at start, naming the
-        budget, instead of running out of memory mid-step, and the caching allocator keeps the
-        block for the steps. Steps beyond the sizing shrink their tree (`step_budget`).
+        device memory is what verify steps have. The free memory is the minimum over the TP ranks
+        (`ddtree_ranks`): every rank then sizes alike, so every step's shape is the same on all of
+        them. The worst step (every running request with a full tree, and one sampled walk) is
+        allocated once here: a server that cannot afford it fails at start, naming the flag to
+        lower, instead of running out of memory mid-step, and the caching allocator keeps the block
+        for the steps. Steps beyond the sizing shrink their tree (`step_budget`).
         """
         runner = worker.model_runner
+        cfg = runner.model_config
         max_running = int(runner.req_to_token_pool.size)
         n = self.budget + 1
-        worst_tokens = max_running * n
-        # Mask: every running request's full row as prefix, plus the tree part.
-        worst_mask = n * max_running * int(runner.req_to_token_pool.max_context_len)
+        row_width = int(runner.req_to_token_pool.max_context_len)
         override = os.environ.get("SGLANG_DDTREE_MAX_VERIFY_TOKENS")
-        if not torch.cuda.is_available() or not str(runner.device).startswith("cuda"):
-            tokens = int(override) if override else worst_tokens
-            return tokens, worst_mask
-        cfg = runner.model_config
-        per_token = verify_token_bytes(cfg.vocab_size, cfg.hidden_size)
-        free, _total = torch.cuda.mem_get_info()
-        fit = max_verify_tokens_for(free - min(worst_mask, free // 4), vocab=cfg.vocab_size, hidden=cfg.hidden_size)
-        tokens = min(worst_tokens, fit, int(override) if override else worst_tokens)
-        floor = max_running * self.block_size  # what linear DFLASH verifies anyway
-        if tokens < min(worst_tokens, floor):
-            raise DDTreeRefused(
-                f"DDTree full mode refused: {free / 2**30:.2f} GiB free after start-up holds "
-                f"{tokens} verify tokens per step, fewer than linear DFLASH needs ({floor}). Lower "
-                "--mem-fraction-static or --max-running-requests."
-            )
-        mask = min(worst_mask, free // 4)
-        reserve = torch.empty((tokens * per_token + mask,), dtype=torch.uint8, device=runner.device)
-        del reserve  # freed into the caching allocator: reserved for verify steps
+        free = free_device_memory(runner.device)
+        if free is None:  # CPU: nothing to size against
+            tokens = max_running * n if not override else min(max_running * n, int(override))
+            return tokens, n * max_running * (row_width + n)
+        (free,) = agree_min([free], tp_cpu_group(worker))
+        sizing = size_verify_steps(
+            free, max_running=max_running, width=n, block_size=self.block_size, row_width=row_width,
+            vocab=cfg.vocab_size, hidden=cfg.hidden_size, walk_bytes=walk_bytes(n, cfg.vocab_size),
+            override_tokens=int(override) if override else None,
+        )
+        if not isinstance(sizing, VerifySizing):
+            raise DDTreeRefused(f"DDTree full mode refused: {sizing}")
+        if str(runner.device).startswith("cuda"):
+            reserve = torch.empty((sizing.reserve_bytes,), dtype=torch.uint8, device=runner.device)
+            del reserve  # freed into the caching allocator: reserved for verify steps
         if self.tp_rank == 0:
             logger.info(
-                "DDTree full: verify steps sized at %d tokens (worst step %d) and %.1f MiB of mask; "
-                "%.2f GiB reserved",
-                tokens,
-                worst_tokens,
-                mask / 2**20,
-                (tokens * per_token + mask) / 2**30,
+                "DDTree full: verify steps sized at %d tokens (worst step %d), %.1f MiB of mask and %.2f GiB "
+                "for a sampled walk; %.2f GiB reserved (free memory agreed over the TP ranks: %.2f GiB)",
+                sizing.max_verify_tokens, max_running * n, sizing.max_mask_bytes / 2**20,
+                sizing.walk_bytes / 2**30, sizing.reserve_bytes / 2**30, free / 2**30,
             )
-        return tokens, mask
+        return sizing.max_verify_tokens, sizing.max_mask_bytes
 
     # ------------------------------------------------------------------ draft logits + tree
     def draft_logits(self, hidden_states: torch.Tensor, lm_head: Any) -> torch.Tensor:
@@ -745,8 +843,6 @@ class DDTreeVerifyInput(DFlashVerifyInput):
         page_size: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
         """Same contract as DFlashVerifyInput.verify, greedy and sampled requests alike."""
-        from sglang.srt.speculative.ddtree_sampling import tree_walk
-
         if batch.forward_mode.is_idle():
             empty = torch.empty((0,), dtype=torch.int64, device=batch.device)
             return empty, empty.to(torch.int32), empty, []
@@ -759,18 +855,20 @@ class DDTreeVerifyInput(DFlashVerifyInput):
         tokens = self.draft_token.view(bs, n)
         info = batch.sampling_info
         stats = self.controller.stats
-        if apply_logit_adjustments(logits, info, n):
-            stats.logit_adjusted_steps += 1
+        candidates = tokens.to(torch.int64)
+        _, adjusted = adjust_verify_logits(logits.view(bs, n, -1), batch, parents=self.tree.parents,
+                                           depths=self.tree.depths, tokens=candidates, max_depth=int(self.tree.max_depth))
+        stats.logit_adjusted_steps += adjusted
         sampled = sampled_rows(batch) if info is not None else []
         stats.sampled_requests += len(sampled)
         stats.greedy_requests += bs - len(sampled)
-        candidates = tokens.to(torch.int64)
         if sampled:
             accepted_nodes, accept_lens, bonus = tree_walk(
                 self.tree,
                 candidates,
                 logits.view(bs, n, -1),
                 sampled_rows=sampled,
+                rule=sampling_rule(),
                 temperatures=info.temperatures,
                 top_ks=info.top_ks,
                 top_ps=info.top_ps,

@@ -1,0 +1,106 @@
+# Sourced by run_device.sh when LIMITS=1 (issue 23): the servers are in TAGS, the first one warms up.
+# Sets: r (random model, --context-length 1024, --cuda-graph-max-bs 32), q (the same model at 4096 and 8),
+# p (peaked model, 1024 / 32). Every server: CUDA graphs, no overlap scheduler (run_device.sh's LIMITS flags).
+# A1: each set's plain server makes its workloads (production_mix.py --make; plain returns top-5 logprobs).
+# A2, clients of different servers in parallel (the verdicts do not depend on timing):
+#   r: the production mix, then the limits workload (a full graph batch of 32 near the context limit);
+#   q: the limits workload (8 near 4096);  p: the penalties workload (+ the logprob probe), the production
+#   mix, and the first-3-token samples at T 1 / top_p 1 (plain and full 64). LIMITS_SET=p (the peaked set
+#   alone): samples at T 0.8 / top_p 0.95 with the biased walk (must be rejected), and the penalties on
+#   upstream DFLASH and the previous payload (must fault: the workload catches what was fixed).
+# C: upstream DFLASH without the payload on r's limits workload and (with dist/old/) the previous
+#   payload's full 512 on q's: both expected to crash; greedy only (upstream also stalls on mixed batches).
+# Then production_mix.py compare per workload, graphs_proof.py compare for the samples, the GPU checks.
+PROOF=(python3 $HERE/graphs_proof.py)
+pack() {  # only a few files come back from the device: keep the summaries, pack the rest
+  ( cd "$OUT" && find . -maxdepth 1 -type f ! -name summary.txt ! -name run.log ! -name logs.tgz -printf '%P\n' \
+      | tar -czf /tmp/ddtree_logs.tgz -T - && mv /tmp/ddtree_logs.tgz logs.tgz \
+    && find . -maxdepth 1 -type f ! -name logs.tgz ! -name summary.txt ! -name run.log -delete )
+}
+at_deadline() { ts "watchdog: packing at the deadline"; pack; }
+start_watchdog $(( DEADLINE - $(date +%s) - 10 )) at_deadline
+start_servers 200
+has() { [ -n "${PORT[$1]:-}" ]; }
+served() { for t; do has "$t" && printf '%s ' "$t"; done; }
+work() {  # TAG KIND [ARGS...]: one production_mix.py workload on one server
+  local tag=$1 kind=$2 set=${1%%_*}; shift 2
+  local ctx=1024 gbs=32
+  [ "$set" = q ] && ctx=4096 gbs=8
+  has "$tag" || return 0
+  local limit=$(( DEADLINE - $(date +%s) - 60 ))
+  [ -n "${WORK_TIMEOUT:-}" ] && [ "$WORK_TIMEOUT" -lt "$limit" ] && limit=$WORK_TIMEOUT
+  timeout $limit python3 $HERE/production_mix.py run --port "${PORT[$tag]}" --tag "$tag" \
+    --out "$OUT/${tag}_$kind.json" --workload "$OUT/workload_${kind}_$set.json" --kind "$kind" --context-length $ctx \
+    --graph-bs $gbs --wait ${WAIT_HEALTHY:-60} --pid "${PID[$tag]}" "$@" >> "$OUT/client_$tag.log" 2>&1
+  ts "$tag $kind rc=$? $(tail -1 "$OUT/client_$tag.log" | cut -c1-200)"
+}
+samples() {  # TAG T TOP_P: 2000 x 3 prompts of 3 tokens (T 1 / top_p 1: no filter at all)
+  has "$1" || return 0
+  timeout $(( DEADLINE - $(date +%s) - 40 )) "${PROOF[@]}" run --port "${PORT[$1]}" --tag "${1}_t$2" \
+    --out "$OUT/${1}_t$2_proof.json" --wait 60 --pid "${PID[$1]}" --samples 2000 --temperature $2 --top-p $3 \
+    >> "$OUT/proof_$1.log" 2>&1
+  ts "$1 samples T $2 top_p $3 rc=$?"
+}
+T1=$([ "${LIMITS_SET:-}" = p ] || echo 1)  # the peaked set's own call samples at T 0.8, the full call at T 1
+# A1 (a server still starting after wait_all's limit gets until the deadline's last 90 s, 60 s at least)
+export WAIT_HEALTHY=$(( DEADLINE - $(date +%s) - 90 )); [ "$WAIT_HEALTHY" -ge 60 ] || WAIT_HEALTHY=60
+( work r_plain mix --make; work r_plain limits --make ) & P1=$!
+( work q_plain limits --make ) & P2=$!
+( work p_plain penalties --make; work p_plain mix --make ) & P3=$!
+wait $P1 $P2 $P3
+ts "A1 done (workloads made)"
+# A2
+JOBS=()
+for t in r_dflash r_full15 r_full64 r_full256; do has $t && { ( work $t mix; work $t limits ) & JOBS+=($!); }; done
+for t in q_dflash q_full64 q_full512; do has $t && { ( work $t limits ) & JOBS+=($!); }; done
+TP=${T1:+1}; TP=${TP:-0.95}; TT=${T1:-0.8}
+has p_dflash && { ( work p_dflash penalties; work p_dflash mix ) & JOBS+=($!); }
+has p_full64 && { ( work p_full64 penalties; work p_full64 mix; samples p_full64 $TT $TP ) & JOBS+=($!); }
+has p_plain && { ( samples p_plain $TT $TP ) & JOBS+=($!); }
+has p_full64_bias && { ( samples p_full64_bias $TT $TP ) & JOBS+=($!); }
+for t in p_dflash_pristine p_full64_old; do has $t && { ( work $t penalties ) & JOBS+=($!); }; done
+[ ${#JOBS[@]} = 0 ] || wait "${JOBS[@]}"
+ts "A2 done"
+for t in "${!PID[@]}"; do
+  case $t in r_dflash_pristine|q_full512_old) continue ;; esac
+  kill -TERM -- "-${PID[$t]}" 2>/dev/null
+  grep -hE "DDTree (enabled|full: verify)|Traceback|Error|refused" "$OUT/server_$t.log" | head -4 | sed "s/^/[$t] /" | cut -c1-300
+done
+wait $SKC_PID 2>/dev/null
+# C: what crashes, alone on the GPU, bounded
+( WORK_TIMEOUT=90 work r_dflash_pristine limits --greedy-only ) & C1=$!  # a hung server must not eat the call
+( WORK_TIMEOUT=90 work q_full512_old limits --greedy-only ) & C2=$!
+wait $C1 $C2
+for t in r_dflash_pristine q_full512_old; do
+  has $t && grep -hE "RuntimeError|Traceback|expanded size" "$OUT/server_$t.log" | head -3 | sed "s/^/[$t] /" | cut -c1-300
+done
+stop_all; trap - EXIT
+MIXC=(python3 $HERE/production_mix.py compare "$OUT")
+{ echo "--- GPU checks: sampled walk vs sgl_kernel, the leftover case, plain's filters"; cat "$OUT/sampling_kernels_check.log"
+  echo "--- builder and verify-step Triton tests on the GPU"; tail -3 "$OUT/triton_tests.log" 2>/dev/null
+  if has r_plain; then
+    echo "--- production mix (r, context 1024, graphs on)"
+    "${MIXC[@]}" r_plain --suffix _mix -- $(served r_dflash r_full15 r_full64 r_full256); echo "rc=$?"
+    echo "--- limits: a graph batch of 32 at --context-length 1024"
+    "${MIXC[@]}" r_plain --suffix _limits --expect-dead $(served r_dflash_pristine) -- \
+      $(served r_dflash r_full15 r_full64 r_full256 r_dflash_pristine); echo "rc=$?"
+  fi
+  if has q_plain; then
+    echo "--- limits: a graph batch of 8 at --context-length 4096"
+    "${MIXC[@]}" q_plain --suffix _limits --expect-dead $(served q_full512_old) -- \
+      $(served q_dflash q_full64 q_full512 q_full512_old); echo "rc=$?"
+  fi
+  echo "--- penalties (greedy) and the logprob probe"
+  "${MIXC[@]}" p_plain --suffix _penalties --expect-fault $(served p_dflash_pristine p_full64_old) -- \
+    $(served p_dflash p_full64 p_dflash_pristine p_full64_old); echo "rc=$?"
+  python3 -c "import json,sys; [print(t, json.load(open(f'$OUT/{t}_penalties.json')).get('logprob_probe')) for t in sys.argv[1:]]" \
+    $(served p_plain p_dflash p_full64)
+  echo "--- production mix (p, context 1024, graphs on)"
+  "${MIXC[@]}" p_plain --suffix _mix -- $(served p_dflash p_full64); echo "rc=$?"
+  echo "--- samples at T $TT / top_p $TP"
+  "${PROOF[@]}" compare "$OUT" --plain p_plain_t$TT --cand p_full64_t$TT \
+    $(has p_full64_bias && echo --biased p_full64_bias_t$TT); echo "rc=$?"
+} 2>&1 | tee "$OUT/summary.txt"
+ts "done"
+stop_watchdog
+pack

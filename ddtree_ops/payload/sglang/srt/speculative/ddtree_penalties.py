@@ -1,0 +1,175 @@
+"""Penalties on verify logits, exactly as plain decoding applies them at every verified position
+(installed as `sglang/srt/speculative/ddtree_penalties.py` by the ddtree-ops payload; imports only torch).
+
+Plain decoding with the flags DFLASH runs under (no overlap scheduler) samples output token `L` of a
+request from the target's float32 logits after `SamplingBatchInfo.apply_logits_bias`: the batch's
+penalizers in their dict order (`PENALIZERS`, read from the batch), each in place:
+- frequency: `x - F(t)`, `F(t)` the penalty added once per earlier occurrence of `t` among the output
+  tokens (a running float32 sum, as `scatter_add_` builds it step by step);
+- presence: `x - P` for tokens that occurred;
+- min_new_tokens: `x + -inf` at the stop tokens (stop ids, the tokenizer's extra stop ids, EOS) while
+  `L < min_new_tokens`;
+- repetition: `x * r` where `x < 0`, else `x / r`, for tokens that occurred;
+then the logit bias is added (by the caller). A penalizer at its neutral value changes nothing (`x - 0`,
+`x / 1`), so applying all four in the batch's order is exact for every request.
+
+A verify position (a tree node, or a position of DFLASH's linear block) predicts the token after the
+request's output so far *and the drafted tokens on its path*: its counts include both and its length is
+`L + depth`. Holding the penalties fixed within a step (upstream DFLASH, and DDTree before issue 23; and
+upstream never counts a DFLASH request's output at all) left plain decoding wherever a drafted token
+repeated one (measured on the H200: tokens 2-14).
+
+Only the columns a penalty touches change (the tokens already output, the stop tokens, the path's
+tokens), so the work is a gather and a scatter per penalised request, never a dense `[nodes, vocab]` pass.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["PENALIZERS", "RequestPenalties", "apply_verify_penalties", "frequency_sums", "path_tokens"]
+
+# SGLang's penalizer classes by the name this module applies them under.
+PENALIZERS = {
+    "BatchedFrequencyPenalizer": "frequency",
+    "BatchedPresencePenalizer": "presence",
+    "BatchedMinNewTokensPenalizer": "min_new_tokens",
+    "BatchedRepetitionPenalizer": "repetition",
+}
+DEFAULT_ORDER = tuple(PENALIZERS.values())
+
+ScaleFn = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class RequestPenalties:
+    """One request's penalty settings and its output so far (the verify step's root token included)."""
+
+    output_ids: Sequence[int]
+    frequency: float = 0.0
+    presence: float = 0.0
+    repetition: float = 1.0
+    min_new_tokens: int = 0
+    stop_ids: Sequence[int] = ()
+
+    @property
+    def active(self) -> bool:
+        """Whether any verify position of this request is penalised (a path only lengthens the output)."""
+        return (self.frequency != 0.0 or self.presence != 0.0 or self.repetition != 1.0
+                or len(self.output_ids) < self.min_new_tokens)
+
+
+def _f32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+_FREQUENCY_SUMS: dict[float, list[float]] = {}
+
+
+def frequency_sums(penalty: float, upto: int) -> list[float]:
+    """`sums[c]`: the frequency penalty added `c` times in float32, as plain's `scatter_add_` accumulates it
+    step by step (`c * penalty` rounds differently). Double precision then one rounding per addition is
+    float32 addition exactly (53 >= 2 * 24 + 2 bits)."""
+    key = _f32(penalty)
+    if key not in _FREQUENCY_SUMS and len(_FREQUENCY_SUMS) >= 64:  # each client may send its own value
+        _FREQUENCY_SUMS.clear()
+    sums = _FREQUENCY_SUMS.setdefault(key, [0.0])
+    while len(sums) <= upto:
+        sums.append(_f32(sums[-1] + key))
+    return sums
+
+
+def path_tokens(parents: torch.Tensor, depths: torch.Tensor, tokens: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """int64 `[bs, n, max_depth]`: every node's path from the root (root excluded, the node included),
+    slot `d - 1` holding its depth-`d` token; -1 beyond the node's depth.
+
+    `parents` int64 `[bs, n]` (-1: root, padding), `depths` `[bs, n]` (root and padding 0), `tokens`
+    `[bs, n]` (the root's token first)."""
+    bs, n = parents.shape
+    width = max(1, int(max_depth))
+    out = torch.full((bs, n, width), -1, dtype=torch.int64, device=tokens.device)
+    node = torch.arange(n, device=tokens.device).expand(bs, n)
+    for k in range(width):  # the k-th ancestor of each node sits at depth (its depth - k)
+        slot = (depths - 1 - k).unsqueeze(2)
+        keep = out.gather(2, slot.clamp(min=0))
+        out.scatter_(2, slot.clamp(min=0), torch.where(slot >= 0, tokens.gather(1, node).unsqueeze(2), keep))
+        node = parents.gather(1, node).clamp(min=0)
+    return out
+
+
+def _where_scale(x: torch.Tensor, scale: torch.Tensor) -> None:
+    x[:] = torch.where(x < 0, x * scale, x / scale)
+
+
+def apply_verify_penalties(
+    logits: torch.Tensor,
+    rows: Sequence[int],
+    requests: Sequence[RequestPenalties],
+    paths: torch.Tensor,
+    depths: torch.Tensor,
+    *,
+    order: Sequence[str] = DEFAULT_ORDER,
+    scale_fn: ScaleFn = _where_scale,
+) -> None:
+    """Penalise the verify logits of the batch rows `rows` in place, each position exactly as plain
+    decoding would there (module docstring).
+
+    `logits` float32 `[bs, n, vocab]`; `requests[i]` belongs to row `rows[i]`; `paths` `[bs, n, D]`
+    (`path_tokens`), `depths` `[bs, n]`; `order`: the penalizers' order (`PENALIZERS` values) in the
+    batch. `scale_fn(x, s)` applies the repetition penalty to 1-D `x` in
+    place (the server passes SGLang's compiled `apply_scaling_penalties`, whose division plain uses).
+    """
+    device = logits.device
+    vocab = logits.shape[-1]
+    for row, req in zip(rows, requests, strict=True):
+        out = torch.as_tensor(list(req.output_ids), dtype=torch.int64, device=device)
+        hist = torch.zeros(vocab, dtype=torch.int64, device=device).scatter_add_(0, out, torch.ones_like(out))
+        stops = torch.as_tensor(sorted({int(t) for t in req.stop_ids if 0 <= int(t) < vocab}),
+                                dtype=torch.int64, device=device)
+        under_min = (len(req.output_ids) + depths[row]) < req.min_new_tokens  # [n]: stop tokens banned
+        target = logits[row]  # [n, vocab]
+        # Every node's columns that a penalty touches through the history alone: the tokens output so
+        # far and the stop tokens. A column listed twice gets the same value twice.
+        cols = torch.cat([torch.unique(out), stops])
+        n = target.shape[0]
+        counts = hist[cols].expand(n, -1)
+        stop = torch.isin(cols, stops).expand(n, -1) & under_min[:, None]
+        # The path's columns, counting the node's own path too; read before anything is written.
+        path = paths[row]
+        on = path >= 0
+        path_cols = path.clamp(min=0)
+        path_counts = hist[path_cols] + ((path.unsqueeze(2) == path.unsqueeze(1)) & on.unsqueeze(1)).sum(2)
+        path_values = target.gather(1, path_cols)
+        target[:, cols] = _penalised(target[:, cols], counts, stop, req, order, scale_fn)
+        new_path = _penalised(path_values, path_counts, torch.isin(path_cols, stops) & under_min[:, None], req,
+                              order, scale_fn)
+        # Written last, over the history's value for a path token; only the real path slots (one
+        # value per node and column, so duplicates agree).
+        node_idx, slot_idx = on.nonzero(as_tuple=True)
+        target[node_idx, path_cols[node_idx, slot_idx]] = new_path[node_idx, slot_idx]
+
+
+def _penalised(values: torch.Tensor, counts: torch.Tensor, stop: torch.Tensor, req: RequestPenalties,
+               order: Sequence[str], scale_fn: ScaleFn) -> torch.Tensor:
+    """`values` after plain's penalizers in `order`, for tokens output `counts` times (`stop`: a banned
+    stop token), each step the same float32 operation plain applies."""
+    upto = int(counts.max()) if counts.numel() else 0
+    seen = counts > 0
+    zero = torch.zeros((), dtype=torch.float32, device=values.device)
+    x = values.clone()
+    for name in order:
+        if name == "frequency":
+            sums = torch.as_tensor(frequency_sums(req.frequency, upto), dtype=torch.float32, device=x.device)
+            x = x - sums[counts]
+        elif name == "presence":
+            x = x - torch.where(seen, _f32(req.presence), zero)
+        elif name == "min_new_tokens":
+            x = x + torch.where(stop, float("-inf"), zero)
+        elif name == "repetition" and req.repetition != 1.0:
+            x = x.contiguous()
+            scale_fn(x.view(-1), torch.where(seen, _f32(req.repetition), 1.0 + zero).view(-1).contiguous())
+    return x
