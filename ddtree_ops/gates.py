@@ -78,16 +78,11 @@ class Deadline:
     """A gate's wall-clock bound: what is left of it, for each request it sends."""
 
     def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
         self.end = time.monotonic() + seconds
 
     def left(self, cap: float | None = None) -> float:
         left = max(0.0, self.end - time.monotonic())
         return min(left, cap) if cap is not None else left
-
-    @property
-    def passed(self) -> bool:
-        return time.monotonic() >= self.end
 
 
 class ServerClient:

@@ -556,6 +556,9 @@ def _gate_stage(run: _HostRun, info: dict[str, Any], mode: str, baseline: dict[s
         except OpsError as exc:
             committed = _settle_lost_commit(run, exc, summaries)
         run.lease.follow(None)
+        if run.lease.failures:
+            run.ctx.notice(f"{len(run.lease.failures)} heartbeat(s) to the host failed during the stage (last: "
+                           f"{run.lease.failures[-1]}); the stage was confirmed in time")
         _kill_point("after_commit")
         try:  # the stage is confirmed: a late evidence problem is a notice, never a failed host
             local = _write_local_evidence(opts, host.name, {**evidence, "host_evidence": committed.get("evidence")})
@@ -563,7 +566,9 @@ def _gate_stage(run: _HostRun, info: dict[str, Any], mode: str, baseline: dict[s
             run.ctx.notice(f"stage confirmed; the local evidence {local} was not updated: {exc}")
         return {"mode": mode, "result": "passed", "gates": summaries, "accept_length": accept,
                 "exposure": lint.get("exposure"), "evidence": {"host": committed.get("evidence"), "local": local},
-                "timing": evidence["timing"], "unit_diff": evidence["unit"]["diff"]}
+                "timing": evidence["timing"], "unit_diff": evidence["unit"]["diff"],
+                "confirm": {"window_s": host.confirm_timeout_s, "heartbeats": run.lease.beats,
+                            "missed_heartbeats": len(run.lease.failures)}}
     if pause:
         # The stage stays for inspection until a deadline pushed out once, then the host puts the
         # previous unit back by itself: pausing never leaves an unconfirmed unit serving for good.

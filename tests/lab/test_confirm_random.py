@@ -11,6 +11,7 @@ fit in a test run; the promote tests cover the same stages with the gates and th
 from __future__ import annotations
 
 import json
+import os
 import random
 import shlex
 import subprocess
@@ -30,7 +31,7 @@ SERVICE = "ddtree-stub.service"
 STATE_DIR = "/var/lib/ddtree-ops-stub"
 UNIT = f"/etc/systemd/system/{SERVICE}"
 PORT = 30100
-CONFIRM_S = 4
+CONFIRM_S = 5  # the inventory's minimum
 STUB = """\
 import json, sys
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -63,7 +64,7 @@ def stub(lab_fleet, tmp_path_factory):
     data = yaml.safe_load(lab_fleet.inventory_path.read_text())
     data["all"]["vars"].update(identity_file=str(lab_fleet.identity_file), known_hosts=str(lab_fleet.known_hosts))
     data["hosts"][HOST].update(service=SERVICE, serve_port=PORT, state_dir=STATE_DIR, confirm_timeout_s=CONFIRM_S,
-                               lock_ttl_s=6)
+                               lock_ttl_s=10)
     inv = tmp_path_factory.mktemp("confirm") / "inv.yaml"
     inv.write_text(yaml.safe_dump(data, sort_keys=False))
     yield inv
@@ -71,8 +72,9 @@ def stub(lab_fleet, tmp_path_factory):
 
 
 def drive(inv: Path, tag: str, point: str = "") -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, str(DRIVER), str(inv), HOST, tag, *([point] if point else [])],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
+                          capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
 
 
 def host_view(lab_fleet) -> dict:
