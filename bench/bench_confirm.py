@@ -60,9 +60,11 @@ def cli(inv_path: Path, *args: str, env: dict[str, str] | None = None) -> subpro
 
 
 def inventory(base: Path, tmp: Path, window: int, change: str) -> Path:
+    """The lab inventory with lab-1's confirm window and a unit that differs, beside the original (its
+    key and signer paths are relative to it)."""
     data = yaml.safe_load(base.read_text())
     data["hosts"][HOST].update(confirm_timeout_s=window, service_environment={"BENCH_CHANGE": change})
-    path = tmp / f"inv-{window}-{change}.yaml"
+    path = base.with_name(f".bench-confirm-{tmp.name}-{window}-{change}.yaml")
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 
@@ -107,6 +109,8 @@ def main() -> None:
                 figures.setdefault("healthy full stage, tool time", []).append(timing["tool_s"])
                 back = rollout.rollback(load_inventory(changed), load_inventory(changed).select(HOST))[0]
                 assert back.ok, back.to_dict()
+    for leftover in args.inventory.parent.glob(".bench-confirm-*.yaml"):
+        leftover.unlink()
     print("| measure | median s | min | max | runs |\n|---|---|---|---|---|")
     for label, values in figures.items():
         print(f"| {label} | {statistics.median(values):.1f} | {min(values):.1f} | {max(values):.1f} | {len(values)} |")
