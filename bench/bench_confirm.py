@@ -32,23 +32,24 @@ sys.path.insert(0, str(REPO))
 from ddtree_ops import release, rollout  # noqa: E402
 from ddtree_ops.bundle import build_bundle  # noqa: E402
 from ddtree_ops.inventory import load_inventory  # noqa: E402
+from ddtree_ops.lab.config import BASTION, LabPaths  # noqa: E402
+from ddtree_ops.lab.host import LabHost, ssh_argv  # noqa: E402
 
 HOST, UNIT, STATE = "lab-1", "/etc/systemd/system/sglang.service", "/var/lib/ddtree-ops"
 
 
-def ssh(inv_path: Path, command: str) -> subprocess.CompletedProcess[str]:
-    host = load_inventory(inv_path).hosts[HOST]
-    argv = ["ssh", "-i", str(host.identity_file), "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes",
-            "-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={host.known_hosts_path}",
-            f"root@{host.address}", "--", command]
+def ssh(command: str) -> subprocess.CompletedProcess[str]:
+    """As root on HOST, through the bastion, the way the lab itself gets there."""
+    paths = LabPaths.from_env()
+    argv = ssh_argv(LabHost(HOST, paths), paths.client_key, paths.known_hosts, command, via=LabHost(BASTION, paths))
     return subprocess.run(argv, capture_output=True, text=True, timeout=60)
 
 
-def serving(inv_path: Path, unit_sha: str) -> bool:
+def serving(unit_sha: str) -> bool:
     probe = (f"sha256sum {UNIT} | cut -d' ' -f1; test -e {STATE}/units-journal.json && echo inflight; "
              + shlex.join(["/opt/sglang/venv/bin/python", "-c", "import urllib.request; print(urllib.request.urlopen("
                            "'http://127.0.0.1:30000/health_generate', timeout=10).status)"]))
-    out = ssh(inv_path, probe).stdout.split()
+    out = ssh(probe).stdout.split()
     return out[:1] == [unit_sha] and "inflight" not in out and out[-1:] == ["200"]
 
 
@@ -89,13 +90,13 @@ def main() -> None:
         assert shadow.returncode == 0, shadow.stderr[-3000:]
         for window in (int(w) for w in args.windows.split(",")):
             for run in range(args.runs):
-                unit = ssh(args.inventory, f"sha256sum {UNIT}").stdout.split()[0]
+                unit = ssh(f"sha256sum {UNIT}").stdout.split()[0]
                 changed = inventory(args.inventory, tmp, window, f"k{window}-{run}")
                 killed = cli(changed, "promote", "-i", str(changed), "--mode", "full", "--limit", HOST,
                              "--evidence-dir", str(tmp / "ev"), env={rollout.KILL_ENV: "during_gates"})
                 dead_at = time.monotonic()
                 assert killed.returncode == -9, killed.stderr[-2000:]
-                while not serving(args.inventory, unit):
+                while not serving(unit):
                     assert time.monotonic() - dead_at < window + 300, "not restored"
                     time.sleep(0.5)
                 figures.setdefault(f"killed mid-gates -> previous unit serving, window {window} s", []).append(

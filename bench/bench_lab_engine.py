@@ -70,12 +70,13 @@ def lab_start_times(runs: int) -> list[float]:
     import httpx
     import yaml
 
-    from ddtree_ops.lab.config import DRAFT_MODEL, TARGET_MODEL, VENV_DIR
+    from ddtree_ops.lab.config import BASTION, DRAFT_MODEL, TARGET_MODEL, VENV_DIR, LabPaths
+    from ddtree_ops.lab.host import LabHost, ssh_argv
 
     inventory = REPO / "inventory/lab.yaml"
     address = yaml.safe_load(inventory.read_text())["hosts"]["lab-1"]["address"]
-    ssh = ["ssh", "-i", str(REPO / "inventory/lab/id_ed25519"), "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes",
-           "-o", f"UserKnownHostsFile={REPO / 'inventory/lab/known_hosts'}", f"root@{address}", "--"]
+    paths = LabPaths.from_env()
+    ssh = ssh_argv(LabHost("lab-1", paths), paths.client_key, paths.known_hosts, via=LabHost(BASTION, paths))
     import subprocess
 
     times = []

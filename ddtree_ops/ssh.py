@@ -144,8 +144,10 @@ def _is_transient(exc: BaseException) -> bool:
         return True
     if isinstance(exc, paramiko.ChannelException | NoBanner):  # a jump host's target not up yet; sshd starting
         return True
-    # sshd still starting, or MaxStartups throttling: the banner never arrives.
-    return isinstance(exc, paramiko.SSHException) and "protocol banner" in str(exc)
+    # sshd still starting, or MaxStartups throttling: the banner never arrives. "Timeout opening channel":
+    # a jump host that cannot reach the target (powered off: its neighbour lookup never answers).
+    return isinstance(exc, paramiko.SSHException) and any(
+        words in str(exc) for words in ("protocol banner", "Timeout opening channel"))
 
 
 def _describe_failure(host: HostConfig, exc: BaseException, attempts: int) -> ConnectionFailure:

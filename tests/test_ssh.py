@@ -177,3 +177,19 @@ def test_timeouts_are_not_retried_past_one_connect_timeout(host_factory, monkeyp
     with pytest.raises(ConnectionFailure) as info:
         session.open()
     assert info.value.unreachable and len(calls) == 1
+
+
+@pytest.mark.parametrize(("exc", "unreachable"), [
+    (paramiko.SSHException("Timeout opening channel."), True),  # a jump host that cannot reach a powered-off target
+    (paramiko.ChannelException(2, "Connect failed"), True),  # ... or that is refused at once
+    (paramiko.SSHException("Error reading SSH protocol banner"), True),
+    (paramiko.SSHException("Incompatible ssh peer (no acceptable kex algorithm)"), False),
+])
+def test_a_target_the_jump_host_cannot_reach_is_unreachable(exc: Exception, unreachable: bool) -> None:
+    from ddtree_ops.inventory import HostConfig
+    from ddtree_ops.ssh import _describe_failure
+
+    failure = _describe_failure(HostConfig(name="gpu-1", address="10.0.0.5", jump_host="bastion"), exc, 3)
+    assert (failure.code == "unreachable") is unreachable
+    if unreachable:
+        assert "through jump host bastion" in failure.hint

@@ -17,6 +17,11 @@ BRIDGE_ADDRESS = ipaddress.IPv4Address("10.200.0.1")
 FIRST_HOST_OCTET = 11
 MAX_HOSTS = 50  # .11 … .60; far more than one small machine can boot
 HOST_PREFIX = "lab-"
+# The only host the control machine may reach by ssh (network.py); the others are reached through it.
+# It is host 0: the address just below lab-1's.
+BASTION = "lab-bastion"
+# The unprivileged login user on every lab host; it runs the host agent as root through sudo.
+OPERATOR = "ops"
 SSH_PORT = 22
 VENV_DIR = "/opt/sglang/venv"
 SERVICE = "sglang.service"
@@ -34,12 +39,14 @@ DEFAULT_STATE_DIR = Path("/var/lib/ddtree-ops-lab")
 
 
 def host_name(index: int) -> str:
-    """Name of the index-th host, counting from 1."""
-    return f"{HOST_PREFIX}{index}"
+    """Name of the index-th host, counting from 1 (0 is the bastion)."""
+    return BASTION if index == 0 else f"{HOST_PREFIX}{index}"
 
 
 def host_index(name: str) -> int:
     """Inverse of `host_name`; raises ValueError for names the lab does not own."""
+    if name == BASTION:
+        return 0
     if not name.startswith(HOST_PREFIX) or not name[len(HOST_PREFIX) :].isdigit():
         raise ValueError(f"{name!r} is not a lab host name (expected {HOST_PREFIX}1, {HOST_PREFIX}2, …)")
     index = int(name[len(HOST_PREFIX) :])
@@ -100,6 +107,10 @@ class LabPaths:
     @property
     def known_hosts(self) -> Path:
         return self.state / "known_hosts"
+
+    @property
+    def bastion_dir(self) -> Path:
+        return self.host_dir(BASTION)
 
     @property
     def lock_file(self) -> Path:

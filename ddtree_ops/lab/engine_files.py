@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ddtree_ops.lab.config import LAB_MODELS_DIR, VENV_DIR, LabPaths
 from ddtree_ops.lab.host import LabHost, ssh_argv
-from ddtree_ops.lab.steps import LabError, Progress, no_progress
+from ddtree_ops.lab.steps import LabError, Progress, no_progress, on_each
 
 ENGINE_SOURCE = Path(__file__).resolve().parent / "engine"
 ENGINE_PACKAGE = "ddtree_lab_engine"
@@ -105,12 +105,13 @@ def bundle(paths: LabPaths) -> bytes:
     return buf.getvalue()
 
 
-def install(hosts: list[LabHost], paths: LabPaths, progress: Progress = no_progress) -> None:
-    """Copy the engine and the models onto every host (running hosts included)."""
+def install(hosts: list[LabHost], paths: LabPaths, progress: Progress = no_progress, via: LabHost | None = None) -> None:
+    """Copy the engine and the models onto every host (running hosts included), through `via` (the bastion)."""
     data = bundle(paths)
     remote = shlex.join([f"{VENV_DIR}/bin/python", "-c", _INSTALL_SCRIPT, LAB_MODELS_DIR])
-    for h in hosts:
-        argv = ssh_argv(h, paths.client_key, paths.known_hosts, remote)
+
+    def install_on(h: LabHost) -> None:
+        argv = ssh_argv(h, paths.client_key, paths.known_hosts, remote, via=via)
         try:
             result = subprocess.run(argv, input=data, capture_output=True, timeout=120, check=False)
         except subprocess.TimeoutExpired as e:
@@ -122,4 +123,6 @@ def install(hosts: list[LabHost], paths: LabPaths, progress: Progress = no_progr
             json.loads(out.strip().splitlines()[-1])
         except (ValueError, IndexError):
             raise LabError(f"{h.name}: the lab engine installer printed no result: {out!r} {err[-500:]!r}") from None
+
+    on_each(hosts, install_on)
     progress(f"lab engine and models installed on {len(hosts)} host(s)")

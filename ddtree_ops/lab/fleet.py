@@ -2,7 +2,10 @@
 
 A host is a systemd-nspawn container booted with systemd as PID 1 from the cached base image
 (see `image`), with its own overlay, network namespace, address on the `ddtlab0` bridge and ssh
-host key (see `host`). `lab_up` also writes a ready inventory for the rest of ddtree-ops.
+host key (see `host`). Besides the N GPU hosts there is always `lab-bastion`, the only host this
+machine reaches by ssh (see `network`); the others are reached through it, as root for the lab's own
+work and as the unprivileged operator `ops` (with sudo for the host agent) for ddtree-ops.
+`lab_up` also writes a ready inventory for the rest of ddtree-ops.
 
 Runtime state lives under /var/lib/ddtree-ops-lab (DDTREE_LAB_STATE_DIR), the base image under
 /var/cache/ddtree-ops-lab (DDTREE_LAB_CACHE_DIR). The lab is one per machine.
@@ -21,12 +24,12 @@ from pathlib import Path
 
 from ddtree_ops.lab import engine_files, image, inventory_file, network
 from ddtree_ops.lab import host as lab_host
-from ddtree_ops.lab.config import MAX_HOSTS, LabPaths, host_index, host_name
+from ddtree_ops.lab.config import BASTION, MAX_HOSTS, LabPaths, host_index, host_name
 from ddtree_ops.lab.host import LabHost
-from ddtree_ops.lab.steps import LabError, Progress, no_progress, run_step
+from ddtree_ops.lab.steps import LabError, Progress, no_progress, on_each, run_step
 
 DEFAULT_HOSTS = 3
-REQUIRED_TOOLS = ("systemd-nspawn", "debootstrap", "ip", "unshare", "mount", "ssh", "ssh-keygen")
+REQUIRED_TOOLS = ("systemd-nspawn", "debootstrap", "ip", "unshare", "nsenter", "mount", "ssh", "ssh-keygen")
 
 
 @dataclass(frozen=True)
@@ -34,8 +37,9 @@ class HostStatus:
     name: str
     address: str
     running: bool
-    ssh: bool  # the ssh port answers with an SSH banner
+    ssh: bool  # the ssh port answers with an SSH banner (the GPU hosts': seen from the bastion)
     pid: int | None = None
+    role: str = "gpu"  # or "bastion"
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,10 @@ class LabStatus:
     @property
     def all_up(self) -> bool:
         return bool(self.hosts) and all(h.running and h.ssh for h in self.hosts)
+
+    @property
+    def gpu_hosts(self) -> list[HostStatus]:
+        return [h for h in self.hosts if h.role == "gpu"]
 
     def host(self, name: str) -> HostStatus:
         for h in self.hosts:
@@ -71,7 +79,8 @@ def lab_up(
     progress: Progress = no_progress,
     paths: LabPaths | None = None,
 ) -> LabStatus:
-    """Bring lab-1 … lab-N up and write `inventory/lab.yaml`; returns once every host answers ssh.
+    """Bring lab-bastion and lab-1 … lab-N up and write `inventory/lab.yaml`; returns once every host
+    answers ssh (the GPU hosts through the bastion) and has its operator user.
 
     Idempotent: running hosts stay as they are, missing ones are created and booted. Hosts numbered
     above N are stopped and removed, so the inventory and the fleet always agree. A host whose
@@ -88,7 +97,9 @@ def lab_up(
         _ensure_key(paths.client_key, "ddtree-ops-lab", "the lab's ssh client key", log)
         _ensure_key(paths.signing_key, "ddtree-ops-lab-signer", "the lab's bundle signing key", log)
         network.ensure_bridge(log)
-        wanted = [LabHost(host_name(i), paths) for i in range(1, hosts + 1)]
+        _raise_inotify_limits(hosts + 1, progress)
+        bastion = LabHost(BASTION, paths)
+        wanted = [LabHost(host_name(i), paths) for i in range(0, hosts + 1)]  # 0: the bastion
         for extra in _existing_hosts(paths):
             if extra.index > hosts:
                 progress(f"removing {extra.name} (beyond --hosts {hosts})")
@@ -109,11 +120,13 @@ def lab_up(
         if started:
             progress(f"booting {', '.join(h.name for h in started)}")
         for h in wanted:
-            lab_host.wait_for_ssh(h, paths.client_key, paths.known_hosts)
-        progress(f"{hosts} host(s) answer ssh")
-        engine_files.install(wanted, paths, progress)
+            _wait_for_ssh_or_reboot(h, rootfs, paths, bastion, booted_now=h in started, progress=progress, log=log)
+        progress(f"{hosts} host(s) and the bastion answer ssh")
+        gpu_hosts = wanted[1:]
+        on_each(wanted, lambda h: lab_host.provision_operator(h, paths, _client_pubkey(paths), via=bastion))
+        engine_files.install(gpu_hosts, paths, progress, via=bastion)
         image.prune_old_images(paths, {rootfs.parent.resolve()})
-        inventory = inventory_file.write(repo_root, paths, wanted)
+        inventory = inventory_file.write(repo_root, paths, gpu_hosts)
     return lab_status(repo_root, paths, inventory)
 
 
@@ -151,15 +164,23 @@ def lab_status(
     repo_root = Path(repo_root or Path.cwd())
     paths = paths or LabPaths.from_env()
     statuses = []
-    for h in _existing_hosts(paths):
-        pid = lab_host.running_pid(h)
+    existing = _existing_hosts(paths)
+    pids = {h.name: lab_host.running_pid(h) for h in existing}
+    bastion = LabHost(BASTION, paths)
+    behind = lab_host.ssh_ports_open_behind(
+        bastion, [h.address for h in existing if not h.is_bastion and pids[h.name] is not None]
+    )
+    for h in existing:
+        pid = pids[h.name]
+        ssh = lab_host.ssh_port_open(h.address) if h.is_bastion else h.address in behind
         statuses.append(
             HostStatus(
                 name=h.name,
                 address=h.address,
                 running=pid is not None,
-                ssh=pid is not None and lab_host.ssh_port_open(h.address),
+                ssh=pid is not None and ssh,
                 pid=pid,
+                role="bastion" if h.is_bastion else "gpu",
             )
         )
     base = paths.base_link.resolve() if paths.base_link.is_symlink() else None
@@ -192,8 +213,9 @@ def start_host(name: str, paths: LabPaths | None = None) -> HostStatus:
         if lab_host.running_pid(h) is None:
             lab_host.authorize(h, rootfs, _client_pubkey(paths))
             lab_host.start(h, rootfs)
-        lab_host.wait_for_ssh(h, paths.client_key, paths.known_hosts)
-        return HostStatus(name=h.name, address=h.address, running=True, ssh=True, pid=lab_host.running_pid(h))
+        lab_host.wait_for_ssh(h, paths.client_key, paths.known_hosts, via=LabHost(BASTION, paths))
+        return HostStatus(name=h.name, address=h.address, running=True, ssh=True, pid=lab_host.running_pid(h),
+                          role="bastion" if h.is_bastion else "gpu")
 
 
 def _known_host(name: str, paths: LabPaths) -> LabHost:
@@ -230,6 +252,42 @@ def _check_prerequisites() -> None:
         raise LabError(
             f"missing tools: {', '.join(missing)}; apt-get install {' '.join(image.required_apt_packages())}"
         )
+
+
+def _wait_for_ssh_or_reboot(
+    h: LabHost, rootfs: Path, paths: LabPaths, bastion: LabHost, *, booted_now: bool, progress: Progress, log: Path
+) -> None:
+    """A host booted just now that does not answer ssh in time is powered off and booted once more
+    (its first failure, with its network as it stood, goes to the lab log); a second failure is raised."""
+    try:
+        lab_host.wait_for_ssh(h, paths.client_key, paths.known_hosts, via=bastion)
+        return
+    except LabError as first:
+        if not booted_now:
+            raise
+        with log.open("a") as f:
+            f.write(f"### {time.strftime('%Y-%m-%d %H:%M:%S')} {h.name}: no ssh after boot; rebooting once\n{first}\n")
+    progress(f"{h.name}: no ssh after boot; powering it off and booting it once more (details in {log})")
+    lab_host.stop(h)
+    lab_host.authorize(h, rootfs, _client_pubkey(paths))
+    lab_host.start(h, rootfs)
+    lab_host.wait_for_ssh(h, paths.client_key, paths.known_hosts, via=bastion)
+
+
+def _raise_inotify_limits(hosts: int, progress: Progress) -> None:
+    """Each booted host's systemd, journald and logind hold inotify instances of root's, against one
+    per-user limit of the whole machine (Debian: 128): past about a dozen hosts, a booting host's
+    services fail with "Too many open files". Raised, never lowered, with room to spare."""
+    for name, floor, per_host in (("max_user_instances", 1024, 64), ("max_user_watches", 65536, 16384)):
+        knob = Path("/proc/sys/fs/inotify") / name
+        wanted = floor + per_host * hosts
+        try:
+            current = int(knob.read_text())
+            if current < wanted:
+                knob.write_text(str(wanted))
+                progress(f"fs.inotify.{name}: {current} -> {wanted} (for {hosts} hosts)")
+        except (OSError, ValueError) as exc:
+            raise LabError(f"cannot raise {knob} to {wanted} for {hosts} hosts: {exc}") from exc
 
 
 def _ensure_key(key: Path, comment: str, what: str, log: Path) -> None:

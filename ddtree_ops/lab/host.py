@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -23,7 +24,18 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddtree_ops.lab.config import BRIDGE, BRIDGE_ADDRESS, SSH_PORT, SUBNET, LabPaths, host_address, host_index
+from ddtree_ops.lab.config import (
+    BASTION,
+    BRIDGE,
+    BRIDGE_ADDRESS,
+    OPERATOR,
+    SSH_PORT,
+    SUBNET,
+    VENV_DIR,
+    LabPaths,
+    host_address,
+    host_index,
+)
 from ddtree_ops.lab.steps import LabError, capture, log_tail, run_step
 
 # Runs as the process that becomes nspawn: joins the host's own cgroups ($5, $6; empty when the
@@ -51,6 +63,10 @@ class LabHost:
     @property
     def address(self) -> str:
         return str(host_address(self.index))
+
+    @property
+    def is_bastion(self) -> bool:
+        return self.name == BASTION
 
     @property
     def dir(self) -> Path:
@@ -138,6 +154,11 @@ def create(host: LabHost, base_rootfs: Path, log: Path) -> None:
     dbus_dir = _mkdirs_like(base_rootfs, host.upper, "var/lib/dbus")
     (dbus_dir / "machine-id").unlink(missing_ok=True)
     (dbus_dir / "machine-id").symlink_to("/etc/machine-id")
+    if host.is_bastion:
+        # Every GPU host's session hops through here at once (24 at `push`): OpenSSH's default
+        # MaxStartups (10:30:100) would drop unauthenticated connections beyond 10 at random.
+        sshd_dir = _mkdirs_like(base_rootfs, host.upper, "etc/ssh/sshd_config.d")
+        (sshd_dir / "ddtree-lab-bastion.conf").write_text("MaxStartups 200:30:400\nMaxSessions 64\n")
     host.base_file.write_text(f"{base_rootfs}\n")
 
 
@@ -147,6 +168,42 @@ def authorize(host: LabHost, base_rootfs: Path, client_pubkey: str) -> None:
     keys = ssh_dir / "authorized_keys"
     keys.write_text(client_pubkey.strip() + "\n")
     keys.chmod(0o600)
+
+
+# Runs as root on a host (sh -c, values as positional parameters): the operator user with the lab's key,
+# and on the GPU hosts a sudo rule for the host agent's interpreter only, checked by visudo before use.
+_PROVISION_SCRIPT = r"""
+set -eu
+user=$1 key=$2 rule=$3
+id -u "$user" >/dev/null 2>&1 || useradd --create-home --shell /bin/bash "$user"
+usermod -p '*' "$user"
+home=$(getent passwd "$user" | cut -d: -f6)
+install -d -m 700 -o "$user" -g "$user" "$home/.ssh"
+printf '%s\n' "$key" > "$home/.ssh/authorized_keys.tmp"
+chown "$user:" "$home/.ssh/authorized_keys.tmp" && chmod 600 "$home/.ssh/authorized_keys.tmp"
+mv -f "$home/.ssh/authorized_keys.tmp" "$home/.ssh/authorized_keys"
+if [ -n "$rule" ]; then
+    printf '%s\n' "$rule" > /etc/sudoers.d/.ddtree-ops-lab.tmp
+    chmod 440 /etc/sudoers.d/.ddtree-ops-lab.tmp
+    visudo -cqf /etc/sudoers.d/.ddtree-ops-lab.tmp
+    mv -f /etc/sudoers.d/.ddtree-ops-lab.tmp /etc/sudoers.d/ddtree-ops-lab
+fi
+"""
+
+
+def sudo_rule(python: str = f"{VENV_DIR}/bin/python") -> str:
+    """The operator's only sudo right on a GPU host: the host agent's interpreter, without a password."""
+    return f"{OPERATOR} ALL=(root) NOPASSWD: {python}"
+
+
+def provision_operator(host: LabHost, paths: LabPaths, client_pubkey: str, via: LabHost) -> None:
+    """The unprivileged login user `ops` with the lab's key (and its sudo rule, but on the bastion)."""
+    rule = "" if host.is_bastion else sudo_rule()
+    remote = shlex.join(["sh", "-c", _PROVISION_SCRIPT, "lab-provision", OPERATOR, client_pubkey.strip(), rule])
+    result = capture(ssh_argv(host, paths.client_key, paths.known_hosts, remote, via=via), timeout=60)
+    if result.returncode != 0:
+        raise LabError(f"{host.name}: creating the operator user {OPERATOR} failed "
+                       f"(exit {result.returncode}): {result.stderr.strip()[-2000:]}")
 
 
 def _mkdirs_like(lower_root: Path, upper_root: Path, rel: str, mode: int | None = None) -> Path:
@@ -403,7 +460,7 @@ def remove_all_lab_cgroups() -> None:
 
 
 def ssh_port_open(address: str, timeout: float = 1.0) -> bool:
-    """True when something on address:22 greets with an SSH banner."""
+    """True when something on address:22 greets with an SSH banner (seen from this machine)."""
     try:
         with socket.create_connection((address, SSH_PORT), timeout=timeout) as sock:
             sock.settimeout(timeout)
@@ -412,17 +469,59 @@ def ssh_port_open(address: str, timeout: float = 1.0) -> bool:
         return False
 
 
-def ssh_argv(host: LabHost, client_key: Path, known_hosts: Path, *remote: str) -> list[str]:
-    """Plain OpenSSH client with the lab's key and strict host-key checking."""
-    return [
-        "ssh", "-i", str(client_key), "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes",
-        "-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={known_hosts}",
-        "-o", "ConnectTimeout=5", "-p", str(SSH_PORT), f"root@{host.address}", "--", *remote,
+# Prints the addresses (argv) whose port 22 greets with an SSH banner, one per line.
+_BANNER_PROBE = r"""
+import socket, sys
+for address in sys.argv[1:]:
+    try:
+        with socket.create_connection((address, 22), timeout=1.0) as sock:
+            sock.settimeout(1.0)
+            if sock.recv(64).startswith(b"SSH-"):
+                print(address)
+    except OSError:
+        pass
+"""
+
+
+def _netns(host: LabHost) -> str | None:
+    """The host's network namespace (its nspawn's child is the container's init), None when stopped."""
+    pid = running_pid(host)
+    init = _children(pid)[:1] if pid is not None else []
+    return f"/proc/{init[0]}/ns/net" if init else None
+
+
+def ssh_ports_open_behind(bastion: LabHost, addresses: list[str]) -> set[str]:
+    """The addresses whose ssh port answers as seen from the bastion (this machine may not reach them):
+    one probe run in the bastion's network namespace, for all of them at once."""
+    netns = _netns(bastion)
+    if netns is None or not addresses:
+        return set()
+    probe = ["nsenter", f"--net={netns}", "--", "python3", "-c", _BANNER_PROBE, *addresses]
+    result = capture(probe, timeout=5 + 2 * len(addresses))
+    return set(result.stdout.split()) if result.returncode == 0 else set()
+
+
+def ssh_argv(
+    host: LabHost, client_key: Path, known_hosts: Path, *remote: str, user: str = "root", via: LabHost | None = None
+) -> list[str]:
+    """Plain OpenSSH client with the lab's key and strict host-key checking; through `via` (the bastion,
+    as root, with the same key and known_hosts) unless the host is the bastion itself."""
+    common = [
+        "-i", str(client_key), "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes",
+        "-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={known_hosts}", "-o", "ConnectTimeout=5",
     ]  # fmt: skip
+    proxy: list[str] = []
+    if via is not None and not host.is_bastion:
+        # ProxyCommand, not ProxyJump: a jump's ssh reads only ssh_config, not these -o options.
+        jump = ["ssh", *common, "-W", "%h:%p", "-p", str(SSH_PORT), f"root@{via.address}"]
+        proxy = ["-o", "ProxyCommand=" + shlex.join(jump)]
+    return ["ssh", *common, *proxy, "-p", str(SSH_PORT), f"{user}@{host.address}", "--", *remote]
 
 
-def wait_for_ssh(host: LabHost, client_key: Path, known_hosts: Path, timeout: float = BOOT_TIMEOUT_S) -> None:
-    """Return once `ssh root@host true` succeeds with strict host-key checking."""
+def wait_for_ssh(
+    host: LabHost, client_key: Path, known_hosts: Path, timeout: float = BOOT_TIMEOUT_S, via: LabHost | None = None
+) -> None:
+    """Return once `ssh root@host true` succeeds with strict host-key checking (through `via`, the bastion)."""
     deadline = time.monotonic() + timeout
     last = ""
     while time.monotonic() < deadline:
@@ -431,14 +530,25 @@ def wait_for_ssh(host: LabHost, client_key: Path, known_hosts: Path, timeout: fl
                 f"{host.name} exited while booting; console log {host.console_log}:\n"
                 f"{log_tail(host.console_log)}"
             )
-        if ssh_port_open(host.address):
-            result = capture(ssh_argv(host, client_key, known_hosts, "true"), timeout=15)
+        behind = via is not None and not host.is_bastion
+        if (host.address in ssh_ports_open_behind(via, [host.address])) if behind else ssh_port_open(host.address):
+            result = capture(ssh_argv(host, client_key, known_hosts, "true", via=via), timeout=15)
             if result.returncode == 0:
                 return
             last = result.stderr.strip()
         time.sleep(0.2)
     raise LabError(
         f"{host.name} ({host.address}) did not answer ssh within {timeout:.0f} s"
-        f"{'; last ssh error: ' + last if last else ''}; console log {host.console_log}:\n"
-        f"{log_tail(host.console_log)}"
+        f"{'; last ssh error: ' + last if last else ''}; its network: {network_snapshot(host)}; "
+        f"console log {host.console_log}:\n{log_tail(host.console_log)}"
     )
+
+
+def network_snapshot(host: LabHost) -> str:
+    """What a host that does not answer looks like from the network's side: its addresses, routes and
+    listening sockets (inside its namespace) and the bridge's ports (here), for the error message."""
+    netns = _netns(host)
+    inside = [["ip", "-br", "addr"], ["ip", "route"], ["ss", "-ltn"]] if netns else []
+    parts = [capture(["nsenter", f"--net={netns}", "--", *argv], timeout=5) for argv in inside]
+    parts.append(capture(["ip", "-br", "link", "show", "master", BRIDGE], timeout=5))
+    return " | ".join(" ".join((p.stdout + p.stderr).split()) for p in parts) or "(stopped)"

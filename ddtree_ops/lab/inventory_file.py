@@ -12,8 +12,10 @@ import shutil
 from pathlib import Path
 
 from ddtree_ops.lab.config import (
+    BASTION,
     DRAFT_MODEL,
     HOST_STATE_DIR,
+    OPERATOR,
     SERVE_PORT,
     SERVER_MODULE,
     SERVICE,
@@ -21,6 +23,7 @@ from ddtree_ops.lab.config import (
     TARGET_MODEL,
     VENV_DIR,
     LabPaths,
+    host_address,
 )
 from ddtree_ops.lab.host import LabHost
 
@@ -41,7 +44,10 @@ def render(hosts: list[LabHost]) -> dict[str, object]:
     return {
         "all": {
             "vars": {
-                "user": "root",
+                # As on a real GPU fleet: log in as yourself, through the bastion, and let sudo run the agent.
+                "user": OPERATOR,
+                "sudo": True,
+                "jump_host": f"{OPERATOR}@{host_address(0)}",
                 "identity_file": f"{FILES_DIR}/id_ed25519",
                 "known_hosts": f"{FILES_DIR}/known_hosts",
                 "python": f"{VENV_DIR}/bin/python",
@@ -73,7 +79,8 @@ def write(repo_root: Path, paths: LabPaths, hosts: list[LabHost]) -> Path:
     _copy_private(paths.signing_key, files / SIGNER_KEY)
     shutil.copyfile(paths.signing_key.with_suffix(".pub"), files / f"{SIGNER_KEY}.pub")
     shutil.copyfile(paths.known_hosts, files / "known_hosts")
-    header = "# Written by `ddtree-ops lab up`; rewritten on every run, removed by `ddtree-ops lab down`.\n"
+    header = ("# Written by `ddtree-ops lab up`; rewritten on every run, removed by `ddtree-ops lab down`.\n"
+              f"# jump_host is {BASTION}, the only lab host this machine reaches by ssh.\n")
     text = header + yaml.safe_dump(render(hosts), sort_keys=False, default_flow_style=None, width=200)
     tmp = target.with_suffix(".yaml.tmp")
     tmp.write_text(text)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import subprocess
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 # Called with a short human message ("building base image: debootstrap bookworm"), so the CLI
 # can show which step of a minutes-long build it is on.
@@ -69,3 +73,11 @@ def capture(argv: Sequence[str | Path], *, timeout: float = 30) -> subprocess.Co
         timeout=timeout,
         check=False,
     )
+
+
+def on_each(items: Sequence[T], work: Callable[[T], object]) -> None:
+    """work(item) for every item, a few at a time (lab work per host is mostly waiting on ssh);
+    re-raises the first error in the items' order once all have finished."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(8, len(items)))) as pool:
+        for future in [pool.submit(work, item) for item in items]:
+            future.result()

@@ -13,16 +13,20 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shlex
 import shutil
 import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+BASTION = "lab-bastion"
 LAB_HOSTS = 3
 EXCLUSIVE_WAIT_S = 900.0
 
@@ -62,9 +66,9 @@ class LabLease:
 @dataclass(frozen=True)
 class LabFleet:
     inventory_path: Path
-    hosts: list[str]
+    hosts: list[str]  # the GPU hosts (lab-1 …), not the bastion
     repo_root: Path
-    addresses: dict[str, str]
+    addresses: dict[str, str]  # the bastion's too
 
     @property
     def identity_file(self) -> Path:
@@ -74,19 +78,31 @@ class LabFleet:
     def known_hosts(self) -> Path:
         return self.inventory_path.parent / "lab" / "known_hosts"
 
-    def ssh_argv(self, host: str, *remote: str) -> list[str]:
-        """Plain OpenSSH with the lab's key and strict host-key checking against the lab's known_hosts."""
-        return [
-            "ssh", "-i", str(self.identity_file), "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes",
-            "-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={self.known_hosts}",
-            "-o", "ConnectTimeout=5", f"root@{self.addresses[host]}", "--", *remote,
-        ]  # fmt: skip
+    def inventory_data(self) -> dict[str, Any]:
+        """lab.yaml as data with its file paths made absolute, for a test to edit and write elsewhere."""
+        data = yaml.safe_load(self.inventory_path.read_text())
+        data["all"]["vars"].update(identity_file=str(self.identity_file), known_hosts=str(self.known_hosts))
+        data["signers"] = {name: str(self.inventory_path.parent / key) for name, key in data["signers"].items()}
+        return data
 
-    def ssh(self, host: str, *remote: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    def ssh_argv(self, host: str, *remote: str, user: str = "root") -> list[str]:
+        """Plain OpenSSH with the lab's key and strict host-key checking against the lab's known_hosts,
+        through the bastion (this machine may not reach a GPU host's ssh directly)."""
+        common = [
+            "-i", str(self.identity_file), "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes",
+            "-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={self.known_hosts}", "-o", "ConnectTimeout=5",
+        ]  # fmt: skip
+        proxy = []
+        if host != BASTION:
+            jump = shlex.join(["ssh", *common, "-W", "%h:%p", f"root@{self.addresses[BASTION]}"])
+            proxy = ["-o", f"ProxyCommand={jump}"]
+        return ["ssh", *common, *proxy, f"{user}@{self.addresses[host]}", "--", *remote]
+
+    def ssh(self, host: str, *remote: str, timeout: float = 120, user: str = "root") -> subprocess.CompletedProcess[str]:
         """Run a command like the plain ssh client does: the words are joined with spaces and the
         host's shell parses them, so quote with shlex.join for arguments that hold shell syntax."""
         return subprocess.run(
-            self.ssh_argv(host, *remote), capture_output=True, text=True, timeout=timeout, check=False
+            self.ssh_argv(host, *remote, user=user), capture_output=True, text=True, timeout=timeout, check=False
         )
 
 
@@ -124,7 +140,7 @@ def lab_fleet(lab_lease: LabLease) -> Iterator[LabFleet]:
     assert status.inventory_path is not None
     yield LabFleet(
         inventory_path=status.inventory_path,
-        hosts=[h.name for h in status.hosts],
+        hosts=[h.name for h in status.gpu_hosts],
         repo_root=REPO_ROOT,
         addresses={h.name: h.address for h in status.hosts},
     )

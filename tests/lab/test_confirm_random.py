@@ -61,8 +61,7 @@ def stub(lab_fleet, tmp_path_factory):
     reset = (f"systemctl stop {SERVICE}; rm -rf {UNIT} {STATE_DIR} /etc/ddtree-ops/ddtree-stub.env "
              f"/etc/ddtree-ops/.ddtree-ops-backup; systemctl daemon-reload; systemctl reset-failed; true")
     ssh(HOST, reset)
-    data = yaml.safe_load(lab_fleet.inventory_path.read_text())
-    data["all"]["vars"].update(identity_file=str(lab_fleet.identity_file), known_hosts=str(lab_fleet.known_hosts))
+    data = lab_fleet.inventory_data()
     data["hosts"][HOST].update(service=SERVICE, serve_port=PORT, state_dir=STATE_DIR, confirm_timeout_s=CONFIRM_S,
                                lock_ttl_s=10)
     inv = tmp_path_factory.mktemp("confirm") / "inv.yaml"

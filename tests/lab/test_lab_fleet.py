@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import shlex
+import socket
 import subprocess
 import sys
 import time
@@ -77,32 +78,54 @@ def _lab_interfaces() -> list[str]:
 
 
 @pytest.mark.lab
-def test_three_hosts_answer_ssh_with_their_own_host_keys(lab_fleet):
+def test_three_hosts_and_the_bastion_answer_ssh_with_their_own_host_keys(lab_fleet):
     assert lab_fleet.hosts == ["lab-1", "lab-2", "lab-3"]
-    assert lab_fleet.addresses == {"lab-1": "10.200.0.11", "lab-2": "10.200.0.12", "lab-3": "10.200.0.13"}
+    assert lab_fleet.addresses == {"lab-bastion": "10.200.0.10", "lab-1": "10.200.0.11", "lab-2": "10.200.0.12",
+                                   "lab-3": "10.200.0.13"}
     entries = [line.split() for line in lab_fleet.known_hosts.read_text().splitlines()]
-    assert [e[0] for e in entries] == ["10.200.0.11", "10.200.0.12", "10.200.0.13"]
+    assert [e[0] for e in entries] == ["10.200.0.10", "10.200.0.11", "10.200.0.12", "10.200.0.13"]
     assert all(e[1] == "ssh-ed25519" for e in entries)
-    assert len({e[2] for e in entries}) == 3, "hosts share a host key"
+    assert len({e[2] for e in entries}) == 4, "hosts share a host key"
     machine_ids = set()
-    for name in lab_fleet.hosts:
+    for name in ["lab-bastion", *lab_fleet.hosts]:
         result = lab_fleet.ssh(name, "hostname; cat /etc/machine-id; systemctl is-system-running")
         assert result.returncode == 0, result.stderr
         hostname, machine_id, state = result.stdout.split()
         assert hostname == name
         assert state == "running"
         machine_ids.add(machine_id)
-        # The key the host actually serves is the one the lab wrote to known_hosts.
-        scanned = subprocess.run(
-            ["ssh-keyscan", "-t", "ed25519", lab_fleet.addresses[name]],
-            capture_output=True,
-            text=True,
-            timeout=15,
-            check=False,
-        )
+        # The key the host actually serves (as the bastion sees it) is the one the lab wrote to known_hosts.
+        scanned = lab_fleet.ssh("lab-bastion", f"ssh-keyscan -t ed25519 {lab_fleet.addresses[name]}", timeout=30)
         served = scanned.stdout.split()
         assert served[1:3] in [e[1:3] for e in entries if e[0] == lab_fleet.addresses[name]]
-    assert len(machine_ids) == 3
+    assert len(machine_ids) == 4
+
+
+@pytest.mark.lab
+def test_only_the_bastion_takes_ssh_from_this_machine(lab_fleet):
+    from ddtree_ops.lab.host import ssh_port_open
+
+    assert ssh_port_open(lab_fleet.addresses["lab-bastion"])
+    for name in lab_fleet.hosts:
+        with pytest.raises(OSError):  # refused here, by this machine's own routing rule: no packet leaves
+            socket.create_connection((lab_fleet.addresses[name], 22), timeout=3).close()
+        # … while the bastion reaches it, and so do ddtree-ops (lab.yaml's jump_host) and the lab itself
+        probe = lab_fleet.ssh("lab-bastion", _connect_probe(lab_fleet.addresses[name], 22, python="python3"))
+        assert probe.stdout.strip() == "ok", probe.stderr
+    assert fleet.lab_status(lab_fleet.repo_root).all_up
+
+
+@pytest.mark.lab
+def test_the_operator_logs_in_unprivileged_and_sudo_runs_only_the_agents_python(lab_fleet):
+    who = lab_fleet.ssh("lab-1", "id -un; id -u; sudo -n /opt/sglang/venv/bin/python -c 'import os; print(os.getuid())'",
+                        user="ops")
+    assert who.returncode == 0, who.stderr
+    user, uid, agent_uid = who.stdout.split()
+    assert (user, agent_uid) == ("ops", "0") and uid != "0"
+    other = lab_fleet.ssh("lab-1", "sudo -n /bin/true", user="ops")
+    assert other.returncode != 0 and "sudo" in other.stderr
+    # the bastion: a login, no sudo rule at all
+    assert lab_fleet.ssh("lab-bastion", "sudo -n -l", user="ops").returncode != 0
 
 
 @pytest.mark.lab
@@ -110,7 +133,9 @@ def test_inventory_is_ready_to_use(lab_fleet):
     inventory = yaml.safe_load(lab_fleet.inventory_path.read_text())
     assert lab_fleet.inventory_path == lab_fleet.repo_root / "inventory" / "lab.yaml"
     assert inventory["all"]["vars"] == {
-        "user": "root",
+        "user": "ops",
+        "sudo": True,
+        "jump_host": "ops@10.200.0.10",
         "identity_file": "lab/id_ed25519",
         "known_hosts": "lab/known_hosts",
         "python": "/opt/sglang/venv/bin/python",
@@ -179,9 +204,9 @@ def test_host_venv_imports_sglang_and_parses_dflash_args(lab_fleet):
     assert parsed["draft_tokens"] == 16
 
 
-def _connect_probe(address: str, port: int) -> str:
+def _connect_probe(address: str, port: int, python: str = "/opt/sglang/venv/bin/python") -> str:
     code = f"import socket; socket.create_connection(({address!r}, {port}), timeout=3); print('ok')"
-    return shlex.join(["/opt/sglang/venv/bin/python", "-c", code])
+    return shlex.join([python, "-c", code])
 
 
 @pytest.mark.lab
@@ -235,7 +260,9 @@ def test_status_cli_json(lab_fleet):
     assert result.returncode == 0, result.stderr
     status = json.loads(result.stdout)
     assert status["all_up"] is True
-    assert [h["name"] for h in status["hosts"]] == lab_fleet.hosts
+    assert [(h["name"], h["role"]) for h in status["hosts"]] == [("lab-bastion", "bastion")] + [
+        (name, "gpu") for name in lab_fleet.hosts
+    ]
 
 
 @pytest.mark.lab
@@ -244,11 +271,13 @@ def test_down_leaves_nothing_behind_and_up_works_twice(lab_exclusive):
     lab_fleet = lab_exclusive
     for _ in range(2):
         host_namespaces = _host_net_namespaces()
-        assert len(host_namespaces) == 3
+        assert len(host_namespaces) == 4  # and the bastion
         fleet.lab_down(lab_fleet.repo_root)
         assert _nspawn_processes() == []
         assert _lab_mounts() == []
         assert _lab_interfaces() == []
+        assert subprocess.run(["ip", "-4", "rule", "show", "pref", "17411"], capture_output=True, text=True,
+                              check=True).stdout == "", "the lab's routing rule outlived it"
         assert not host_namespaces & _net_namespaces_in_use(), "a host's network namespace outlived it"
         assert not lab_fleet.inventory_path.exists()
         fleet.lab_down(lab_fleet.repo_root)  # nothing up: still fine
@@ -278,6 +307,7 @@ def test_inventory_for_one_host_has_no_empty_main_group(tmp_path):
 
     paths = LabPaths(cache=tmp_path / "cache", state=tmp_path / "state")
     rendered = render([LabHost("lab-1", paths)])
+    assert (rendered["all"]["vars"]["user"], rendered["all"]["vars"]["jump_host"]) == ("ops", "ops@10.200.0.10")
     assert rendered["groups"] == {"canary": {"hosts": ["lab-1"]}}
     assert rendered["hosts"] == {"lab-1": {"address": "10.200.0.11", "port": 22}}
     # the lab's serving unit runs the lab engine on the lab's models, on production's port
@@ -287,7 +317,7 @@ def test_inventory_for_one_host_has_no_empty_main_group(tmp_path):
                                                                 "/opt/ddtree-lab/models/draft")
 
 
-@pytest.mark.parametrize("name", ["lab-0", "lab-51", "lab-x", "gpu-1", "lab-1; rm -rf /", "../lab-1"])
+@pytest.mark.parametrize("name", ["lab-0", "lab-51", "lab-bastion2", "lab-x", "gpu-1", "lab-1; rm -rf /", "../lab-1"])
 def test_foreign_host_names_are_refused(name):
     from ddtree_ops.lab.config import host_index
 

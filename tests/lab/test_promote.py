@@ -74,10 +74,9 @@ class Inventories:
         self.n = 0
 
     def write(self, hosts: dict[str, dict] | None = None, **all_vars: object) -> Path:
-        data = yaml.safe_load(self.lab_fleet.inventory_path.read_text())
+        data = self.lab_fleet.inventory_data()
         v = data["all"]["vars"]
-        v.update(identity_file=str(self.lab_fleet.identity_file), known_hosts=str(self.lab_fleet.known_hosts),
-                 service_secrets_file=str(self.secrets_file), start_timeout_s=240, restart_sec=2, **all_vars)
+        v.update(service_secrets_file=str(self.secrets_file), start_timeout_s=240, restart_sec=2, **all_vars)
         # lab-3 always carries the hostile model path and served name: every stage must keep them intact.
         data["hosts"]["lab-3"].update(model_path=HOSTILE_DIR,
                                       extra_args=[*v.get("extra_args", []), "--served-model-name", HOSTILE_NAME])

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import sys
 from pathlib import Path, PurePosixPath
@@ -66,6 +65,8 @@ def find_base(package: str, sys_path: list | None = None) -> tuple[str, Path]:
     importlib.metadata reads dist-info only, so this costs milliseconds where `import sglang`
     costs seconds. sys_path (as in facts) puts directories first; tests point it at a fake tree.
     """
+    import importlib.metadata  # here, not at the top: 25 ms of every agent start that imports layout for its names
+
     if sys_path is not None and (not isinstance(sys_path, list) or not all(isinstance(p, str) for p in sys_path)):
         raise AgentError("bad_request", "sys_path must be a list of strings")
     dists = list(importlib.metadata.distributions(name=package, path=list(sys_path or []) + sys.path))
