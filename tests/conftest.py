@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import signal
 import socket
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +13,19 @@ import paramiko
 import pytest
 import yaml
 from ssh_server import LocalSSHServer, write_private_key
+
+
+@pytest.fixture(autouse=True)
+def _sigint_left_as_found(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that leaves its own SIGINT handler behind would turn every later Ctrl-C test (and pytest's own
+    Ctrl-C) into a hang: put the handler back and name the test in the warnings summary."""
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    after = signal.getsignal(signal.SIGINT)
+    if after is not before:
+        signal.signal(signal.SIGINT, before)
+        warnings.warn(f"{request.node.nodeid} left SIGINT's handler changed ({after!r}, was {before!r}); restored",
+                      stacklevel=1)
 
 
 @pytest.fixture

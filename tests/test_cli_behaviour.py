@@ -147,7 +147,9 @@ def test_ctrl_c_acts_at_once_says_what_it_interrupted_and_exits_130(tmp_path: Pa
                                          "hosts": {"hung": {"address": "127.0.0.1", "port": silent.port}}}))
     argv = [sys.executable, "-c", "from ddtree_ops.cli import main; main()", "status", "-i", str(inventory), "--json"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("DDTREE_")}
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # SIGINT as a shell gives it, whatever this test process inherited (an ignored SIGINT is inherited across exec).
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert silent.accepted.wait(60), "the CLI never connected"
         proc.send_signal(signal.SIGINT)

@@ -298,11 +298,27 @@ LEFTOVER_LOGITS = [3.076284170150757, 2.934630870819092, 3.190234422683716, -3.0
 LAST_COIN = 1.0 - 2.0**-24  # the largest float32 below 1: torch.rand's largest coin
 
 
+def _leftover_probs() -> torch.Tensor:
+    """The top-3 target distribution of LEFTOVER_LOGITS in float32, built here (math.exp, then float32)
+    rather than by the sampler's softmax, whose last ulp depends on the CPU's vector unit: on one machine
+    its three probabilities summed to 1.0 in float32 and the premise below failed. The last child's
+    probability is lowered by ulps until the children's float32 sum, in their order (2, 0, 1), is below
+    LAST_COIN; a few ulps change no law the tests check."""
+    support = [2, 0, 1]
+    weights = [math.exp(LEFTOVER_LOGITS[t]) for t in support]
+    q = torch.zeros(len(LEFTOVER_LOGITS))
+    for t, w in zip(support, weights, strict=True):
+        q[t] = w / sum(weights)
+    while float(q[2] + q[0] + q[1]) >= LAST_COIN:
+        q[1] = torch.nextafter(q[1], torch.zeros(()))
+    return q
+
+
 def _leftover_case(bs: int = 1):
     """A root whose three children are exactly the support of its top-k 3 distribution, and whose
     three probabilities sum to less than LAST_COIN in float32 in the children's order."""
     vocab = len(LEFTOVER_LOGITS)
-    q = ds.target_probs(torch.tensor([LEFTOVER_LOGITS]), torch.ones(1), torch.tensor([3]), torch.ones(1))[0]
+    q = _leftover_probs()
     draft = torch.full((bs, 1, vocab), -9.0)
     draft[:, 0, [2, 0, 1]] = torch.tensor([3.0, 2.0, 1.0])  # the support, most probable first, as children
     tree = du.build_ddtree(draft, 3)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import _thread
+import signal
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -100,6 +102,15 @@ def test_empty_and_invalid() -> None:
 # --- Ctrl-C ---------------------------------------------------------------------------------------------
 # The interrupt is delivered with _thread.interrupt_main() once the hosts are where the test wants them, and
 # the test threads wait on events and on the run's own state, never on sleeps: deterministic on a slow machine.
+
+
+@pytest.fixture(autouse=True)
+def _sigint_raises_keyboard_interrupt() -> Iterator[None]:
+    # _thread.interrupt_main() calls whatever handles SIGINT: these tests need Python's own, whatever an
+    # earlier test or library left installed.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 def _wait_until(condition) -> None:

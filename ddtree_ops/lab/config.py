@@ -109,9 +109,5 @@ class LabPaths:
         return self.state / "known_hosts"
 
     @property
-    def bastion_dir(self) -> Path:
-        return self.host_dir(BASTION)
-
-    @property
     def lock_file(self) -> Path:
         return self.state / "lock"

@@ -28,6 +28,17 @@ class EnvFileError(ValueError):
         self.problem = problem
 
 
+def _append(buf: list, trailing_ws: int | None, c: str) -> int | None:
+    """Append c to an unquoted key or value; returns where its run of trailing whitespace starts (None:
+    it ends in a non-blank), which systemd strips at the end of the line or before `=`."""
+    if c not in WHITESPACE:
+        trailing_ws = None
+    elif trailing_ws is None:
+        trailing_ws = len(buf)
+    buf.append(c)
+    return trailing_ws
+
+
 def parse(text: str) -> list:
     """[(line, key, value)] in file order, as systemd reads them. Lines systemd would drop or
     misread silently (no `=`, a key that is no variable name) are errors here, naming the line but
@@ -57,11 +68,7 @@ def parse(text: str) -> list:
             if c == "=":
                 state, value, value_ws = "pre_value", [], None
             else:
-                if c not in WHITESPACE:
-                    key_ws = None
-                elif key_ws is None:
-                    key_ws = len(key)
-                key.append(c)
+                key_ws = _append(key, key_ws, c)
         elif state in ("pre_value", "value"):
             if c in NEWLINE:
                 if state == "value" and value_ws is not None:
@@ -79,11 +86,7 @@ def parse(text: str) -> list:
                     state = "value"
                     value.append(c)
             else:
-                if c not in WHITESPACE:
-                    value_ws = None
-                elif value_ws is None:
-                    value_ws = len(value)
-                value.append(c)
+                value_ws = _append(value, value_ws, c)
         elif state == "value_escape":
             state = "value"
             if c not in NEWLINE:
