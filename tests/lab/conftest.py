@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import shlex
 import shutil
 import subprocess
 import time
@@ -26,7 +25,6 @@ import pytest
 import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-BASTION = "lab-bastion"
 LAB_HOSTS = 3
 EXCLUSIVE_WAIT_S = 900.0
 
@@ -87,16 +85,14 @@ class LabFleet:
 
     def ssh_argv(self, host: str, *remote: str, user: str = "root") -> list[str]:
         """Plain OpenSSH with the lab's key and strict host-key checking against the lab's known_hosts,
-        through the bastion (this machine may not reach a GPU host's ssh directly)."""
-        common = [
-            "-i", str(self.identity_file), "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes",
-            "-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={self.known_hosts}", "-o", "ConnectTimeout=5",
-        ]  # fmt: skip
-        proxy = []
-        if host != BASTION:
-            jump = shlex.join(["ssh", *common, "-W", "%h:%p", f"root@{self.addresses[BASTION]}"])
-            proxy = ["-o", f"ProxyCommand={jump}"]
-        return ["ssh", *common, *proxy, f"{user}@{self.addresses[host]}", "--", *remote]
+        through the bastion (this machine may not reach a GPU host's ssh directly): the lab's own argv."""
+        from ddtree_ops.lab.config import BASTION, LabPaths
+        from ddtree_ops.lab.host import LabHost
+        from ddtree_ops.lab.host import ssh_argv as lab_ssh_argv
+
+        paths = LabPaths.from_env()
+        return lab_ssh_argv(LabHost(host, paths), self.identity_file, self.known_hosts, *remote, user=user,
+                            via=LabHost(BASTION, paths))
 
     def ssh(self, host: str, *remote: str, timeout: float = 120, user: str = "root") -> subprocess.CompletedProcess[str]:
         """Run a command like the plain ssh client does: the words are joined with spaces and the
