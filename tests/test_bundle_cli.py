@@ -20,7 +20,8 @@ def test_build_then_verify_then_tampered(tmp_path: Path) -> None:
     assert built.returncode == 0, built.stderr
     doc = json.loads(built.stdout)
     bundle = Path(doc["bundle"])
-    assert bundle.is_file() and bundle.name == "ddtree-payload-0.6.0.tar.gz"
+    version = json.loads((Path(__file__).resolve().parents[1] / "ddtree_ops/payload/payload.json").read_text())["version"]
+    assert bundle.is_file() and bundle.name == f"ddtree-payload-{version}.tar.gz"
     manifest = doc["manifest"]
     assert manifest["base_package"] == "sglang" and manifest["base_version"] == "0.5.13.post1"
     assert {f["path"] for f in manifest["patched_files"]} >= {"sglang/srt/server_args.py"}

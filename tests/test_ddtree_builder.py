@@ -724,6 +724,17 @@ def test_shrink_tree_is_the_smaller_budgets_tree() -> None:
             assert torch.equal(getattr(padded, name)[:, :w], getattr(want, name)), (name, ctx)
         assert torch.equal(padded.token_ids[:, :small], want.token_ids), ctx
         assert (padded.token_ids[:, small:] == du.PAD_TOKEN_ID).all(), ctx
+        # Padded to a smaller verify graph's width (auto): the same nodes, that width's padding.
+        to = rng.randrange(small + 1, big + 2)
+        mid = du.shrink_tree(full, small, pad=True, pad_to=to)
+        assert mid.parents.shape[1] == to and mid.budget == to - 1, ctx
+        check_structure(mid, logits, cap)
+        for name in tree_tensor_fields():
+            if name != "retrive_index":
+                assert torch.equal(getattr(mid, name)[..., :to - 1 if name == "token_ids" else to]
+                                   if name != "tree_mask" else mid.tree_mask,
+                                   getattr(padded, name)[..., :to - 1 if name == "token_ids" else to]
+                                   if name != "tree_mask" else padded.tree_mask[:, :to, :to]), (name, to, ctx)
     assert du.shrink_tree(full, big, pad=True) is full
 
 

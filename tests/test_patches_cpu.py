@@ -101,6 +101,10 @@ def _cases(models: Path) -> tuple[list[dict], dict[str, object]]:
                                       "--speculative-ddtree-keep-chain"],
         "full keep chain 64": [*full, "--speculative-ddtree-budget", "64", "--speculative-ddtree-keep-chain"],
         "keep chain budget = depth": [*full, "--speculative-ddtree-budget", "15", "--speculative-ddtree-keep-chain"],
+        "full auto": [*full, "--speculative-ddtree-budget", "auto"],
+        "full auto max 63 keep chain": [*full, "--speculative-ddtree-budget", "AUTO", "--speculative-ddtree-budget-max",
+                                        "63", "--speculative-ddtree-keep-chain"],
+        "shadow auto": [*df, "--speculative-ddtree-mode", "shadow-linear", "--speculative-ddtree-budget", "auto"],
     }
     bad = {
         "mode without DFLASH": ([*base, "--speculative-ddtree-mode", "full"],
@@ -116,7 +120,19 @@ def _cases(models: Path) -> tuple[list[dict], dict[str, object]]:
         "budget 0": ([*full, "--speculative-ddtree-budget", "0"], "--speculative-ddtree-budget must be in 1..512"),
         "budget 513": ([*full, "--speculative-ddtree-budget", "513"], "--speculative-ddtree-budget must be in 1..512"),
         "budget not int": ([*full, "--speculative-ddtree-budget", "many"],
-                           "argument --speculative-ddtree-budget: invalid int value"),
+                           "--speculative-ddtree-budget must be in 1..512 (non-root tree nodes) or auto, got 'many'"),
+        "budget max without auto": ([*full, "--speculative-ddtree-budget", "64", "--speculative-ddtree-budget-max", "64"],
+                                    "--speculative-ddtree-budget-max is the largest budget of --speculative-ddtree-budget "
+                                    "auto"),
+        "auto max 513": ([*full, "--speculative-ddtree-budget", "auto", "--speculative-ddtree-budget-max", "513"],
+                         "--speculative-ddtree-budget-max must be in 1..512"),
+        "auto cap above max": ([*full, "--speculative-ddtree-budget", "auto", "--speculative-ddtree-budget-max", "31",
+                                "--speculative-ddtree-topk-cap", "32"],
+                               "--speculative-ddtree-topk-cap must be in 1..31 (1..--speculative-ddtree-budget-max)"),
+        "auto keep chain max below depth": ([*full, "--speculative-ddtree-budget", "auto",
+                                             "--speculative-ddtree-budget-max", "7", "--speculative-ddtree-keep-chain"],
+                                            "--speculative-ddtree-keep-chain needs --speculative-ddtree-budget-max >= "
+                                            "the draft depth 15"),
         "cap 0": ([*full, "--speculative-ddtree-topk-cap", "0"], "--speculative-ddtree-topk-cap must be in 1..15"),
         "cap above budget": ([*full, "--speculative-ddtree-budget", "64", "--speculative-ddtree-topk-cap", "65"],
                              "--speculative-ddtree-topk-cap must be in 1..64"),
@@ -199,9 +215,16 @@ def test_prepare_server_args_accepts_and_refuses(patched, tmp_path):
     # request, the draft's at the block; every other mode keeps the block for both.
     assert full["disable_cuda_graph"] is False and results["dflash only"]["disable_cuda_graph"] is False
     widths = {name: (results[name]["target_verify_width"], results[name]["draft_verify_width"]) for name in
-              ("dflash only", "shadow default budget", "full 64 cap 4", "full budget 1")}
+              ("dflash only", "shadow default budget", "full 64 cap 4", "full budget 1", "full auto",
+               "full auto max 63 keep chain", "shadow auto")}
     assert widths == {"dflash only": (16, 16), "shadow default budget": (16, 16), "full 64 cap 4": (65, 16),
-                      "full budget 1": (2, 16)}
+                      "full budget 1": (2, 16), "full auto": (128, 16), "full auto max 63 keep chain": (64, 16),
+                      "shadow auto": (16, 16)}
+    # auto: the budget stays "auto" (what the operator asked for, in /server_info), its maximum beside it.
+    assert [(results[k]["speculative_ddtree_budget"], results[k]["speculative_ddtree_budget_max"]) for k in
+            ("full auto", "full auto max 63 keep chain", "shadow auto", "full 64 cap 4")] == [
+        ("auto", 127), ("auto", 63), ("auto", 127), (64, None)]
+    assert results["full auto"]["req_to_token_extra"] == 4 + 128
     assert results["mode case-insensitive"]["speculative_ddtree_mode"] == "shadow-linear"
     assert [results[k]["speculative_ddtree_keep_chain"] for k in ("full 64 cap 4", "keep chain default budget",
                                                                  "full keep chain 64", "keep chain budget = depth")] == [

@@ -110,7 +110,7 @@ def main() -> int:
         seq_lens = torch.tensor(prefix, dtype=torch.int64)
         widths: list[int | None] = []
         controller = SimpleNamespace(stats=dw.DDTreeStats(), widths=widths, set_verify_width=widths.append,
-                                     mark_phase=lambda name: None)
+                                     mark_phase=lambda name: None, stash_acceptance=lambda tree, nodes: None)
         batch = SimpleNamespace(
             forward_mode=SimpleNamespace(is_idle=lambda: False),
             batch_size=lambda bs=bs: bs,
@@ -240,7 +240,7 @@ class FlashInferAttnBackend:
 
 
 def _worker(mode="full", backend=TritonAttnBackend, hybrid_attr=None, hf=None, page_size=1, vocab=VOCAB,
-            window=None, verify_width=None):
+            window=None, verify_width=None, budget=64, budget_max=None):
     attn_backend = backend()
     attn_backend.num_draft_tokens = verify_width or (65 if mode == "full" else 16)
     runner = SimpleNamespace(
@@ -258,7 +258,8 @@ def _worker(mode="full", backend=TritonAttnBackend, hybrid_attr=None, hf=None, p
         setattr(runner, hybrid_attr, object())
     args = SimpleNamespace(
         speculative_ddtree_mode=mode,
-        speculative_ddtree_budget=64,
+        speculative_ddtree_budget=budget,
+        speculative_ddtree_budget_max=budget_max,
         speculative_ddtree_topk_cap=None,
         speculative_ddtree_allow_hybrid_unsafe=False,
     )
@@ -451,6 +452,60 @@ def hook_checks() -> list[str]:
                 out.append(f"{label}: fallback reasons {dict(ctl.stats.fallback_reasons)}")
     out += step_limit_checks(batch_for, head, draft_hidden, bonus)
     out += build_graph_checks(batch_for, head, draft_hidden, bonus)
+    out += auto_checks(batch_for, head, draft_hidden, bonus)
+    return out
+
+
+def auto_checks(batch_for, head, draft_hidden, bonus) -> list[str]:
+    """--speculative-ddtree-budget auto (max 63): warm-up steps at the largest tree, exploration steps
+    at each candidate (the chain as a linear step, not a fallback), each tree step's walk observed as
+    what every smaller budget would have accepted, and a plan that follows the costs it is given."""
+    from sglang.srt.speculative.ddtree_utils import follow_verified_tree
+
+    out: list[str] = []
+    ctl = dw.DDTreeController.maybe_create(_worker(budget="auto", budget_max=63, verify_width=64))
+    if ctl.auto is None or ctl.budget != 63 or [c.name for c in ctl.auto.candidates] != ["chain", "15", "31", "63"]:
+        return [f"auto: controller {ctl.budget}, {None if ctl.auto is None else ctl.auto.candidates}"]
+    widths = []
+    g = torch.Generator().manual_seed(5)
+    for step in range(64):
+        batch, alloc = batch_for(2)
+        dw.alloc_token_slots = lambda cache, k, alloc=alloc: alloc.alloc(k)
+        ctl.mark_phase("step_start")
+        took = ctl.on_draft(batch, bonus_tokens=bonus, target_prefix_lens=batch.seq_lens,
+                            draft_hidden=draft_hidden, lm_head=head)
+        if took:
+            vi = batch.spec_info
+            widths.append(vi.draft_token_num)
+            target = torch.randint(0, VOCAB, vi.tree.parents.shape, generator=g)
+            accepted, lens, _ = follow_verified_tree(vi.tree, target)
+            ctl.stash_acceptance(vi.tree, accepted)
+            ctl.on_verified(vi, lens.tolist())
+        else:
+            widths.append(0)
+            if batch.spec_info != "untouched":
+                out.append(f"auto step {step}: a chain step must keep upstream's verify input")
+            ctl.on_verified(object(), [1, 0])
+    if widths[:16] != [64] * 16:
+        out.append(f"auto warm-up widths {widths[:16]}")
+    # Exploration steps 16, 32, 48: the chain, the largest, then budget 15 (the candidates in turn).
+    if [widths[i] for i in (16, 32, 48)] != [0, 64, 16]:
+        out.append(f"auto exploration widths {[widths[i] for i in (16, 32, 48)]}")
+    stats = ctl.stats
+    if stats.fallback_steps or stats.chain_steps != widths.count(0) or stats.tree_steps != 64 - widths.count(0):
+        out.append(f"auto step counts {stats.as_dict()}")
+    state = json.loads(json.dumps(ctl.internal_state()))
+    report = state.get("auto") or {}
+    if (state["budget"], state["budget_max"]) != ("auto", 63) or set(report.get("plan", {})) != {"1", "2", "4", "8",
+                                                                                                  "16", "32", "64"}:
+        out.append(f"auto internal_state: {state.get('budget')}, {state.get('budget_max')}, {report.get('plan')}")
+    if sum(report.get("verified", {}).values()) != 64 or report.get("accepted_by_budget", {}).get("63") is None:
+        out.append(f"auto report: {report}")
+    # Start-up replays that make wide trees a hundred times dearer than the block: at a batch size no step has
+    # measured yet (4; the steps above ran 2, whose own CPU timings rule there) the plan keeps to the block.
+    ctl.auto.seed_start_costs({(w, bs): (1e-3 if w == 16 else 1e-1) for w in (16, 32, 64) for bs in (1, 2, 4)})
+    if ctl.auto.plan[ctl.auto.bucket_index(4)].width != 16:
+        out.append(f"auto plan under costly wide trees: {ctl.auto.as_dict()['plan']}")
     return out
 
 

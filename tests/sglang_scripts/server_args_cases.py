@@ -22,6 +22,7 @@ FIELDS = (
     "speculative_num_draft_tokens",
     "speculative_ddtree_mode",
     "speculative_ddtree_budget",
+    "speculative_ddtree_budget_max",
     "speculative_ddtree_topk_cap",
     "speculative_ddtree_keep_chain",
     "speculative_ddtree_allow_hybrid_unsafe",

@@ -31,6 +31,10 @@ DDTREE_FULL_ATTENTION_BACKENDS = ("triton",)
 
 FLAG_MODE = "--speculative-ddtree-mode"
 FLAG_BUDGET = "--speculative-ddtree-budget"
+FLAG_BUDGET_MAX = "--speculative-ddtree-budget-max"
+BUDGET_AUTO = "auto"
+# auto's largest budget when --speculative-ddtree-budget-max is not given: widths 16, 32, 64, 128.
+DEFAULT_AUTO_MAX_BUDGET = 127
 FLAG_TOPK_CAP = "--speculative-ddtree-topk-cap"
 FLAG_KEEP_CHAIN = "--speculative-ddtree-keep-chain"
 FLAG_ALLOW_HYBRID = "--speculative-ddtree-allow-hybrid-unsafe"
@@ -63,10 +67,19 @@ def add_ddtree_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         FLAG_BUDGET,
-        type=int,
+        type=str,
         default=None,
         help=f"DFLASH + DDTree. Non-root tree nodes per request and step "
-        f"({DDTREE_BUDGET_MIN}..{DDTREE_BUDGET_MAX}); default: block size - 1.",
+        f"({DDTREE_BUDGET_MIN}..{DDTREE_BUDGET_MAX}), or '{BUDGET_AUTO}': each step takes the budget (or the "
+        f"linear DFLASH chain) with the most expected tokens per second for its batch, from acceptance and "
+        f"step costs measured on this server (maximum: {FLAG_BUDGET_MAX}); default: block size - 1.",
+    )
+    parser.add_argument(
+        FLAG_BUDGET_MAX,
+        type=int,
+        default=None,
+        help=f"DFLASH + DDTree with {FLAG_BUDGET} {BUDGET_AUTO}: the largest budget a step may take "
+        f"({DDTREE_BUDGET_MIN}..{DDTREE_BUDGET_MAX}); default {DEFAULT_AUTO_MAX_BUDGET}.",
     )
     parser.add_argument(
         FLAG_TOPK_CAP,
@@ -98,6 +111,8 @@ def _ddtree_flags_given(server_args: Any) -> list[str]:
         given.append(FLAG_MODE)
     if getattr(server_args, "speculative_ddtree_budget", None) is not None:
         given.append(FLAG_BUDGET)
+    if getattr(server_args, "speculative_ddtree_budget_max", None) is not None:
+        given.append(FLAG_BUDGET_MAX)
     if getattr(server_args, "speculative_ddtree_topk_cap", None) is not None:
         given.append(FLAG_TOPK_CAP)
     if getattr(server_args, "speculative_ddtree_keep_chain", False):
@@ -154,15 +169,39 @@ def handle_ddtree_server_args(server_args: Any) -> None:
     block_size = int(block_size)
 
     budget = server_args.speculative_ddtree_budget
-    if budget is None:
-        budget = block_size - 1
-    budget = _as_int(budget, FLAG_BUDGET)
-    if not DDTREE_BUDGET_MIN <= budget <= DDTREE_BUDGET_MAX:
-        raise DDTreeConfigError(
-            f"{FLAG_BUDGET} must be in {DDTREE_BUDGET_MIN}..{DDTREE_BUDGET_MAX} "
-            f"(non-root tree nodes), got {budget}."
-        )
-    server_args.speculative_ddtree_budget = budget
+    budget_max = getattr(server_args, "speculative_ddtree_budget_max", None)
+    if is_auto(budget):
+        budget_max = DEFAULT_AUTO_MAX_BUDGET if budget_max is None else _as_int(budget_max, FLAG_BUDGET_MAX)
+        if not DDTREE_BUDGET_MIN <= budget_max <= DDTREE_BUDGET_MAX:
+            raise DDTreeConfigError(
+                f"{FLAG_BUDGET_MAX} must be in {DDTREE_BUDGET_MIN}..{DDTREE_BUDGET_MAX} "
+                f"(non-root tree nodes), got {budget_max}."
+            )
+        server_args.speculative_ddtree_budget = BUDGET_AUTO
+        server_args.speculative_ddtree_budget_max = budget_max
+        budget, budget_flag = budget_max, FLAG_BUDGET_MAX
+    else:
+        budget_flag = FLAG_BUDGET
+        if budget_max is not None:
+            raise DDTreeConfigError(
+                f"{FLAG_BUDGET_MAX} is the largest budget of {FLAG_BUDGET} {BUDGET_AUTO}; with a fixed "
+                f"{FLAG_BUDGET} drop it (or set {FLAG_BUDGET} {BUDGET_AUTO})."
+            )
+        if budget is None:
+            budget = block_size - 1
+        try:
+            budget = _as_int(budget, FLAG_BUDGET)
+        except DDTreeConfigError:
+            raise DDTreeConfigError(
+                f"{FLAG_BUDGET} must be in {DDTREE_BUDGET_MIN}..{DDTREE_BUDGET_MAX} (non-root tree nodes) or "
+                f"{BUDGET_AUTO}, got {budget!r}."
+            ) from None
+        if not DDTREE_BUDGET_MIN <= budget <= DDTREE_BUDGET_MAX:
+            raise DDTreeConfigError(
+                f"{FLAG_BUDGET} must be in {DDTREE_BUDGET_MIN}..{DDTREE_BUDGET_MAX} "
+                f"(non-root tree nodes) or {BUDGET_AUTO}, got {budget}."
+            )
+        server_args.speculative_ddtree_budget = budget
 
     cap = server_args.speculative_ddtree_topk_cap
     if cap is not None:
@@ -170,7 +209,7 @@ def handle_ddtree_server_args(server_args: Any) -> None:
         if not DDTREE_TOPK_CAP_MIN <= cap <= budget:
             raise DDTreeConfigError(
                 f"{FLAG_TOPK_CAP} must be in {DDTREE_TOPK_CAP_MIN}..{budget} "
-                f"(1..{FLAG_BUDGET}), got {cap}."
+                f"(1..{budget_flag}), got {cap}."
             )
         server_args.speculative_ddtree_topk_cap = cap
 
@@ -179,9 +218,9 @@ def handle_ddtree_server_args(server_args: Any) -> None:
         raise DDTreeConfigError(f"{FLAG_KEEP_CHAIN} must be a boolean (true or false), got {keep_chain!r}.")
     if keep_chain and budget < block_size - 1:
         raise DDTreeConfigError(
-            f"{FLAG_KEEP_CHAIN} needs {FLAG_BUDGET} >= the draft depth {block_size - 1} (block size "
-            f"{block_size} - 1: the whole top-1 chain is in the tree), got {FLAG_BUDGET} {budget}. "
-            f"Raise {FLAG_BUDGET} or drop {FLAG_KEEP_CHAIN}."
+            f"{FLAG_KEEP_CHAIN} needs {budget_flag} >= the draft depth {block_size - 1} (block size "
+            f"{block_size} - 1: the whole top-1 chain is in the tree), got {budget_flag} {budget}. "
+            f"Raise {budget_flag} or drop {FLAG_KEEP_CHAIN}."
         )
 
     on = [name for name in TEST_SWITCHES if test_switch(name)]
@@ -254,21 +293,50 @@ def _check_full_mode(server_args: Any) -> None:
     # req_to_token rows (context length + 4 + this value) and the scheduler's per-step
     # reservation are sized by; without this a request near the context limit writes its tree
     # into the next request's row. Only the row width and the reservation read this value.
-    verify_width = 1 + int(server_args.speculative_ddtree_budget)
+    verify_width = 1 + configured_budget(server_args)
     current = getattr(server_args, "max_speculative_num_draft_tokens", None) or 0
     if verify_width > current:
         server_args.max_speculative_num_draft_tokens = verify_width
 
 
+def is_auto(budget: Any) -> bool:
+    """Whether a --speculative-ddtree-budget value is 'auto' (any case, surrounding spaces)."""
+    return isinstance(budget, str) and budget.strip().lower() == BUDGET_AUTO
+
+
+def configured_budget(server_args: Any, block_size: int | None = None) -> int:
+    """The largest tree a step may verify: auto's maximum, the fixed budget, or the block's depth."""
+    if is_auto(getattr(server_args, "speculative_ddtree_budget", None)):
+        return int(getattr(server_args, "speculative_ddtree_budget_max", None) or DEFAULT_AUTO_MAX_BUDGET)
+    budget = getattr(server_args, "speculative_ddtree_budget", None)
+    if budget is None:
+        if block_size is None:
+            block_size = int(server_args.speculative_num_draft_tokens)
+        return int(block_size) - 1
+    return int(budget)
+
+
+# Set while the DDTree worker captures the verify graphs of auto's smaller widths: the CUDA-graph runner
+# asks `target_verify_width` for its width (spec_info patch), and gets this one instead of the largest.
+_capture_width: int | None = None
+
+
+def set_capture_width(width: int | None) -> None:
+    global _capture_width
+    _capture_width = None if width is None else int(width)
+
+
 def target_verify_width(server_args: Any, block_size: int) -> int:
     """Tokens per request of the *target's* verify forward: ``1 + budget`` in full mode (every tree
-    step verifies its whole node set), else the DFLASH block. The target's verify CUDA graphs are
-    captured at this width and the triton backend sizes its verify metadata by it (payload patches
-    of spec_info.py and triton_backend.py); the draft worker always runs its block."""
+    step verifies its whole node set; auto's maximum), else the DFLASH block. The target's verify CUDA
+    graphs are captured at this width and the triton backend sizes its verify metadata by it (payload
+    patches of spec_info.py and triton_backend.py); the draft worker always runs its block. While auto's
+    smaller verify graphs are captured, their width (`set_capture_width`)."""
     if getattr(server_args, "speculative_ddtree_mode", "off") == "full":
-        budget = getattr(server_args, "speculative_ddtree_budget", None)
-        if budget is not None:
-            return 1 + int(budget)
+        if _capture_width is not None:
+            return _capture_width
+        if getattr(server_args, "speculative_ddtree_budget", None) is not None:
+            return 1 + configured_budget(server_args, block_size)
     return int(block_size)
 
 

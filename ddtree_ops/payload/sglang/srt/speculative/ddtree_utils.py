@@ -533,7 +533,7 @@ def build_ddtree(
     return keep_top1_chain(tree, topv, topi) if keep_chain else tree
 
 
-def shrink_tree(tree: DDTree, budget: int, *, pad: bool) -> DDTree:
+def shrink_tree(tree: DDTree, budget: int, *, pad: bool, pad_to: int | None = None) -> DDTree:
     """The first ``budget`` non-root nodes of ``tree``; the rest become padding.
 
     Nodes are numbered in the best-first order, which does not depend on the budget, and parents
@@ -543,15 +543,16 @@ def shrink_tree(tree: DDTree, budget: int, *, pad: bool) -> DDTree:
     whole chain. Any such prefix is ancestor-closed: a valid tree to verify.
 
     ``pad=False``: ``1 + budget`` slots per request, as ``build_ddtree(.., budget)`` returns.
-    ``pad=True``: the original width, the slots past ``1 + budget`` in the builder's padding form
-    (the verify CUDA graphs' width, for a step that cannot afford the whole tree). Plain torch,
-    elementwise, no host-device synchronisation.
+    ``pad=True``: the original width (or ``pad_to``, between ``1 + budget`` and it: a smaller verify
+    graph's), the slots past ``1 + budget`` in the builder's padding form (the verify CUDA graphs' width,
+    for a step that cannot afford the whole tree). Plain torch, elementwise, no host-device
+    synchronisation.
     """
     n = tree.parents.shape[1]
     keep = int(budget) + 1
     if keep >= n:
         return tree
-    width = n if pad else keep
+    width = (n if pad_to is None else max(keep, min(n, int(pad_to)))) if pad else keep
     batch = tree.batch_size
     device = tree.parents.device
     slots = torch.arange(width, device=device)
@@ -575,7 +576,7 @@ def shrink_tree(tree: DDTree, budget: int, *, pad: bool) -> DDTree:
         retrive_index=torch.arange(batch * width, device=device, dtype=torch.int64).view(batch, width),
         retrive_next_token=cut(tree.retrive_next_token),
         retrive_next_sibling=cut(tree.retrive_next_sibling),
-        budget=tree.budget if pad else int(budget),
+        budget=tree.budget if width == n else width - 1,
         max_depth=tree.max_depth,
     )
 
@@ -624,6 +625,24 @@ def follow_verified_tree(
     last = accepted.gather(1, accept_lengths.view(-1, 1))
     bonus_tokens = target.gather(1, last).view(-1)
     return accepted, accept_lengths, bonus_tokens
+
+
+def acceptance_by_budget(tree: DDTree, accepted_nodes: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
+    """What smaller trees would have accepted on this step (``ddtree_auto_budget``), summed over the batch.
+
+    ``accepted_nodes`` as ``follow_verified_tree`` returns it; ``budgets`` int64 ``[k]``. Returns float32
+    ``[k + 1]``: for each budget ``b`` the accepted path's nodes among the first ``b`` (the budget-``b``
+    tree's accepted tokens: nodes are numbered best-first whatever the budget, and indices increase along
+    a path), then the leading path nodes that are their position's top-1 draft token (the chain's; a lower
+    bound where the path ends on the chain and this tree lacks the chain's next node). No host sync.
+    """
+    path = accepted_nodes[:, 1:]
+    on_path = path > 0
+    within = (path[:, :, None] <= budgets.to(path.device)[None, None, :]) & on_path[:, :, None]
+    per_budget = within.sum(dim=(0, 1)).to(torch.float32)
+    ranks = tree.token_ranks.gather(1, path.clamp(min=0))
+    chain = ((ranks == 0) & on_path).to(torch.int64).cumprod(dim=1).sum().to(torch.float32).view(1)
+    return torch.cat([per_budget, chain])
 
 
 # --------------------------------------------------------------------------------------------------

@@ -137,12 +137,14 @@ def _commit_slots_torch(
 
 
 def self_test(
-    device: torch.device, budget: int, depth: int, build: Any, follow: Any, shrink: Any = None, smaller: tuple[int, ...] = ()
+    device: torch.device, budget: int, depth: int, build: Any, follow: Any, shrink: Any = None,
+    smaller: tuple[int, ...] = (), pad_widths: tuple[int, ...] = (),
 ) -> str | None:
     """Run each kernel beside its torch function on random trees of this budget and depth on `device`,
     and on the first `b` nodes of them for every `b` in `smaller` (`shrink` is
-    `ddtree_utils.shrink_tree`), at their own width and padded to the full one, as shrunk and padded
-    steps verify them: every width a step can take is compiled here, at start, not mid-serving.
+    `ddtree_utils.shrink_tree`), at their own width and padded to the full one (and to each of
+    `pad_widths` that holds them: auto's smaller verify graphs), as shrunk and padded steps verify them:
+    every width a step can take is compiled here, at start, not mid-serving.
     None: they agree, or there are no kernels to test. Otherwise why not, and every later call takes
     the torch path: a server with a kernel this GPU or Triton gets wrong is slower, never wrong."""
     if _fused(torch.empty(0, device=device)) is None:
@@ -153,6 +155,8 @@ def self_test(
         for bs in (1, 3):
             full = build(torch.randn((bs, depth, 64), generator=g).to(device), budget)
             shapes = [(full, budget)] + [(shrink(full, b, pad=pad), b) for b in smaller for pad in (False, True)]
+            shapes += [(shrink(full, b, pad=True, pad_to=w), b) for b in (budget, *smaller) for w in pad_widths
+                       if b + 1 < w < budget + 1]
             for tree, b in shapes:
                 _check_kernels_on(kernels, tree, b + 1, follow, g, f"batch {bs}, {b + 1} of {tree.parents.shape[1]} slots")
     except Exception as e:  # noqa: BLE001 - any failure (compile, launch, mismatch) turns the kernels off

@@ -46,8 +46,17 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.speculative.ddtree_args import (
     DDTREE_FULL_ATTENTION_BACKENDS,
     FLAG_MODE,
+    configured_budget,
+    is_auto,
     sampling_rule,
+    set_capture_width,
     test_switch,
+)
+from sglang.srt.speculative.ddtree_auto_budget import (
+    AutoBudget,
+    StepObservation,
+    auto_candidates,
+    verify_widths,
 )
 from sglang.srt.speculative.ddtree_penalties import (
     DEFAULT_ORDER,
@@ -57,7 +66,7 @@ from sglang.srt.speculative.ddtree_penalties import (
     path_tokens,
 )
 from sglang.srt.speculative.ddtree_profile import StepProfile, median
-from sglang.srt.speculative.ddtree_ranks import agree_all, agree_min
+from sglang.srt.speculative.ddtree_ranks import agree_all, agree_min, agree_sum
 from sglang.srt.speculative.ddtree_sampling import target_probs, tree_walk, walk_bytes
 from sglang.srt.speculative.ddtree_step_budget import (
     StepLimits,
@@ -69,11 +78,13 @@ from sglang.srt.speculative.ddtree_step_budget import (
 )
 from sglang.srt.speculative.ddtree_utils import (
     DDTreeRefused,
+    acceptance_by_budget,
     build_ddtree,
     follow_verified_tree,
     full_mode_refusal,
     shrink_tree,
 )
+from sglang.srt.speculative.ddtree_verify_graphs import capture_verify_ladder
 from sglang.srt.speculative.ddtree_verify_step import (
     commit_slots,
     greedy_walk,
@@ -277,6 +288,8 @@ class DDTreeStats:
     graph_steps: int = 0
     # Tree builds replayed from a captured build graph (ddtree_build_graphs; the rest ran eagerly).
     build_graph_steps: int = 0
+    # --speculative-ddtree-budget auto: steps it gave the chain (linear DFLASH verify; not fallbacks).
+    chain_steps: int = 0
 
     def __post_init__(self) -> None:
         self.accepted_depth_hist: collections.Counter[int] = collections.Counter()
@@ -306,6 +319,7 @@ class DDTreeStats:
             "logit_adjusted_steps": self.logit_adjusted_steps,
             "graph_steps": self.graph_steps,
             "build_graph_steps": self.build_graph_steps,
+            "chain_steps": self.chain_steps,
             "build_ms_median": round(median(self.build_ms_recent), 4),
             "build_ms_max": round(max(self.build_ms_recent, default=0.0), 4),
             "build_ms_first": None if self.build_ms_first is None else round(self.build_ms_first, 3),
@@ -346,7 +360,17 @@ class DDTreeController:
         self.mode = mode
         self.block_size = int(worker.block_size)
         self.depth = self.block_size - 1
-        self.budget = int(sa.speculative_ddtree_budget or self.depth)
+        # The largest tree a step verifies: the fixed budget, or auto's maximum.
+        self.budget = configured_budget(sa, self.block_size)
+        self.budget_auto = is_auto(getattr(sa, "speculative_ddtree_budget", None))
+        self.auto: AutoBudget | None = None
+        self._verify_ladder: Any = None
+        self._auto_budgets: torch.Tensor | None = None
+        # This step's: auto's pick, its shape, the acceptance by budget of its walk (device), its start.
+        self._pick: Any = None
+        self._shape: StepShape = LINEAR_STEP
+        self._step_acceptance: torch.Tensor | None = None
+        self._step_started: float | None = None
         self.topk_cap = sa.speculative_ddtree_topk_cap
         self.keep_chain = bool(getattr(sa, "speculative_ddtree_keep_chain", False))
         self.tp_rank = worker.tp_rank
@@ -382,6 +406,9 @@ class DDTreeController:
                     f"DDTree full mode refused: needs --page-size 1, got {worker.page_size}."
                 )
             self._check_verify_width()
+            if self.budget_auto:
+                # Before the verify sizing: the graphs' memory is then not counted as free for steps.
+                self._verify_ladder = self._capture_verify_ladder(worker)
             self.max_verify_tokens, self.max_mask_bytes = self._size_verify_memory(worker)
         self._warm_up_build(worker)
         self._build_graphs = self._capture_build_graphs(worker, graph_runner)
@@ -390,14 +417,23 @@ class DDTreeController:
             # Same results either way, but one path on every rank: nothing per rank decides a step.
             turn_kernels_off("off on another TP rank")
             self.verify_kernels = False
+        if mode == "full" and self.budget_auto:
+            self.auto = AutoBudget(
+                auto_candidates(self.budget, self.block_size),
+                capture_bs=list(getattr(graph_runner, "capture_bs", None) or [1]),
+                max_running=int(worker.model_runner.req_to_token_pool.size),
+            )
+            if self._verify_ladder is not None:
+                self.auto.seed_start_costs(self._verify_ladder.replay_seconds)
+            self._auto_budgets = torch.tensor(self.auto.budgets, dtype=torch.int64, device=worker.model_runner.device)
 
         if TEST_BIASED_WALK and self.tp_rank == 0:
             logger.warning("DDTree: SGLANG_DDTREE_TEST_BIASED_WALK=1, sampled requests are WRONG (test fault)")
         if self.tp_rank == 0:
             logger.info(
-                "DDTree enabled: mode=%s budget=%d topk_cap=%s depth=%d block_size=%d",
+                "DDTree enabled: mode=%s budget=%s topk_cap=%s depth=%d block_size=%d",
                 mode,
-                self.budget,
+                f"auto (max {self.budget})" if self.budget_auto else self.budget,
                 self.topk_cap,
                 self.depth,
                 self.block_size,
@@ -418,6 +454,33 @@ class DDTreeController:
                 + f", not 1 + budget = {want}: the payload's triton_backend / spec_info patches are "
                 "not installed. Re-push the payload (ddtree-ops push) or use shadow-linear."
             )
+
+    def _capture_verify_ladder(self, worker: Any) -> Any:
+        """auto's verify graphs, one set per candidate width (`ddtree_verify_graphs`), their replays timed;
+        None without graphs. A capture that fails on any TP rank leaves every rank with the one set SGLang
+        captured (smaller trees padded to it): slower, never a server that does not start, and every rank
+        replays the same graphs."""
+        runner = worker.model_runner
+        widths = verify_widths(auto_candidates(self.budget, self.block_size))
+        ladder, error = None, None
+        try:
+            ladder = capture_verify_ladder(
+                runner, widths, set_capture_width=set_capture_width, set_backend_width=self.set_verify_width,
+                free_memory=lambda: free_device_memory(runner.device),
+            )
+        except Exception as e:  # noqa: BLE001 - any capture failure keeps the widest set alone
+            error = f"{type(e).__name__}: {e}"
+        if not agree_all(error is None, tp_cpu_group(worker)):
+            if self.tp_rank == 0:
+                logger.warning("DDTree auto: verify graphs at widths %s not captured (%s); smaller trees are "
+                               "padded to width %d", widths, error or "failed on another TP rank", self.budget + 1)
+            runner.graph_runner = getattr(ladder, "runners", {}).get(self.budget + 1, runner.graph_runner)
+            return None
+        if ladder is not None and self.tp_rank == 0:
+            logger.info("DDTree auto: verify graphs at widths %s captured in %.1f s, %.2f GiB; replay ms by "
+                        "(width, bs): %s", ladder.widths, ladder.seconds, ladder.captured_bytes / 2**30,
+                        {f"{w}x{bs}": round(t * 1e3, 3) for (w, bs), t in sorted(ladder.replay_seconds.items())})
+        return ladder
 
     def _warm_up_build(self, worker: Any) -> None:
         """Compile the tree builder's Triton kernels at start for the configured budget (the first
@@ -441,8 +504,9 @@ class DDTreeController:
         may take (own width and padded); a kernel that fails either leaves the torch path for every
         step (a warning, never a server that does not start)."""
         device = worker.model_runner.device
+        pad_widths = tuple(self._verify_ladder.widths) if self._verify_ladder is not None else ()
         error = self_test(torch.device(device), self.budget, self.depth, build_ddtree, follow_verified_tree,
-                          shrink_tree, smaller=(*budget_ladder(self.budget)[1:], 0))
+                          shrink_tree, smaller=(*budget_ladder(self.budget)[1:], 0), pad_widths=pad_widths)
         if error and self.tp_rank == 0:
             logger.warning("DDTree: verify kernels off (%s); the verify step runs on torch ops", error)
         return kernels_in_use(torch.device(device))
@@ -586,7 +650,10 @@ class DDTreeController:
         return tree
 
     def mark_phase(self, name: str) -> None:
-        """A named point of the step for SGLANG_DDTREE_PROFILE (ddtree_profile)."""
+        """A named point of the step for SGLANG_DDTREE_PROFILE (ddtree_profile); the step's start is also
+        auto's clock."""
+        if name == "step_start":
+            self._step_started = time.perf_counter()
         if self.profile is not None:
             self.profile.mark(name)
 
@@ -619,6 +686,9 @@ class DDTreeController:
         self.mark_phase("draft_done")
         self.set_verify_width(self.block_size)
         shape = self.step_shape_for(batch)
+        self._shape = shape
+        if self._verify_ladder is not None:
+            self._verify_ladder.use(shape.width or self.block_size)
         if shape.width:
             self.prepare_tree_verify(
                 batch,
@@ -650,11 +720,20 @@ class DDTreeController:
     # ------------------------------------------------------------------ full mode
     def step_shape_for(self, batch: ScheduleBatch) -> StepShape:
         """This step's tree budget and verify width; width 0: upstream's linear verify (counted by
-        reason). Where the verify graphs take the batch, a step that cannot afford the whole tree is
-        padded to their width (`padded_step_budget`); elsewhere it shrinks to its own (`step_budget`)."""
+        reason, or auto's chain). The budget is the configured one, or auto's pick for this batch. Where
+        verify graphs of the pick's width take the batch, a step that cannot afford the whole tree is
+        padded to that width (`padded_step_budget`); elsewhere it shrinks to its own (`step_budget`)."""
         if self.mode != "full":
             return LINEAR_STEP
         bs = batch.batch_size()
+        top, graph_width = self.budget, self.budget + 1
+        self._pick = None
+        if self.auto is not None:
+            self._pick = self.auto.choose(bs, self.stats.steps)
+            if self._pick.is_chain:
+                self.stats.chain_steps += 1
+                return LINEAR_STEP
+            top, graph_width = self._pick.budget, self._pick.width
         facts = dict(
             batch_size=bs,
             max_seq_len=int(batch.seq_lens_cpu.max().item()),
@@ -665,13 +744,14 @@ class DDTreeController:
                 max_mask_bytes=self.max_mask_bytes,
             ),
         )
-        full_width = self.budget + 1
-        on_graphs = self.verify_graph_width == full_width and bs <= (self.verify_graph_max_bs or 0)
-        padded = padded_step_budget(self.budget, width=full_width, **facts) if on_graphs else None
+        has_graphs = (graph_width in self._verify_ladder.runners if self._verify_ladder is not None
+                      else self.verify_graph_width == graph_width)
+        on_graphs = has_graphs and bs <= (self.verify_graph_max_bs or 0)
+        padded = padded_step_budget(top, width=graph_width, **facts) if on_graphs else None
         if padded is not None:
-            ladder, budget = [*budget_ladder(self.budget), 0], padded
+            ladder, budget = [*budget_ladder(top), 0], padded
         else:
-            ladder, budget = budget_ladder(self.budget), step_budget(self.budget, **facts)
+            ladder, budget = budget_ladder(top), step_budget(top, **facts)
             if budget == 0:
                 self.stats.fallback_reasons["step_limits"] += 1
                 return LINEAR_STEP
@@ -683,10 +763,10 @@ class DDTreeController:
                 self.stats.fallback_reasons["kv_pool"] += 1
                 return LINEAR_STEP
             budget = smaller[0]
-        if budget < self.budget:
+        if budget < top:
             self.stats.shrunk_steps += 1
             self.stats.padded_steps += padded is not None
-        return StepShape(budget=budget, width=full_width if padded is not None else budget + 1)
+        return StepShape(budget=budget, width=graph_width if padded is not None else budget + 1)
 
     def _tree_fits_in_kv(self, batch: ScheduleBatch, budget: int) -> bool:
         # The scheduler reserves max_speculative_num_draft_tokens (raised to 1 + budget by
@@ -714,7 +794,7 @@ class DDTreeController:
         tree = self.build_tree(draft_hidden, lm_head)
         n = shape.width
         if shape.budget < self.budget:
-            tree = shrink_tree(tree, shape.budget, pad=n > shape.budget + 1)
+            tree = shrink_tree(tree, shape.budget, pad=n > shape.budget + 1, pad_to=n)
         tokens = torch.empty((bs, n), dtype=torch.long, device=bonus_tokens.device)
         tokens[:, 0] = bonus_tokens.to(torch.long)
         # Padding slots (num_nodes < n) carry PAD_TOKEN_ID, depth 0 and a mask row of their own;
@@ -745,9 +825,11 @@ class DDTreeController:
 
     # ------------------------------------------------------------------ metrics
     def on_step_done(self, num_correct_drafts_per_req: list[int], *, linear: bool) -> None:
+        if self.auto is not None:
+            self._observe_step(num_correct_drafts_per_req, linear=linear)
         self.stats.steps += 1
         if linear:
-            if self.mode == "full":
+            if self.mode == "full" and not (self._pick is not None and self._pick.is_chain):
                 self.stats.fallback_steps += 1
             for k in num_correct_drafts_per_req:
                 self.stats.accepted_depth_hist[int(k)] += 1
@@ -759,6 +841,31 @@ class DDTreeController:
                 self._pending_build_events = []
             logger.info("DDTree stats (%s): %s", self.mode, self.stats.as_dict())
 
+    def stash_acceptance(self, tree: Any, accepted_nodes: torch.Tensor) -> None:
+        """auto: what each candidate budget's tree would have accepted on this step (device; read once the
+        step's own host copy has synchronised)."""
+        if self.auto is not None:
+            self._step_acceptance = acceptance_by_budget(tree, accepted_nodes, self._auto_budgets)
+
+    def _observe_step(self, num_correct: list[int], *, linear: bool) -> None:
+        auto = self.auto
+        step = self.stats.steps
+        seconds = 0.0 if self._step_started is None else time.perf_counter() - self._step_started
+        if linear or self._step_acceptance is None:
+            obs = StepObservation(budget=0, width=self.block_size, batch_size=len(num_correct), seconds=seconds,
+                                  accepted=[0.0] * len(auto.budgets), chain=float(sum(num_correct)),
+                                  requests=len(num_correct))
+        else:
+            values = self._step_acceptance.tolist()
+            obs = StepObservation(budget=self._shape.budget, width=self._shape.width, batch_size=len(num_correct),
+                                  seconds=seconds, accepted=values[:-1], chain=values[-1], requests=len(num_correct))
+        self._step_acceptance = None
+        auto.observe(obs)
+        if auto.due(step):
+            group = tp_cpu_group(self.worker)
+            world = 1 if group is None else int(torch.distributed.get_world_size(group))
+            auto.refresh(reduce=lambda v: agree_sum(v, group), world=world)
+
     def internal_state(self) -> dict[str, Any]:
         """For the scheduler's get_internal_state (`/server_info` → internal_states[i]["ddtree"]);
         string keys only, because the HTTP layer serialises with orjson."""
@@ -766,7 +873,10 @@ class DDTreeController:
         stats["accepted_depth_hist"] = {str(k): v for k, v in stats["accepted_depth_hist"].items()}
         return {
             "mode": self.mode,
-            "budget": self.budget,
+            "budget": "auto" if self.budget_auto else self.budget,
+            "budget_max": self.budget if self.budget_auto else None,
+            # auto: candidates, plan per batch bucket, steps by budget, acceptance by budget, step costs
+            "auto": None if self.auto is None else self.auto.as_dict(),
             "topk_cap": self.topk_cap,
             "keep_chain": self.keep_chain,
             "verify_graph_width": self.verify_graph_width,
@@ -881,6 +991,7 @@ class DDTreeVerifyInput(DFlashVerifyInput):
             accepted_nodes, packed = greedy_walk(
                 self.tree, candidates, torch.argmax(logits, dim=-1).view(bs, n), follow_verified_tree
             )
+        self.controller.stash_acceptance(self.tree, accepted_nodes)
         # [bs, depth + 1], root first, -1 pad; one D2H copy for everything the per-request loop needs
         max_path = int(accepted_nodes.shape[1])
         rows = packed.cpu().tolist()

@@ -1,0 +1,403 @@
+"""The per-step tree budget chosen for throughput, `--speculative-ddtree-budget auto` (installed as
+`sglang/srt/speculative/ddtree_auto_budget.py` by the ddtree-ops payload; pure Python, no torch, so the
+lab engine and the CPU tests run the same decisions as a GPU server).
+
+A verify step of budget `b` costs `T(width(b), batch)` seconds and commits `1 + E[accepted | b]` tokens
+per request. Each step takes the candidate with the most expected tokens per second for its batch:
+
+- Candidates: the chain (linear DFLASH: the draft's top-1 path, `block_size` verify tokens) and the
+  budgets whose verify CUDA graphs are captured (`auto_budgets`: the maximum, then `2^k - 1` down to the
+  block's depth). The chain is always one, so a step never pays more than DFLASH's for fewer expected
+  tokens than DFLASH's.
+- Acceptance by budget, measured online: nodes are numbered best-first and the order does not depend on
+  the budget, so the first `b'` nodes of a budget-`b` tree are the budget-`b'` tree (with the same top-k
+  cap), and the accepted path is a prefix of it: a step's walk tells, for every `b' <= b`, how many
+  tokens the budget-`b'` tree would have accepted (`accepted_by_budget`). Exact for greedy requests;
+  for sampled ones exact in distribution (the target's sample at a node does not depend on which other
+  nodes the tree holds). With keep-chain the prefix is what a shrunk keep-chain step verifies
+  (`ddtree_utils.shrink_tree`), which is what auto runs. The chain's acceptance from a tree walk is a
+  lower bound where the walk ends on the chain and the tree lacks the chain's next node; chain steps
+  measure it exactly and replace it once there are enough of them.
+- Costs, measured on this server: the verify graphs' replays timed at start (`seed_start_costs`,
+  seconds per `(width, batch bucket)`), then every step's own wall time, per cell; a cell never stepped
+  in is estimated from its start-up replay plus what the steps of its bucket cost beyond their replays
+  (draft, build, walk, attention over real contexts).
+- Budgets larger than the ones stepped in are only learnt by stepping in them: one step in
+  `explore_every` explores, alternating the largest candidate and the others in turn.
+
+Every decision is a function of the step index, the batch size and a plan recomputed every
+`refresh_every` steps from accumulators that `refresh` first sums over the TP ranks (the caller passes
+the reduction): ranks time their steps differently, and a plan computed from one rank's clock alone
+would give ranks different budgets for the same step.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_AUTO_MAX_BUDGET = 127
+# Decay per refresh of the acceptance and cost accumulators: a refresh every 16 steps forgets half of
+# what it knew in about 7 refreshes (~110 steps): traffic changes within minutes, not within steps.
+DECAY = 0.9
+# Costs change with the contexts' lengths, slowly; their cells are visited rarely (exploration), so they
+# forget ten times slower.
+COST_DECAY = 0.99
+EWMA_ALPHA = 0.2
+# A cost cell is trusted once it holds this much (decayed) observation weight.
+MIN_COST_WEIGHT = 1.0
+# Chain steps must have measured this many requests (decayed) before their exact acceptance replaces
+# the tree walks' lower bound.
+MIN_CHAIN_REQUESTS = 16.0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to verify a step: `budget` non-root nodes (0: the chain, linear DFLASH) in `width`
+    verify tokens per request (the verify graph it replays; a smaller tree is padded to it)."""
+
+    budget: int
+    width: int
+
+    @property
+    def is_chain(self) -> bool:
+        return self.budget == 0
+
+    @property
+    def name(self) -> str:
+        return "chain" if self.is_chain else str(self.budget)
+
+
+def auto_budgets(max_budget: int, block_size: int) -> list[int]:
+    """The tree budgets auto chooses among, largest first: the maximum, then `2^k - 1` while the tree
+    still has at least the block's verify width (a smaller tree would replay the block's graph padded,
+    at the chain's cost, and accept less than the block's depth allows)."""
+    budgets = [int(max_budget)]
+    floor = min(int(block_size), int(max_budget) + 1)
+    k = int(max_budget).bit_length()
+    while k >= 1:
+        b = (1 << k) - 1
+        if b < budgets[-1] and b + 1 >= floor:
+            budgets.append(b)
+        k -= 1
+    return budgets
+
+
+def auto_candidates(max_budget: int, block_size: int) -> list[Candidate]:
+    """The chain, then the tree budgets ascending (`auto_budgets`), each at its own verify width."""
+    return [Candidate(0, int(block_size))] + [Candidate(b, b + 1) for b in sorted(auto_budgets(max_budget, block_size))]
+
+
+def verify_widths(candidates: Sequence[Candidate]) -> list[int]:
+    """The verify widths the candidates need graphs for, ascending."""
+    return sorted({c.width for c in candidates})
+
+
+def batch_buckets(capture_bs: Sequence[int], max_running: int) -> list[int]:
+    """Batch sizes a step's cost is kept for: the verify graphs' captured sizes (a batch replays the
+    smallest one that holds it), then powers of two up to the running-request limit (eager steps)."""
+    buckets = sorted({int(b) for b in capture_bs if int(b) > 0}) or [1]
+    top = buckets[-1]
+    while top < int(max_running):
+        top *= 2
+        buckets.append(top)
+    return buckets
+
+
+def accepted_by_budget(path_nodes: Sequence[int], budgets: Sequence[int]) -> list[int]:
+    """Tokens each budget's tree would have accepted, from one walk's accepted path (node indices after
+    the root, increasing along the path): the path's nodes among the first `b` (reference for the
+    tensor version in the worker and the lab engine)."""
+    return [sum(1 for node in path_nodes if 1 <= node <= b) for b in budgets]
+
+
+def chain_accepted(path_ranks: Sequence[int]) -> int:
+    """Tokens the chain would have accepted: the leading path nodes that are their position's top-1
+    draft token (rank 0)."""
+    n = 0
+    for rank in path_ranks:
+        if rank != 0:
+            break
+        n += 1
+    return n
+
+
+@dataclass
+class StepObservation:
+    """What one decode step measured. `accepted` sums, over the batch, the accepted tokens each tree
+    budget of `AutoBudget.budgets` would have had (entries for budgets above the step's are ignored);
+    `chain` the chain's (exact on a chain step, a lower bound from a tree walk)."""
+
+    budget: int  # the budget verified (0: a chain step)
+    width: int
+    batch_size: int
+    seconds: float  # step start to step done, host wall clock
+    accepted: Sequence[float]
+    chain: float
+    requests: int
+
+
+class AutoBudget:
+    """Chooses each step's candidate; see the module docstring."""
+
+    def __init__(
+        self,
+        candidates: Sequence[Candidate],
+        capture_bs: Sequence[int],
+        max_running: int,
+        *,
+        explore_every: int = 16,
+        refresh_every: int = 16,
+        warmup_steps: int = 16,
+    ) -> None:
+        self.candidates = sorted(candidates, key=lambda c: (c.budget, c.width))
+        self.chain = next(c for c in self.candidates if c.is_chain)
+        self.trees = [c for c in self.candidates if not c.is_chain]
+        self.budgets = [c.budget for c in self.trees]
+        self.largest = self.trees[-1] if self.trees else self.chain
+        self.widths = verify_widths(self.candidates)
+        self.buckets = batch_buckets(capture_bs, max_running)
+        self.explore_every = max(2, int(explore_every))
+        self.refresh_every = max(1, int(refresh_every))
+        self.warmup_steps = int(warmup_steps)
+        nb, nw, nk = len(self.budgets), len(self.widths), len(self.buckets)
+        # Decayed state (identical on every rank after a refresh).
+        self.accept_sum = [0.0] * nb
+        self.accept_n = [0.0] * nb
+        self.chain_tree_sum = self.chain_tree_n = 0.0
+        self.chain_step_sum = self.chain_step_n = 0.0
+        self.cost = [[0.0] * nk for _ in range(nw)]  # EWMA seconds per (width, bucket)
+        self.cost_weight = [[0.0] * nk for _ in range(nw)]
+        self.start_cost: dict[tuple[int, int], float] = {}
+        # Pending sums since the last refresh (this rank's), flattened by `_pending_vector`.
+        self._reset_pending()
+        self.plan: list[Candidate] = [self.largest] * nk
+        self.chosen: dict[str, int] = {c.name: 0 for c in self.candidates}  # by choose()
+        self.verified: dict[str, int] = {}  # budgets steps really verified (memory may shrink a choice)
+        self.explore_steps = 0
+        self.refreshes = 0
+
+    # ------------------------------------------------------------------ inputs
+    def bucket_index(self, batch_size: int) -> int:
+        return min(bisect.bisect_left(self.buckets, max(1, int(batch_size))), len(self.buckets) - 1)
+
+    def seed_start_costs(self, table: dict[tuple[int, int], float]) -> None:
+        """Seconds of one verify replay per (width, captured batch size), timed at start."""
+        self.start_cost = {(int(w), int(bs)): float(s) for (w, bs), s in table.items() if s > 0}
+        self._replan()
+
+    def observe(self, obs: StepObservation) -> None:
+        name = "chain" if obs.budget == 0 else str(obs.budget)
+        self.verified[name] = self.verified.get(name, 0) + 1
+        if obs.budget == 0:
+            self._p_chain_step_sum += obs.chain
+            self._p_chain_step_n += obs.requests
+        else:
+            for i, b in enumerate(self.budgets):
+                if b <= obs.budget:
+                    self._p_accept_sum[i] += obs.accepted[i]
+                    self._p_accept_n[i] += obs.requests
+            self._p_chain_tree_sum += obs.chain
+            self._p_chain_tree_n += obs.requests
+        if obs.width in self.widths and obs.seconds > 0:
+            w, k = self.widths.index(obs.width), self.bucket_index(obs.batch_size)
+            self._p_time_sum[w][k] += obs.seconds
+            self._p_time_n[w][k] += 1
+
+    # ------------------------------------------------------------------ decisions
+    def choose(self, batch_size: int, step: int) -> Candidate:
+        """The candidate for step `step` (a counter every rank shares) of `batch_size` requests."""
+        if step < self.warmup_steps:
+            pick = self.largest
+        elif step % self.explore_every == 0:
+            cycle = step // self.explore_every
+            others = [c for c in self.candidates if c != self.largest] or [self.largest]
+            pick = self.largest if cycle % 2 == 0 else others[(cycle // 2) % len(others)]
+            self.explore_steps += 1
+        else:
+            pick = self.plan[self.bucket_index(batch_size)]
+        self.chosen[pick.name] += 1
+        return pick
+
+    def due(self, step: int) -> bool:
+        """Whether `refresh` is due after step `step` (same answer on every rank)."""
+        return (step + 1) % self.refresh_every == 0
+
+    def refresh(self, reduce: Callable[[list[float]], list[float]] | None = None, world: int = 1) -> None:
+        """Fold the pending sums (summed over the ranks by `reduce`) into the state and re-plan."""
+        vector = self._pending_vector()
+        if reduce is not None:
+            vector = list(reduce(vector))
+        self._fold(vector, max(1, int(world)))
+        self._reset_pending()
+        self._replan()
+        self.refreshes += 1
+
+    # ------------------------------------------------------------------ estimates
+    def expected_accepted(self, candidate: Candidate) -> float | None:
+        """Mean accepted draft tokens per request, or None while nothing is known."""
+        if candidate.is_chain:
+            if self.chain_step_n >= MIN_CHAIN_REQUESTS:
+                return self.chain_step_sum / self.chain_step_n
+            if self.chain_tree_n > 0:
+                return self.chain_tree_sum / self.chain_tree_n
+            return self.chain_step_sum / self.chain_step_n if self.chain_step_n > 0 else None
+        i = self.budgets.index(candidate.budget)
+        if self.accept_n[i] > 0:
+            return self.accept_sum[i] / self.accept_n[i]
+        # Never stepped at this budget: a larger tree holds the smaller one, so it accepts at least
+        # what the largest smaller budget measured (a lower bound until explored).
+        for j in range(i - 1, -1, -1):
+            if self.accept_n[j] > 0:
+                return self.accept_sum[j] / self.accept_n[j]
+        return None
+
+    def step_seconds(self, width: int, bucket: int) -> float | None:
+        """Estimated wall seconds of a step at `width` in bucket index `bucket`: the cell's own steps; else
+        its start-up replay plus the bucket's overhead; else a fit over the measured cells."""
+        w = self.widths.index(width)
+        if self.cost_weight[w][bucket] >= MIN_COST_WEIGHT:
+            return self.cost[w][bucket]
+        replay = self._start_replay(width, bucket)
+        if replay is not None:
+            return replay + self._overhead(bucket)
+        return self._fitted(width, self.buckets[bucket])
+
+    # ------------------------------------------------------------------ reporting
+    def as_dict(self) -> dict[str, Any]:
+        """For /server_info (string keys: the HTTP layer serialises with orjson)."""
+        curve = {c.name: self.expected_accepted(c) for c in self.candidates}
+        costs = {}
+        for w in self.widths:
+            row = {}
+            for k, bs in enumerate(self.buckets):
+                s = self.step_seconds(w, k)
+                if s is not None:
+                    row[str(bs)] = round(s * 1e3, 4)
+            costs[str(w)] = row
+        return {
+            "candidates": [c.name for c in self.candidates],
+            "chosen": dict(self.chosen),
+            "verified": dict(self.verified),
+            "explore_steps": self.explore_steps,
+            "refreshes": self.refreshes,
+            "plan": {str(bs): self.plan[k].name for k, bs in enumerate(self.buckets)},
+            "accepted_by_budget": {k: None if v is None else round(v, 4) for k, v in curve.items()},
+            "step_ms": costs,  # estimated ms per step, by verify width then batch bucket
+            "replay_ms": {f"{w}x{bs}": round(s * 1e3, 4) for (w, bs), s in sorted(self.start_cost.items())},
+        }
+
+    # ------------------------------------------------------------------ internals
+    def _reset_pending(self) -> None:
+        nb, nw, nk = len(self.budgets), len(self.widths), len(self.buckets)
+        self._p_accept_sum = [0.0] * nb
+        self._p_accept_n = [0.0] * nb
+        self._p_chain_tree_sum = self._p_chain_tree_n = 0.0
+        self._p_chain_step_sum = self._p_chain_step_n = 0.0
+        self._p_time_sum = [[0.0] * nk for _ in range(nw)]
+        self._p_time_n = [[0.0] * nk for _ in range(nw)]
+
+    def _pending_vector(self) -> list[float]:
+        v = [*self._p_accept_sum, *self._p_accept_n, self._p_chain_tree_sum, self._p_chain_tree_n,
+             self._p_chain_step_sum, self._p_chain_step_n]
+        for row in self._p_time_sum:
+            v.extend(row)
+        for row in self._p_time_n:
+            v.extend(row)
+        return v
+
+    def _fold(self, v: list[float], world: int) -> None:
+        nb, nw, nk = len(self.budgets), len(self.widths), len(self.buckets)
+        # Acceptance is the same on every rank (same trees, same walk): the sum is world times it.
+        acc_sum, acc_n = v[:nb], v[nb:2 * nb]
+        ct_sum, ct_n, cs_sum, cs_n = (x / world for x in v[2 * nb:2 * nb + 4])
+        t0 = 2 * nb + 4
+        for i in range(nb):
+            self.accept_sum[i] = DECAY * self.accept_sum[i] + acc_sum[i] / world
+            self.accept_n[i] = DECAY * self.accept_n[i] + acc_n[i] / world
+        self.chain_tree_sum = DECAY * self.chain_tree_sum + ct_sum
+        self.chain_tree_n = DECAY * self.chain_tree_n + ct_n
+        self.chain_step_sum = DECAY * self.chain_step_sum + cs_sum
+        self.chain_step_n = DECAY * self.chain_step_n + cs_n
+        for w in range(nw):
+            for k in range(nk):
+                total = v[t0 + w * nk + k]
+                count = v[t0 + nw * nk + w * nk + k]
+                self.cost_weight[w][k] *= COST_DECAY
+                if count <= 0:
+                    continue
+                mean = total / count  # over this refresh's steps of every rank: the ranks' mean
+                old = self.cost_weight[w][k]
+                alpha = 1.0 if old <= 0 else max(EWMA_ALPHA, count / (count + old))
+                self.cost[w][k] = mean if old <= 0 else self.cost[w][k] + alpha * (mean - self.cost[w][k])
+                self.cost_weight[w][k] = old + count / world
+
+    def _start_replay(self, width: int, bucket: int) -> float | None:
+        return self.start_cost.get((int(width), self.buckets[bucket]))
+
+    def _overhead(self, bucket: int) -> float:
+        """What this bucket's steps cost beyond their verify replay (draft, build, walk, real-context
+        attention), from the widths measured in it; else from the nearest measured bucket; else 0."""
+        order = sorted(range(len(self.buckets)), key=lambda k: abs(k - bucket))
+        for k in order:
+            extra = [self.cost[w][k] - self._start_replay(width, k)
+                     for w, width in enumerate(self.widths)
+                     if self.cost_weight[w][k] >= MIN_COST_WEIGHT and self._start_replay(width, k) is not None]
+            if extra:
+                return max(0.0, sum(extra) / len(extra))
+        return 0.0
+
+    def _fitted(self, width: int, batch_size: int) -> float | None:
+        """`a + b * batch + c * width * batch` (per step, per request, per verify token) least-squares fitted
+        to the measured cells; None while they cannot tell the three apart (fewer than two widths or two
+        batch sizes measured)."""
+        rows = [(1.0, float(bs), float(w * bs), self.cost[i][k], self.cost_weight[i][k])
+                for i, w in enumerate(self.widths) for k, bs in enumerate(self.buckets)
+                if self.cost_weight[i][k] >= MIN_COST_WEIGHT]
+        if len({r[1] for r in rows}) < 2 or len({r[2] / r[1] for r in rows}) < 2:
+            return None
+        # Normal equations (3 x 3), weighted by each cell's observation weight.
+        m = [[sum(r[4] * r[i] * r[j] for r in rows) for j in range(3)] for i in range(3)]
+        v = [sum(r[4] * r[i] * r[3] for r in rows) for i in range(3)]
+        coef = _solve3(m, v)
+        if coef is None:
+            return None
+        a, b, c = coef
+        return max(a + b * batch_size + c * width * batch_size, 1e-9)
+
+    def _replan(self) -> None:
+        for k in range(len(self.buckets)):
+            accepted = {c: self.expected_accepted(c) for c in self.candidates}
+            seconds = {c: self.step_seconds(c.width, k) for c in self.candidates}
+            if all(s is None for s in seconds.values()):
+                # No cost known for this bucket (no graphs timed, nothing stepped yet): as far as we know
+                # the candidates cost alike, so the one that accepts most wins (ties: the narrower).
+                known = [c for c in self.candidates if accepted[c] is not None]
+                self.plan[k] = max(known, key=lambda c: (accepted[c], -c.width)) if known else self.largest
+                continue
+            scored = [(self.buckets[k] * (1.0 + accepted[c]) / seconds[c], c) for c in self.candidates
+                      if accepted[c] is not None and seconds[c] is not None and seconds[c] > 0]
+            if not scored:
+                self.plan[k] = self.largest
+                continue
+            best = max(s for s, _ in scored)
+            # Ties within a part in a thousand go to the narrower verify (less memory traffic; the
+            # timings are not that exact).
+            self.plan[k] = min((c for s, c in scored if s >= best * (1 - 1e-3)), key=lambda c: (c.width, c.budget))
+
+
+def _solve3(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None when singular."""
+    a = [row[:] + [v[i]] for i, row in enumerate(m)]
+    for col in range(3):
+        pivot = max(range(col, 3), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) < 1e-12 * max(1.0, max(abs(x) for row in a for x in row[:3])):
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(3):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                a[r] = [x - f * y for x, y in zip(a[r], a[col], strict=True)]
+    return [a[i][3] / a[i][i] for i in range(3)]

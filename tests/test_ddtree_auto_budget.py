@@ -1,0 +1,216 @@
+"""`--speculative-ddtree-budget auto`: what smaller trees would have accepted (against building and walking
+them), the candidates, and the budget choice against a brute-force oracle on simulated servers."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from ddtree_oracle import load_payload_module
+
+du = load_payload_module("ddtree_utils")
+ab = load_payload_module("ddtree_auto_budget")
+
+
+# ----------------------------------------------------------------------------- acceptance by budget
+
+
+def _target_tokens(tree, draft_top1: torch.Tensor, seed: int, p_follow: float) -> torch.Tensor:
+    """The target's token at every node, a function of the node's path only (so a smaller tree's nodes get
+    the same tokens): the draft's top-1 at the next depth with probability `p_follow`, else a token from a
+    small range that collides with drafted tokens now and then."""
+    batch, n = tree.parents.shape
+    out = torch.zeros((batch, n), dtype=torch.int64)
+    tokens = tree.full_token_ids(torch.zeros(batch, dtype=torch.int64))
+    for b in range(batch):
+        paths: dict[int, tuple[int, ...]] = {0: ()}
+        for i in range(n):
+            if i >= int(tree.num_nodes[b]):
+                break
+            if i > 0:
+                paths[i] = paths[int(tree.parents[b, i])] + (int(tokens[b, i]),)
+            depth = len(paths[i])
+            rng = random.Random(hash((seed, b, paths[i])))
+            if depth < draft_top1.shape[1] and rng.random() < p_follow:
+                out[b, i] = int(draft_top1[b, depth])
+            else:
+                out[b, i] = rng.randrange(12)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_acceptance_by_budget_is_what_the_smaller_trees_accept(seed: int) -> None:
+    rng = random.Random(seed)
+    batch, depth, vocab = rng.choice([1, 3, 5]), rng.choice([3, 7, 15]), 12
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch, depth, vocab, generator=g) * rng.choice([1.0, 3.0])
+    keep_chain = rng.random() < 0.4
+    cap = rng.choice([None, 2, 4])
+    big = rng.choice([depth + 4, 31, 63])
+    tree = du.build_ddtree(logits, big, topk_cap=cap, keep_chain=keep_chain)
+    top1 = logits.argmax(-1)
+    target = _target_tokens(tree, top1, seed, p_follow=rng.choice([0.5, 0.8, 0.95]))
+    accepted, _, _ = du.follow_verified_tree(tree, target)
+    budgets = sorted({1, 2, depth, 15, 31, big} - {0})
+    budgets = [b for b in budgets if b <= big]
+    got = du.acceptance_by_budget(tree, accepted, torch.tensor(budgets)).tolist()
+
+    for j, b in enumerate(budgets):
+        # The oracle: the tree a step of budget b verifies, walked on its own. Without keep-chain that is
+        # build_ddtree at budget b (same cap); with keep-chain, the shrunk tree auto verifies.
+        if keep_chain:
+            small = du.shrink_tree(tree, b, pad=False)
+        else:
+            small = du.build_ddtree(logits, b, topk_cap=cap)
+            assert torch.equal(small.token_ids, du.shrink_tree(tree, b, pad=False).token_ids)
+        _, lens, _ = du.follow_verified_tree(small, target[:, : b + 1])
+        assert got[j] == float(lens.sum()), (b, got[j], lens.tolist())
+
+    # The chain: DFLASH's linear verify of the top-1 block, walked directly.
+    chain_total = 0
+    for r in range(batch):
+        node_target = target[r, 0]
+        n_ok = 0
+        # Follow the chain inside the tree while it is there; where it leaves the tree, the rest of the
+        # chain is unknown to this step (the estimate stops there: a lower bound).
+        node = 0
+        for d in range(depth):
+            if int(node_target) != int(top1[r, d]):
+                break
+            children = [i for i in range(1, int(tree.num_nodes[r])) if int(tree.parents[r, i]) == node
+                        and int(tree.token_ids[r, i - 1]) == int(top1[r, d])]
+            if not children:
+                break
+            node = children[0]
+            node_target = target[r, node]
+            n_ok += 1
+        chain_total += n_ok
+    assert got[-1] == float(chain_total)
+
+
+def test_acceptance_by_budget_reference_functions() -> None:
+    assert ab.accepted_by_budget([1, 4, 9], [1, 3, 4, 15]) == [1, 1, 2, 3]
+    assert ab.chain_accepted([0, 0, 2, 0]) == 2
+    assert ab.chain_accepted([]) == 0
+
+
+# ----------------------------------------------------------------------------- candidates
+
+
+def test_candidates_are_the_chain_and_the_graph_ladder() -> None:
+    assert ab.auto_budgets(127, 16) == [127, 63, 31, 15]
+    assert ab.auto_budgets(100, 16) == [100, 63, 31, 15]
+    assert ab.auto_budgets(7, 16) == [7]
+    assert ab.auto_budgets(15, 16) == [15]
+    cands = ab.auto_candidates(127, 16)
+    assert [(c.budget, c.width) for c in cands] == [(0, 16), (15, 16), (31, 32), (63, 64), (127, 128)]
+    assert ab.verify_widths(cands) == [16, 32, 64, 128]
+    assert ab.batch_buckets([1, 2, 4, 8, 16, 32], 100) == [1, 2, 4, 8, 16, 32, 64, 128]
+
+
+# ----------------------------------------------------------------------------- the choice
+
+
+class SimulatedServer:
+    """A server whose true acceptance per candidate and step cost per (width, batch) are known: a verify
+    cost that grows with width x batch (a real target's GEMMs) or not at all (a launch-bound one)."""
+
+    def __init__(self, rng: random.Random, cands: list, real_size: bool) -> None:
+        self.rng = rng
+        trees = [c for c in cands if not c.is_chain]
+        base = rng.uniform(0.8, 2.5)
+        gain = rng.uniform(0.2, 1.2)
+        self.accept = {}
+        for i, c in enumerate(trees):  # concave in log budget, increasing
+            self.accept[c.budget] = base + gain * (1 - 0.6 ** (i + 1)) / 0.4
+        self.accept[0] = base * rng.uniform(0.8, 1.05)  # the chain: about a small tree's
+        self.draft_s = rng.uniform(0.5e-3, 2e-3)
+        self.per_token_s = rng.uniform(2e-6, 1.2e-5) if real_size else 0.0
+        self.launch_s = rng.uniform(2e-3, 5e-3)
+
+    def true_seconds(self, width: int, bs: int) -> float:
+        # Launch-bound until the verify tokens fill the GPU, then linear in them (not the fit's shape).
+        return self.draft_s + max(self.launch_s, self.per_token_s * width * bs)
+
+    def replay_seconds(self, width: int, bs: int) -> float:
+        return max(self.launch_s, self.per_token_s * width * bs) * 0.9
+
+    def throughput(self, c, bs: int) -> float:
+        return bs * (1 + self.accept[c.budget]) / self.true_seconds(c.width, bs)
+
+    def observation(self, c, bs: int) -> ab.StepObservation:
+        noise = self.rng.uniform(0.95, 1.05)
+        budgets = [b for b in self.accept if b]
+        accepted = [bs * self.accept[b] * self.rng.uniform(0.9, 1.1) if b <= c.budget else 0.0 for b in sorted(budgets)]
+        chain = bs * self.accept[0] * self.rng.uniform(0.9, 1.1)
+        return ab.StepObservation(budget=c.budget, width=c.width, batch_size=bs,
+                                  seconds=self.true_seconds(c.width, bs) * noise, accepted=accepted,
+                                  chain=chain, requests=bs)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_the_plan_converges_to_the_best_candidate_per_batch(seed: int) -> None:
+    rng = random.Random(seed)
+    cands = ab.auto_candidates(rng.choice([63, 127, 100]), 16)
+    capture_bs = [1, 2, 4, 8, 16, 32]
+    server = SimulatedServer(rng, cands, real_size=rng.random() < 0.75)
+    auto = ab.AutoBudget(cands, capture_bs, max_running=64)
+    if rng.random() < 0.7:  # start-up replays (graphs on), or none (CPU, graphs off)
+        auto.seed_start_costs({(w, bs): server.replay_seconds(w, bs) for w in auto.widths for bs in capture_bs})
+    batch_sizes = [1, 2, 4, 8, 16, 32, 64]
+    for step in range(4000):
+        bs = rng.choice(batch_sizes)
+        c = auto.choose(bs, step)
+        auto.observe(server.observation(c, bs))
+        if auto.due(step):
+            auto.refresh()
+    for bs in batch_sizes:
+        k = auto.bucket_index(bs)
+        picked = auto.plan[k]
+        best = max(cands, key=lambda c: server.throughput(c, bs))
+        # The oracle: the true best candidate; the plan may pick another only within the noise.
+        assert server.throughput(picked, bs) >= 0.93 * server.throughput(best, bs), (bs, picked, best)
+        assert server.throughput(picked, bs) >= 0.97 * server.throughput(auto.chain, bs), (bs, picked)
+
+
+def test_exploration_keeps_measuring_budgets_the_plan_avoids() -> None:
+    cands = ab.auto_candidates(127, 16)
+    auto = ab.AutoBudget(cands, [1, 2, 4], max_running=4, explore_every=8, warmup_steps=0)
+    picks = [auto.choose(4, step) for step in range(8 * 12)]
+    explored = {picks[i] for i in range(0, len(picks), 8)}
+    assert explored == set(cands)  # every candidate, the largest every other exploration
+    assert sum(1 for i in range(0, len(picks), 8) if picks[i] == auto.largest) == 6
+
+
+def test_ranks_with_different_clocks_agree_after_refresh() -> None:
+    rng = random.Random(7)
+    cands = ab.auto_candidates(127, 16)
+    ranks = [ab.AutoBudget(cands, [1, 2, 4, 8], max_running=8) for _ in range(2)]
+    server = SimulatedServer(rng, cands, real_size=True)
+    for step in range(400):
+        bs = rng.choice([1, 2, 4, 8])
+        picks = {r.choose(bs, step) for r in ranks}
+        assert len(picks) == 1, f"ranks chose {picks} at step {step}"
+        (c,) = picks
+        obs = server.observation(c, bs)
+        for i, r in enumerate(ranks):  # the same step, timed differently on each rank
+            r.observe(ab.StepObservation(**{**obs.__dict__, "seconds": obs.seconds * (1 + 0.3 * i)}))
+        if ranks[0].due(step):
+            vectors = [r._pending_vector() for r in ranks]
+            total = [sum(x) for x in zip(*vectors, strict=True)]
+            for r in ranks:
+                r.refresh(lambda _v, total=total: total, world=2)
+    assert ranks[0].as_dict() == ranks[1].as_dict()
+
+
+def test_no_cost_known_takes_the_budget_that_accepts_most() -> None:
+    cands = ab.auto_candidates(63, 16)
+    auto = ab.AutoBudget(cands, [1], max_running=1, warmup_steps=0)
+    auto.observe(ab.StepObservation(budget=63, width=64, batch_size=1, seconds=0.0,
+                                    accepted=[2.0, 2.5, 3.0], chain=1.5, requests=1))
+    auto.refresh()
+    assert auto.plan[0].budget == 63
+    assert auto.expected_accepted(auto.chain) == 1.5
+    report = auto.as_dict()
+    assert report["plan"] == {"1": "63"} and report["verified"] == {"63": 1}
