@@ -531,6 +531,33 @@ def liveness_gate(client: ServerClient, *, bound_s: float = DEFAULT_LIVENESS_BOU
                        seconds, evidence)
 
 
+
+def _auto_acceptance(stats: dict[str, Any], accept: float, shadow_accept: float, need: float, margin: float,
+                     seconds: float, evidence: dict[str, Any]) -> GateVerdict:
+    """`--speculative-ddtree-budget auto` trades acceptance for speed by the batch, so the canary's own accept
+    length may sit at the chain's where a tree does not pay. What must hold: its largest tree accepts more
+    than linear DFLASH (the server's acceptance-by-budget curve, 1 + accepted draft tokens per step), and the
+    canary accepts no less than shadow-linear beyond the margin (auto never picks a candidate that accepts
+    less for the same cost)."""
+    auto = stats.get("auto") if isinstance(stats.get("auto"), dict) else {}
+    curve = auto.get("accepted_by_budget") if isinstance(auto.get("accepted_by_budget"), dict) else {}
+    trees = {k: v for k, v in curve.items() if k != "chain" and isinstance(v, int | float) and not isinstance(v, bool)}
+    if not trees:
+        return GateVerdict("acceptance", "inconclusive", "auto reports no acceptance by budget "
+                           "(internal_states[0].ddtree.auto.accepted_by_budget)", seconds, evidence)
+    largest = max(trees, key=lambda k: int(k))
+    tree_accept = 1.0 + float(trees[largest])
+    floor = shadow_accept * (1 - margin)
+    if tree_accept < need:
+        return GateVerdict("acceptance", "fail", f"auto's largest tree (budget {largest}) accepts {tree_accept:.3f} < "
+                           f"shadow-linear {shadow_accept:.3f} × (1 + {margin:g}) = {need:.3f}", seconds, evidence)
+    if accept < floor:
+        return GateVerdict("acceptance", "fail", f"accept length {accept:.3f} < shadow-linear {shadow_accept:.3f} × "
+                           f"(1 - {margin:g}) = {floor:.3f}: auto chose candidates that accept less", seconds, evidence)
+    return GateVerdict("acceptance", "pass", f"auto: budget {largest} accepts {tree_accept:.3f} ≥ {need:.3f}; the "
+                       f"canary {accept:.3f} ≥ {floor:.3f} (steps by budget {auto.get('verified')})", seconds, evidence)
+
+
 @guarded("acceptance")
 def acceptance_gate(client: ServerClient, run: CanaryRun, shadow_accept: float | None, margin: float, *,
                     deadline: Deadline | None = None) -> GateVerdict:
@@ -553,6 +580,8 @@ def acceptance_gate(client: ServerClient, run: CanaryRun, shadow_accept: float |
         return GateVerdict("acceptance", "fail", f"tree verify never ran (tree_steps 0, fallback_steps "
                            f"{stats.get('fallback_steps')})", seconds, evidence)
     need = shadow_accept * (1 + margin)
+    if stats.get("budget") == "auto":
+        return _auto_acceptance(stats, accept, shadow_accept, need, margin, seconds, evidence)
     if accept < need:
         return GateVerdict("acceptance", "fail", f"accept length {accept:.3f} < shadow-linear {shadow_accept:.3f} × "
                            f"(1 + {margin:g}) = {need:.3f}", seconds, evidence)

@@ -31,6 +31,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PlainValidator,
     ValidationError,
     ValidationInfo,
     create_model,
@@ -94,6 +95,19 @@ def _reject_control_chars(value: str, what: str) -> None:
 def _check_address(value: str) -> str:
     if not _ADDRESS_RE.fullmatch(value) or value.startswith("-"):
         raise _invalid(f"`{value}` is not a host name or IP address", "use a DNS name, IPv4 or IPv6 address (no spaces, quotes or shell characters)")
+    return value
+
+
+def _check_budget(value: object) -> int | str:
+    """A tree budget: an integer >= 1 or `auto` (one error for either, not one per type tried)."""
+    if value == "auto":
+        return "auto"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _invalid(f"`{value}` is neither a node count nor `auto`",
+                       "write an integer >= 1 (non-root tree nodes) or `auto` (the budget picked per step)")
+    if value < 1:
+        raise _invalid(f"Input should be greater than or equal to 1 (got {value})",
+                       "write an integer >= 1 (non-root tree nodes) or `auto`")
     return value
 
 
@@ -244,7 +258,9 @@ class HostConfig(BaseModel):
     # Rollout settings (push / smoke / promote).
     canary: bool = False
     # Upper bounds and how budget, cap and keep_chain fit together: the payload's own check (_payload_refusals).
-    ddtree_budget: int | None = Field(None, ge=1)
+    # A fixed budget, or "auto": each step picks its budget for throughput, at most ddtree_budget_max.
+    ddtree_budget: Annotated[int | str, PlainValidator(_check_budget)] | None = None
+    ddtree_budget_max: int | None = Field(None, ge=1)
     ddtree_topk_cap: int | None = Field(None, ge=1)
     ddtree_keep_chain: bool = False
     allow_hybrid_unsafe: bool = False
@@ -847,8 +863,9 @@ def _shared_addresses(hosts: dict[str, HostConfig], marks: _Marks) -> list[Inven
 
 _PAYLOAD_ARGS = Path(__file__).resolve().parent / "payload" / "sglang" / "srt" / "speculative" / "ddtree_args.py"
 # The inventory field each of the payload's flags comes from.
+# Longest flag first: a message about --speculative-ddtree-budget-max also starts with --speculative-ddtree-budget.
 _FLAG_FIELDS = {"--speculative-ddtree-topk-cap": "ddtree_topk_cap", "--speculative-ddtree-keep-chain": "ddtree_keep_chain",
-                "--speculative-ddtree-budget": "ddtree_budget"}
+                "--speculative-ddtree-budget-max": "ddtree_budget_max", "--speculative-ddtree-budget": "ddtree_budget"}
 
 
 @functools.cache
@@ -877,6 +894,7 @@ def _payload_refusals(hosts: dict[str, HostConfig], marks: _Marks,
         args = types.SimpleNamespace(
             speculative_algorithm="DFLASH", speculative_ddtree_mode="shadow-linear",
             speculative_num_draft_tokens=host.draft_block_size, speculative_ddtree_budget=host.ddtree_budget,
+            speculative_ddtree_budget_max=host.ddtree_budget_max,
             speculative_ddtree_topk_cap=host.ddtree_topk_cap, speculative_ddtree_keep_chain=host.ddtree_keep_chain,
             speculative_ddtree_allow_hybrid_unsafe=False)
         try:

@@ -199,6 +199,8 @@ def expected_settings(host: HostConfig, mode: str) -> dict[str, Any]:
     if mode in service.DDTREE_MODES:
         expect["speculative_ddtree_mode"] = mode
         expect["speculative_ddtree_budget"] = host.ddtree_budget or host.draft_block_size - 1
+        if host.ddtree_budget == "auto":
+            expect["speculative_ddtree_budget_max"] = host.ddtree_budget_max or service.AUTO_MAX_BUDGET
         if host.ddtree_topk_cap is not None:
             expect["speculative_ddtree_topk_cap"] = host.ddtree_topk_cap
         if host.ddtree_keep_chain:

@@ -45,6 +45,8 @@ if TYPE_CHECKING:
 Mode = Literal["off", "shadow-linear", "full"]
 MODES: tuple[str, ...] = ("off", "shadow-linear", "full")
 DDTREE_MODES = ("shadow-linear", "full")
+# The payload's default for --speculative-ddtree-budget-max (ddtree_args.DEFAULT_AUTO_MAX_BUDGET).
+AUTO_MAX_BUDGET = 127
 TEMPLATES = Path(__file__).with_name("templates")
 DROP_IN_NAME = "50-ddtree-ops.conf"
 UNIT_DIR = "/etc/systemd/system"
@@ -191,6 +193,13 @@ def _has_flag(args: Sequence[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
+def largest_budget(host: HostConfig) -> int:
+    """The largest tree a step verifies: the fixed budget, auto's maximum, or the draft's depth."""
+    if host.ddtree_budget == "auto":
+        return host.ddtree_budget_max or AUTO_MAX_BUDGET
+    return host.ddtree_budget or host.draft_block_size - 1
+
+
 def server_argv(host: HostConfig, mode: str) -> list[str]:
     """The launcher's argv: `PYTHON -m MODULE ARGS`, ARGS the same in production and in the lab.
 
@@ -221,15 +230,18 @@ def server_argv(host: HostConfig, mode: str) -> list[str]:
         argv += ["--speculative-ddtree-mode", mode]
         if host.ddtree_budget is not None:
             argv += ["--speculative-ddtree-budget", str(host.ddtree_budget)]
+        if host.ddtree_budget_max is not None:
+            argv += ["--speculative-ddtree-budget-max", str(host.ddtree_budget_max)]
         if host.ddtree_topk_cap is not None:
             argv += ["--speculative-ddtree-topk-cap", str(host.ddtree_topk_cap)]
         if host.ddtree_keep_chain:
             depth = host.draft_block_size - 1
-            if (host.ddtree_budget or depth) < depth:
+            if largest_budget(host) < depth:
                 # The payload refuses this at argument parsing: the unit would never start.
                 raise UsageError(f"{host.name}: ddtree_keep_chain needs ddtree_budget >= the draft depth {depth} "
-                                 f"(draft_block_size {host.draft_block_size} - 1), got ddtree_budget "
-                                 f"{host.ddtree_budget}", hint=f"set ddtree_budget to at least {depth} or drop "
+                                 f"(draft_block_size {host.draft_block_size} - 1), got a largest budget of "
+                                 f"{largest_budget(host)}", hint=f"set ddtree_budget (or ddtree_budget_max with auto) "
+                                 f"to at least {depth} or drop "
                                  "ddtree_keep_chain", code="keep_chain_budget")
             argv += ["--speculative-ddtree-keep-chain"]
         for flag, value in DDTREE_SERVER_DEFAULTS:

@@ -151,7 +151,10 @@ def test_settings_and_acceptance_never_raise_on_any_server_info(liar_url: str, i
     states = info.get("internal_states") if isinstance(info, dict) else None
     stats = states[0].get("ddtree") if isinstance(states, list) and states and isinstance(states[0], dict) else None
     tree_steps = stats.get("tree_steps") if isinstance(stats, dict) else None
-    assert (acceptance.verdict == "pass") == (type(tree_steps) is int and tree_steps > 0), acceptance.reason
+    if isinstance(stats, dict) and stats.get("budget") == "auto":  # judged by auto's curve (test_rollout)
+        assert acceptance.verdict in ("pass", "fail", "inconclusive")
+    else:
+        assert (acceptance.verdict == "pass") == (type(tree_steps) is int and tree_steps > 0), acceptance.reason
 
 
 def test_a_canary_that_compares_nothing_is_inconclusive_and_missing_outputs_fail(liar_url: str) -> None:

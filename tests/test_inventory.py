@@ -348,6 +348,12 @@ def test_a_shape_error_does_not_hide_field_errors(tmp_path: Path) -> None:
      "must be in 1..15"),  # the cap above the default budget (draft_block_size 16 - 1)
     ("hosts:\n  a: {address: x}\n  b: {address: y, ddtree_keep_chain: true, ddtree_budget: 4}\n",
      "hosts.b.ddtree_keep_chain", 3, "needs --speculative-ddtree-budget >= the draft depth 15"),
+    ("hosts:\n  a: {address: x, ddtree_budget: auto, ddtree_budget_max: 600}\n", "hosts.a.ddtree_budget_max", 2,
+     "--speculative-ddtree-budget-max must be in 1..512"),
+    ("hosts:\n  a: {address: x, ddtree_budget: 64, ddtree_budget_max: 63}\n", "hosts.a.ddtree_budget_max", 2,
+     "is the largest budget of --speculative-ddtree-budget auto"),
+    ("hosts:\n  a: {address: x, ddtree_budget: auto, ddtree_budget_max: 31, ddtree_topk_cap: 40}\n",
+     "hosts.a.ddtree_topk_cap", 2, "must be in 1..31 (1..--speculative-ddtree-budget-max)"),
 ])
 def test_settings_the_payload_refuses_are_refused_where_they_are_written(tmp_path: Path, text, path, line,
                                                                          fragment) -> None:
@@ -408,3 +414,19 @@ def test_inventory_warnings_reach_stderr_and_the_json_document(tmp_path: Path) -
     import json
 
     assert json.loads(result.stdout)["warnings"][0]["path"] == "hosts.b.address"
+
+
+def test_auto_budget_is_a_setting(tmp_path: Path) -> None:
+    import yaml
+
+    path = tmp_path / "inv.yaml"
+    path.write_text(yaml.safe_dump({"hosts": {"a": {"address": "x", "ddtree_budget": "auto"},
+                                              "b": {"address": "y", "ddtree_budget": "auto", "ddtree_budget_max": 63,
+                                                    "ddtree_keep_chain": True}}}))
+    hosts = load_inventory(path).hosts
+    assert (hosts["a"].ddtree_budget, hosts["a"].ddtree_budget_max) == ("auto", None)
+    assert (hosts["b"].ddtree_budget, hosts["b"].ddtree_budget_max) == ("auto", 63)
+    path.write_text(yaml.safe_dump({"hosts": {"a": {"address": "x", "ddtree_budget": "fast"}}}))
+    with pytest.raises(InventoryError) as info:
+        load_inventory(path)
+    assert info.value.issues[0].path == "hosts.a.ddtree_budget"

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from ddtree_oracle import load_ddtree_utils
+from ddtree_oracle import load_ddtree_utils, load_payload_module
 from lab_engine_helpers import first_difference
 
 from ddtree_ops.lab.engine.decoding import Corruption, Decoder, Request
@@ -37,10 +37,10 @@ def models(tmp_path_factory):
 
 
 def decoder(models, speculative: bool, mode: str, *, budget=None, topk_cap=None, keep_chain=False, draft=None,
-            ddtree=du, corruption=None) -> Decoder:
+            ddtree=du, corruption=None, auto=None) -> Decoder:
     return Decoder(models.target, capacity=CONTEXT + 64, draft=(draft or models.draft) if speculative else None,
                    mode=mode, budget=budget, topk_cap=topk_cap, keep_chain=keep_chain,
-                   ddtree=ddtree if mode != "off" else None, corruption=corruption)
+                   ddtree=ddtree if mode != "off" else None, corruption=corruption, auto=auto)
 
 
 def make_requests(specs) -> list[Request]:
@@ -105,6 +105,25 @@ def test_greedy_outputs_identical_across_modes_and_batches(models, seed):
         assert finish == want_finish
         if mode_spec[2] == "full":
             assert dec.tree_stats.tree_steps > 0 and dec.tree_stats.fallback_steps == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_auto_budget_outputs_are_plains(models, seed):
+    """--speculative-ddtree-budget auto through the payload's AutoBudget: chain steps and tree steps of every
+    candidate budget (exploration every 2nd step), greedy and sampled requests, all plain's tokens."""
+    ab = load_payload_module("ddtree_auto_budget")
+    rng = random.Random(100 + seed)
+    specs = random_specs(rng, rng.randrange(3, 7), greedy=seed % 2 == 0)
+    arrivals = [rng.choice([0, 0, rng.randrange(0, 12)]) for _ in specs]
+    want, want_finish, _ = outputs(models, MODES[0], specs, [0] * len(specs))
+    auto = ab.AutoBudget(ab.auto_candidates(31, 16), capture_bs=[1], max_running=8, explore_every=2, warmup_steps=2,
+                         refresh_every=3)
+    got, finish, dec = outputs(models, MODES[3], specs, arrivals, budget=31, auto=auto)
+    assert got == want and finish == want_finish
+    st = dec.tree_stats.internal_state()
+    assert st["budget"] == "auto" and st["budget_max"] == 31 and st["chain_steps"] > 0
+    assert sum(st["auto"]["verified"].values()) == st["steps"] and set(st["auto"]["verified"]) >= {"chain", "31"}
+    assert st["auto"]["accepted_by_budget"]["31"] is not None
 
 
 def test_stop_token_and_eos_end_a_request_mid_block(models):

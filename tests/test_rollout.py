@@ -144,6 +144,33 @@ def test_keep_chain_settings_expected_and_gated(tmp_path: Path) -> None:
     assert worker.verdict == "fail" and "keep_chain=None" in worker.reason
 
 
+def test_auto_budget_settings_expected_and_acceptance_judged_by_its_curve(tmp_path: Path) -> None:
+    host = _inv(tmp_path, 1, ddtree_budget="auto", ddtree_budget_max=63).hosts["h1"]
+    expect = rollout.expected_settings(host, "full")
+    assert (expect["speculative_ddtree_budget"], expect["speculative_ddtree_budget_max"]) == ("auto", 63)
+    default = rollout.expected_settings(_inv(tmp_path, 1, ddtree_budget="auto").hosts["h1"], "full")
+    assert default["speculative_ddtree_budget_max"] == 127
+
+    def info(curve, tree_steps=10):
+        stats = {"mode": "full", "budget": "auto", "budget_max": 63, "tree_steps": tree_steps,
+                 "auto": {"accepted_by_budget": curve, "verified": {"63": 10}}}
+        return {"internal_states": [{"ddtree": stats}]}
+
+    run = gates.CanaryRun({"a": [1, 2]}, {"a": {"spec_accept_length": 2.0, "spec_verify_ct": 2}}, {}, 0.1)
+    cases = [({"chain": 0.9, "15": 1.1, "63": 1.5}, "pass", "budget 63 accepts 2.500"),
+             ({"chain": 0.9, "15": 0.9, "63": 0.95}, "fail", "auto's largest tree (budget 63) accepts 1.950"),
+             ({}, "inconclusive", "auto reports no acceptance by budget")]
+    for curve, verdict, reason in cases:
+        with _info_server(info(curve)) as client:
+            got = gates.acceptance_gate(client, run, 1.9, 0.05)
+        assert (got.verdict, reason in got.reason) == (verdict, True), got.reason
+    # The canary accepting less than shadow-linear beyond the margin fails even with a good curve.
+    low = gates.CanaryRun({"a": [1, 2]}, {"a": {"spec_accept_length": 1.5, "spec_verify_ct": 2}}, {}, 0.1)
+    with _info_server(info({"chain": 0.9, "63": 1.5})) as client:
+        got = gates.acceptance_gate(client, low, 1.9, 0.05)
+    assert got.verdict == "fail" and "auto chose candidates that accept less" in got.reason
+
+
 def test_unwritable_evidence_dir_is_a_usage_error_before_any_host(tmp_path: Path) -> None:
     """A stage must never confirm and then be reported failed for want of a place for its evidence:
     the evidence dir is checked before any host is contacted (these hosts do not exist)."""

@@ -61,6 +61,18 @@ def test_server_argv_keep_chain(tmp_path: Path) -> None:
     assert "--speculative-ddtree-keep-chain" in service.server_argv(small, "full")
 
 
+def test_server_argv_auto_budget(tmp_path: Path) -> None:
+    full = service.server_argv(_host(tmp_path, ddtree_budget="auto", ddtree_budget_max=63), "full")
+    assert full[full.index("--speculative-ddtree-budget") + 1] == "auto"
+    assert full[full.index("--speculative-ddtree-budget-max") + 1] == "63"
+    default = service.server_argv(_host(tmp_path, ddtree_budget="auto"), "full")
+    assert "--speculative-ddtree-budget-max" not in default  # the payload's default maximum
+    assert service.largest_budget(_host(tmp_path, ddtree_budget="auto")) == service.AUTO_MAX_BUDGET == 127
+    keep = _host(tmp_path, ddtree_budget="auto", ddtree_keep_chain=True).model_copy(update={"ddtree_budget_max": 7})
+    with pytest.raises(UsageError, match="got a largest budget of 7"):
+        service.server_argv(keep, "full")
+
+
 def test_unit_has_the_required_settings(tmp_path: Path) -> None:
     unit = service.render_unit(_host(tmp_path, start_timeout_s=1200, stop_timeout_s=90), "full", secrets={})
     lines = unit.text.splitlines()

@@ -32,6 +32,8 @@
 #   start; the DDTree gather is an all-gather over NCCL either way) is added to the TP servers' flags.
 # GRAPHS=1 (issue 13): graphs_phases.sh. SWEEP=1 (issue 14): sweep_phases.sh, on the trained pair that
 #   train_pair_device.sh made (unpack its pair.tar and heldout_prompts.json into .gpu/pair/).
+# AUTO=1 (issue 24): auto_phases.sh: --speculative-ddtree-budget auto vs DFLASH and fixed budgets at batch 1..64 on
+#   the trained pair and its real-size shell (make_shell.py); needs the pair in .gpu/pair like SWEEP=1.
 # LIMITS=1 (issue 23): limits_phases.sh: full graph batches at the context limit (1024 and 4096), penalties,
 #   samples at T 1 / top_p 1, the logprob probe, the production mix; upstream DFLASH (and, with
 #   dist/old/, the previous payload's full 64) on the limits workload, expected to crash.
@@ -69,10 +71,15 @@ if [ "${TP2:-0}" = 1 ]; then  # on both GPUs, alongside the model making and the
   TPC_PID=$!
 fi
 
-if [ "${SWEEP:-0}" = 1 ]; then  # the trained pair travels in the carry (train_pair_device.sh's pair.tar)
+if [ "${SWEEP:-0}" = 1 ] || [ "${AUTO:-0}" = 1 ]; then  # the trained pair travels in the carry (train_pair_device.sh's pair.tar)
   [ -f .gpu/pair/target/config.json ] && [ -f .gpu/pair/draft/config.json ] && [ -f .gpu/pair/heldout_prompts.json ] \
     || { echo "SWEEP=1 needs the trained pair in .gpu/pair (target/, draft/, heldout_prompts.json): run train_pair_device.sh"; exit 1; }
   rm -rf /tmp/pair && cp -r .gpu/pair /tmp/pair
+  if [ "${AUTO:-0}" = 1 ]; then  # issue 24: the pair's real-size shell (make_shell.py), its greedy outputs checked
+    python3 $HERE/make_shell.py /tmp/pair /tmp/shell ${SHELL_ARGS:-} > "$OUT/make_shell.log" 2>&1 \
+      || { tail -20 "$OUT/make_shell.log"; echo "make_shell failed"; exit 1; }
+    tail -4 "$OUT/make_shell.log"; ts "shell made"
+  fi
 else
 # The peaked set first (the warm-up server uses it); the others are made while it starts.
 PEAKED=1 python3 $HERE/make_tiny_models.py /tmp/tiny_p 2>&1 | grep -v -i "warn\|Writing model"
@@ -200,6 +207,20 @@ if [ "${SWEEP:-0}" = 1 ]; then
     done
   done
 fi
+if [ "${AUTO:-0}" = 1 ]; then
+  # Issue 24: CUDA graphs up to batch 64 for every server; the KV pool capped (64 requests x (256 + 64 + a
+  # 128-node tree)); the shell's 16 GB of weights each: --mem-fraction-static sized for them.
+  KEEP=(); for c in "${COMMON[@]}"; do case $c in --disable-cuda-graph|--max-total-tokens|16384|--mem-fraction-static|0.3) ;; *) KEEP+=("$c") ;; esac; done
+  COMMON=("${KEEP[@]}" --cuda-graph-max-bs 64 --max-running-requests 64 --context-length 1024 --schedule-policy fcfs
+          --sleep-on-idle --max-total-tokens 40000 --mem-fraction-static ${AUTO_MEM:-0.17})
+  FULL="DF --speculative-ddtree-mode full --speculative-ddtree-budget"
+  VARIANTS=()
+  for set in p s; do
+    m=/tmp/pair; [ $set = s ] && m=/tmp/shell
+    VARIANTS+=("${set}_plain|$m|" "${set}_dflash|$m|DF" "${set}_auto|$m|$FULL auto --speculative-ddtree-budget-max ${AUTO_MAX:-127}")
+    for b in ${AUTO_FIXED:-16 64 128}; do VARIANTS+=("${set}_full$b|$m|$FULL $b"); done
+  done
+fi
 if [ "${TP2:-0}" = 1 ]; then  # the TP twins (token TP2 -> --tp-size 2 --nccl-port ...), queried early
   WITH_TP=()
   for v in "${VARIANTS[@]}"; do
@@ -309,6 +330,10 @@ if [ "${GRAPHS:-0}" = 1 ]; then
 fi
 if [ "${SWEEP:-0}" = 1 ]; then
   source $HERE/sweep_phases.sh
+  exit $?
+fi
+if [ "${AUTO:-0}" = 1 ]; then
+  source $HERE/auto_phases.sh
   exit $?
 fi
 IFS='|' read -r tag model extra <<< "$first"; launch "$tag" "$model" $extra

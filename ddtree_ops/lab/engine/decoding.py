@@ -14,6 +14,7 @@ the last one is the next step's root (SGLang's bonus token).
 from __future__ import annotations
 
 import collections
+import sys
 import time
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -88,6 +89,10 @@ class TreeStats:
     build_ms_first: float | None = None
     build_ms_recent: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=256))
     accepted_depth_hist: collections.Counter[int] = field(default_factory=collections.Counter)
+    # --speculative-ddtree-budget auto: the payload's AutoBudget (budget is then its maximum), and the
+    # steps it gave the chain (linear verify).
+    auto: Any = None
+    chain_steps: int = 0
 
     def record_build(self, ms: float) -> None:
         if self.build_ms_first is None:
@@ -100,7 +105,10 @@ class TreeStats:
         n_req = max(1, sum(self.accepted_depth_hist.values()))
         return {
             "mode": self.mode,
-            "budget": self.budget,
+            "budget": "auto" if self.auto is not None else self.budget,
+            "budget_max": self.budget if self.auto is not None else None,
+            "auto": None if self.auto is None else self.auto.as_dict(),
+            "chain_steps": self.chain_steps,
             "topk_cap": self.topk_cap,
             "verify_graph_width": None,
             "verify_graph_max_bs": None,
@@ -178,6 +186,7 @@ class Decoder:
         keep_chain: bool = False,
         ddtree: ModuleType | None = None,
         corruption: Corruption | None = None,
+        auto: Any = None,
     ) -> None:
         if mode != "off" and ddtree is None:
             raise ValueError(f"DDTree mode {mode} needs the payload's ddtree_utils module")
@@ -193,6 +202,10 @@ class Decoder:
         self.ddtree = ddtree
         self.corruption = corruption or Corruption()
         self.tree_stats = TreeStats(mode, self.budget, topk_cap, keep_chain) if mode != "off" else None
+        # The payload's ddtree_auto_budget.AutoBudget (full mode, --speculative-ddtree-budget auto).
+        self.auto = auto
+        if self.tree_stats is not None:
+            self.tree_stats.auto = auto
         self.spec = SpecTotals()
 
     @property
@@ -225,7 +238,9 @@ class Decoder:
                 self._plain(r)
             return
         draft_logits = torch.stack([self._draft_logits(r) for r in reqs])  # [bs, depth, vocab]
-        if self.mode == "full":
+        if self.mode == "full" and self.auto is not None:
+            self._auto_step(reqs, draft_logits)
+        elif self.mode == "full":
             self._tree_verify(reqs, draft_logits)
         else:
             if self.mode == "shadow-linear":
@@ -267,8 +282,39 @@ class Decoder:
         if self.tree_stats is not None:
             self.tree_stats.steps += 1
 
-    def _tree_verify(self, reqs: list[Request], draft_logits: torch.Tensor) -> None:
+    def _auto_step(self, reqs: list[Request], draft_logits: torch.Tensor) -> None:
+        """A step whose budget the payload's AutoBudget picks for this batch (the chain: a linear verify),
+        then observed: its wall time and what every smaller budget would have accepted."""
+        # The payload's own observation class, however its module was imported (the host's sglang, a test).
+        observation = sys.modules[type(self.auto).__module__].StepObservation
+        started = time.perf_counter()
+        step = self.tree_stats.steps
+        pick = self.auto.choose(len(reqs), step)
+        budgets = self.auto.budgets
+        if pick.is_chain:
+            before = sum(r.spec_num_correct_drafts for r in reqs)
+            self.tree_stats.chain_steps += 1
+            self._linear_verify(reqs, draft_logits)
+            chain = float(sum(r.spec_num_correct_drafts for r in reqs) - before)
+            accepted = [0.0] * len(budgets)
+        else:
+            values = self._tree_verify(reqs, draft_logits, budget=pick.budget,
+                                       acceptance_budgets=torch.tensor(budgets, dtype=torch.int64)).tolist()
+            accepted, chain = values[:-1], values[-1]
+        self.auto.observe(observation(budget=pick.budget, width=pick.width, batch_size=len(reqs),
+                                          seconds=time.perf_counter() - started, accepted=accepted, chain=chain,
+                                          requests=len(reqs)))
+        if self.auto.due(step):
+            self.auto.refresh()
+
+    def _tree_verify(self, reqs: list[Request], draft_logits: torch.Tensor, *, budget: int | None = None,
+                     acceptance_budgets: torch.Tensor | None = None) -> torch.Tensor | None:
+        """One tree step (its first `budget` nodes when given, as the worker shrinks a tree); with
+        `acceptance_budgets`, returns the payload's `acceptance_by_budget` of its walk."""
         tree = self._build_tree(draft_logits)
+        if budget is not None and budget < self.budget:
+            tree = self.ddtree.shrink_tree(tree, budget, pad=False)
+            self.tree_stats.shrunk_steps += 1
         self.tree_stats.tree_steps += 1
         sampled = sum(1 for r in reqs if not r.choice.greedy)
         self.tree_stats.sampled_requests += sampled
@@ -294,6 +340,9 @@ class Decoder:
             emitted.append(self.corruption.apply(int(bonus[i]), len(r.output_ids) + len(emitted), vocab))
             self._commit(r, outs[i], path, emitted)
         self.tree_stats.steps += 1
+        if acceptance_budgets is None:
+            return None
+        return self.ddtree.acceptance_by_budget(tree, accepted_nodes, acceptance_budgets)
 
     def _commit(self, r: Request, out: Any, path: list[int], emitted: list[int]) -> None:
         """Append emitted tokens until the request finishes; keep the KV of the path nodes whose

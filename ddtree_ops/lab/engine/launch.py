@@ -73,6 +73,14 @@ def build(server_args: Any, faults: Faults, ddtree: ModuleType | None) -> tuple[
         draft = DraftModel.load(server_args.speculative_draft_model_path, low_acceptance=faults.low_acceptance)
         block_size = int(server_args.speculative_num_draft_tokens)
     budget = getattr(server_args, "speculative_ddtree_budget", None)
+    auto = None
+    if ddtree is not None and budget == "auto":  # the payload's ddtree_args normalised it (auto + its maximum)
+        from sglang.srt.speculative import ddtree_auto_budget
+
+        budget = int(server_args.speculative_ddtree_budget_max)
+        if server_args.speculative_ddtree_mode == "full":
+            auto = ddtree_auto_budget.AutoBudget(ddtree_auto_budget.auto_candidates(budget, block_size),
+                                                 capture_bs=[1], max_running=int(server_args.max_running_requests or 48))
     decoder = Decoder(
         model,
         capacity=context_len + max(block_size, int(budget or 0) + 1) + 1,
@@ -84,6 +92,7 @@ def build(server_args: Any, faults: Faults, ddtree: ModuleType | None) -> tuple[
         keep_chain=bool(getattr(server_args, "speculative_ddtree_keep_chain", False)),
         ddtree=ddtree,
         corruption=Corruption(faults.wrong_tokens_after if ddtree is not None else None),
+        auto=auto,
     )
     scheduler = Scheduler(decoder, faults, int(server_args.max_running_requests or 48))
     tokenizer = _tokenizer(server_args.tokenizer_path or server_args.model_path)

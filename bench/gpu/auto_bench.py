@@ -1,0 +1,234 @@
+#!/usr/bin/env python3
+"""Issue 24's client: tokens/s of plain, DFLASH, fixed DDTree budgets and `--speculative-ddtree-budget auto` at
+batch 1 .. 64, in paired passes, and auto's greedy outputs against plain's.
+
+  run --servers TAG=PORT[:PID] ... --prompts heldout_prompts.json --out F [--reference TAG] [--batches 1,2,..]
+      [--temps 0,0.8] [--passes N] [--max-new N] [--wait S]
+      Every server is measured at every (temperature, batch): `batch` held-out prompts sent together, `max-new`
+      tokens each (ignore_eos), after one warm-up batch of that size. A pass measures each (temperature, batch)
+      on every server back to back, in an order rotated per pass, so a server's figure and DFLASH's come from
+      the same minutes (paired). --reference (plain): first, greedy outputs with plain's top-5 logprobs for the
+      largest batch's prompts, so `compare` can class every divergence by plain's margin. Greedy outputs of
+      the first pass are kept for that; /server_info's DDTree state (auto's plan, steps by budget, costs) last.
+  compare F [F ...] --dflash TAG --auto TAG [--plain TAG] [--fixed TAG ...] [--cost-realistic] [--title S]
+      The table (tokens/s and x DFLASH, median over the passes' paired ratios, and the passes' spread), the
+      goals (auto >= DFLASH within the twin spread at every batch, >= the best fixed budget - 5 %, >= 1.3x
+      DFLASH at batch 1 on a cost-realistic target) and the identity counts (same / tie / fault by plain's
+      top-2 margin, production_mix.classify). Exit 1 on a fault or a missed goal.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import statistics
+import sys
+import time
+
+import requests
+from graphs_proof import ddtree_state  # same folder: the scripts run by path
+from production_mix import TOP_K, _write, classify, wait_healthy
+
+AUTO_MARGIN = 0.05  # auto within 5 % of the best fixed budget
+BS1_GOAL = 1.3  # auto over DFLASH at batch 1, cost-realistic target
+
+
+def generate(base: str, prompt: list[int], temperature: float, max_new: int, *, logprobs: bool = False) -> dict:
+    body: dict = {"input_ids": prompt, "sampling_params": {"temperature": temperature, "max_new_tokens": max_new,
+                                                           "ignore_eos": True}}
+    if logprobs:
+        body.update(return_logprob=True, top_logprobs_num=TOP_K, logprob_start_len=len(prompt) - 1)
+    r = requests.post(base + "/generate", json=body, timeout=600)
+    r.raise_for_status()
+    j = r.json()
+    meta = j.get("meta_info", {})
+    out = {"output_ids": j.get("output_ids"), "tokens": meta.get("completion_tokens"),
+           "verify_ct": meta.get("spec_verify_ct")}
+    if logprobs:
+        out["topk"] = [[[lp, tid] for lp, tid, *_ in pos[:TOP_K]] for pos in meta.get("output_top_logprobs") or []]
+    return out
+
+
+def batch(base: str, prompts: list[list[int]], temperature: float, max_new: int, *, logprobs: bool = False) -> list[dict]:
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as ex:
+        return list(ex.map(lambda p: generate(base, p, temperature, max_new, logprobs=logprobs), prompts))
+
+
+def measure(base: str, prompts: list[list[int]], temperature: float, max_new: int) -> dict:
+    t0 = time.perf_counter()
+    res = batch(base, prompts, temperature, max_new)
+    wall = time.perf_counter() - t0
+    tokens = sum(r["tokens"] for r in res)
+    verify = [r["verify_ct"] or r["tokens"] for r in res]
+    return {"wall_s": round(wall, 4), "tokens": tokens, "tok_s": round(tokens / wall, 2),
+            "accept": round(tokens / max(1, sum(verify)), 4), "ms_per_step": round(1e3 * wall / max(verify), 4),
+            "outputs": [r["output_ids"] for r in res] if temperature == 0 else None}
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    servers: dict[str, tuple[str, int | None]] = {}
+    for spec in a.servers:
+        tag, _, rest = spec.partition("=")
+        port, _, pid = rest.partition(":")
+        servers[tag] = (f"http://127.0.0.1:{port}", int(pid) if pid else None)
+    with open(a.prompts) as f:
+        prompts = [p["input_ids"] for p in json.load(f)["prompts"]]
+    batches = [int(x) for x in a.batches.split(",")]
+    temps = [float(x) for x in a.temps.split(",")]
+    res: dict = {"batches": batches, "temps": temps, "passes": a.passes, "max_new": a.max_new, "servers": {}}
+    alive = {}
+    for tag, (base, pid) in servers.items():
+        ready = wait_healthy(base, a.wait, pid)
+        res["servers"][tag] = {"ready_s": ready, "results": {}}
+        if ready is None:
+            print(f"[auto] {tag}: never healthy", flush=True)
+        else:
+            alive[tag] = base
+    need = max(batches)
+    chosen = [prompts[i % len(prompts)] for i in range(need)]
+    if a.reference and a.reference in alive:
+        res["reference"] = batch(alive[a.reference], chosen, 0.0, a.max_new, logprobs=True)
+        print(f"[auto] reference: {len(res['reference'])} greedy outputs with plain's top-{TOP_K}", flush=True)
+    for temp in temps:  # warm-up: the first batch of a size compiles and fills the radix cache alike everywhere
+        for bs in batches:
+            for base in alive.values():
+                batch(base, chosen[:bs], temp, a.max_new)
+    print("[auto] warm-up done", flush=True)
+    tags = list(alive)
+    for p in range(a.passes):
+        order = tags[p % len(tags):] + tags[:p % len(tags)]
+        for temp in temps:
+            for bs in batches:
+                for tag in order:
+                    r = measure(alive[tag], chosen[:bs], temp, a.max_new)
+                    if p > 0:
+                        r["outputs"] = None
+                    res["servers"][tag]["results"].setdefault(f"t{temp:g}", {}).setdefault(str(bs), []).append(r)
+                    print(f"[auto] pass {p} T {temp:g} bs {bs} {tag}: {r['tok_s']} tok/s accept {r['accept']} "
+                          f"{r['ms_per_step']} ms/step", flush=True)
+    for tag, base in alive.items():
+        try:
+            res["servers"][tag]["ddtree"] = ddtree_state(base)
+        except requests.RequestException as e:
+            res["servers"][tag]["ddtree"] = {"error": str(e)}
+    _write(a.out, res)
+    return 0
+
+
+# ------------------------------------------------------------------ compare
+def paired(res: dict, tag: str, ref: str, key: str, bs: str) -> list[float]:
+    mine = res["servers"][tag]["results"].get(key, {}).get(bs, [])
+    theirs = res["servers"][ref]["results"].get(key, {}).get(bs, [])
+    return [m["tok_s"] / t["tok_s"] for m, t in zip(mine, theirs, strict=False) if t["tok_s"] > 0]
+
+
+def identity(res: dict, plain: str, tag: str) -> dict:
+    row = {"same": 0, "tie": 0, "fault": 0, "details": []}
+    ref = res.get("reference")
+    if not ref:
+        return row
+    for bs, runs in res["servers"][tag]["results"].get("t0", {}).items():
+        outs = runs[0].get("outputs") or []
+        for i, out in enumerate(outs):
+            kind, detail = classify(ref[i], {"output_ids": out})
+            kind = "fault" if kind == "upstream" else kind
+            row[kind] += 1
+            if kind != "same":
+                row["details"].append({"bs": bs, "prompt": i, "kind": kind, **detail})
+    return row
+
+
+def cmd_compare(a: argparse.Namespace) -> int:
+    rc = 0
+    lines = [f"# {a.title}", ""]
+    for path in a.files:
+        with open(path) as f:
+            res = json.load(f)
+        tags = [t for t in [a.plain, a.dflash, *a.fixed, a.auto] if t and t in res["servers"]]
+        lines += [f"## {path}", ""]
+        for key in [f"t{t:g}" for t in res["temps"]]:
+            lines += [f"### {key}: tokens/s (x {a.dflash}: median of the paired passes, [min, max])", "",
+                      "| server | " + " | ".join(f"bs {b}" for b in res["batches"]) + " |",
+                      "|---|" + "---|" * len(res["batches"])]
+            best_fixed: dict[str, float] = {}
+            ratios: dict[str, dict[str, list[float]]] = {}
+            for tag in tags:
+                cells = []
+                for bs in map(str, res["batches"]):
+                    runs = res["servers"][tag]["results"].get(key, {}).get(bs, [])
+                    if not runs:
+                        cells.append("—")
+                        continue
+                    tok = statistics.median(r["tok_s"] for r in runs)
+                    acc = statistics.median(r["accept"] for r in runs)
+                    rr = paired(res, tag, a.dflash, key, bs)
+                    ratios.setdefault(tag, {})[bs] = rr
+                    cells.append(f"{tok:.0f} ({statistics.median(rr):.2f}x [{min(rr):.2f}, {max(rr):.2f}], acc {acc:.2f})"
+                                 if rr and tag != a.dflash else f"{tok:.0f} (acc {acc:.2f})")
+                    if tag in a.fixed and rr:
+                        best_fixed[bs] = max(best_fixed.get(bs, 0.0), statistics.median(rr))
+                lines.append(f"| {tag} | " + " | ".join(cells) + " |")
+            lines.append("")
+            for bs in map(str, res["batches"]):
+                rr = ratios.get(a.auto, {}).get(bs)
+                if not rr:
+                    lines.append(f"- {key} bs {bs}: auto not measured: **missed**")
+                    rc = 1
+                    continue
+                med = statistics.median(rr)
+                spread = max(rr) - min(rr)
+                goals = [("auto >= DFLASH (within the passes' spread)", med >= 1.0 - spread)]
+                if bs in best_fixed:
+                    goals.append((f"auto >= best fixed ({best_fixed[bs]:.2f}x) - 5 %",
+                                  med >= best_fixed[bs] * (1 - AUTO_MARGIN)))
+                if a.cost_realistic and bs == "1":
+                    goals.append((f"auto >= {BS1_GOAL}x DFLASH at batch 1", med >= BS1_GOAL))
+                for name, ok in goals:
+                    lines.append(f"- {key} bs {bs}: {name}: {med:.3f}x: {'met' if ok else '**missed**'}")
+                    rc |= 0 if ok else 1
+            lines.append("")
+        if a.plain and a.plain in res["servers"]:
+            for tag in tags:
+                if tag == a.plain:
+                    continue
+                row = identity(res, a.plain, tag)
+                lines.append(f"- greedy vs {a.plain}: {tag}: same {row['same']}, tie {row['tie']}, fault {row['fault']}"
+                             + (f"; first: {row['details'][:2]}" if row["details"] else ""))
+                if row["fault"] and tag in (a.auto, *a.fixed):
+                    rc = 1
+        st = res["servers"].get(a.auto, {}).get("ddtree") or {}
+        auto = st.get("auto") or {}
+        lines += ["", f"auto's plan: {auto.get('plan')}", f"steps by budget: {auto.get('verified')}",
+                  f"acceptance by budget: {auto.get('accepted_by_budget')}", f"step ms: {auto.get('step_ms')}",
+                  f"replay ms: {auto.get('replay_ms')}", ""]
+    print("\n".join(lines))
+    return rc
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--servers", nargs="+", required=True)
+    r.add_argument("--prompts", required=True)
+    r.add_argument("--out", required=True)
+    r.add_argument("--reference")
+    r.add_argument("--batches", default="1,2,4,8,16,32,64")
+    r.add_argument("--temps", default="0,0.8")
+    r.add_argument("--passes", type=int, default=3)
+    r.add_argument("--max-new", type=int, default=64)
+    r.add_argument("--wait", type=float, default=300)
+    c = sub.add_parser("compare")
+    c.add_argument("files", nargs="+")
+    c.add_argument("--dflash", required=True)
+    c.add_argument("--auto", required=True)
+    c.add_argument("--plain")
+    c.add_argument("--fixed", nargs="*", default=[])
+    c.add_argument("--cost-realistic", action="store_true")
+    c.add_argument("--title", default="DDTree auto budget")
+    a = ap.parse_args()
+    return cmd_run(a) if a.cmd == "run" else cmd_compare(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+# Sourced by run_device.sh when AUTO=1 (issue 24): `--speculative-ddtree-budget auto` against DFLASH and fixed
+# budgets, CUDA graphs on, on the trained pair (p_) and on its real-size shell (s_: make_shell.py, 36 layers,
+# hidden 4096: every verify step costs what an 8B model's does, the outputs are the pair's).
+# Wave 1: plain, DFLASH and auto on both sets; wave 2: fixed budgets (AUTO_FIXED, default "16 64 128") on both.
+# Each wave's servers start together, then auto_bench.py measures them in paired passes (AUTO_PASSES, default 2)
+# at batch 1..64 (AUTO_BATCHES), greedy and T 0.8 (AUTO_TEMPS), plain's greedy outputs the identity reference.
+# Summaries: auto_bench.py compare over both waves' JSON per set -> summary.txt.
+ABENCH=(python3 $HERE/auto_bench.py)
+pack() {
+  ( cd "$OUT" && find . -maxdepth 1 -type f ! -name summary.txt ! -name 'auto_*.json' ! -name run.log \
+      ! -name logs.tgz -printf '%P\n' | tar -czf /tmp/ddtree_logs.tgz -T - && mv /tmp/ddtree_logs.tgz logs.tgz \
+    && find . -maxdepth 1 -type f ! -name logs.tgz ! -name summary.txt ! -name 'auto_*.json' ! -name run.log -delete )
+}
+summarize() {
+  local fixed_p=() fixed_s=() b
+  for b in ${AUTO_FIXED:-16 64 128}; do fixed_p+=(p_full$b); fixed_s+=(s_full$b); done
+  { "${ABENCH[@]}" compare $(ls "$OUT"/auto_p_*.json 2>/dev/null) --plain p_plain --dflash p_dflash --auto p_auto \
+      --fixed "${fixed_p[@]}" --title "trained pair (hidden 256), H200 $(date -u +%F)"
+    "${ABENCH[@]}" compare $(ls "$OUT"/auto_s_*.json 2>/dev/null) --plain s_plain --dflash s_dflash --auto s_auto \
+      --fixed "${fixed_s[@]}" --cost-realistic --title "real-size shell of the pair (36 x 4096), H200 $(date -u +%F)"
+  } 2>&1 | tee "$OUT/summary.txt"
+}
+at_deadline() { ts "watchdog: summary and packing at the deadline"; summarize; pack; }
+start_watchdog $(( DEADLINE - $(date +%s) - 15 )) at_deadline
+run_wave() {  # NAME TAG...: start the wave's servers together, measure each set's, stop them
+  local wave=$1; shift
+  local ports=() t v
+  for t in "$@"; do
+    for v in "${TAGS[@]}"; do [ "${v%%|*}" = "$t" ] || continue; IFS='|' read -r tag model extra <<< "$v"; launch "$tag" "$model" $extra; done
+  done
+  for t in "$@"; do [ -n "${PID[$t]:-}" ] && ports+=("${PORT[$t]}:${PID[$t]}"); done
+  python3 $HERE/wait_all.py $(( DEADLINE - $(date +%s) - 120 )) "${ports[@]}"
+  ts "wave $wave up or dead; GPU mem: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader | paste -sd' ')"
+  for set in p s; do
+    local servers=() ref=()
+    for t in "$@"; do [[ $t == ${set}_* ]] && [ -n "${PID[$t]:-}" ] && servers+=("$t=${PORT[$t]}:${PID[$t]}"); done
+    [ ${#servers[@]} -gt 0 ] || continue
+    [[ " $* " == *" ${set}_plain "* ]] && ref=(--reference ${set}_plain)
+    local left=$(( DEADLINE - $(date +%s) - 40 ))
+    [ "$left" -gt 20 ] || { ts "skip $set wave $wave: no time left"; continue; }
+    timeout "$left" "${ABENCH[@]}" run --servers "${servers[@]}" "${ref[@]}" --prompts /tmp/pair/heldout_prompts.json \
+      --out "$OUT/auto_${set}_$wave.json" --passes "${AUTO_PASSES:-2}" --batches "${AUTO_BATCHES:-1,2,4,8,16,32,64}" \
+      --temps "${AUTO_TEMPS:-0,0.8}" --wait 60 > "$OUT/client_${set}_$wave.log" 2>&1
+    ts "$set wave $wave rc=$? $(grep -c 'tok/s' "$OUT/client_${set}_$wave.log") measurements"
+    grep -E "pass 0 T 0 bs (1|8|64) " "$OUT/client_${set}_$wave.log" | cut -c1-160
+  done
+  for t in "$@"; do
+    grep -hE "DDTree auto|DDTree full|Traceback|Error|refused" "$OUT/server_$t.log" 2>/dev/null | grep -v "server_args=" \
+      | head -4 | sed "s/^/[$t] /" | cut -c1-400
+    [ -n "${PID[$t]:-}" ] && kill -TERM -- "-${PID[$t]}" 2>/dev/null
+  done
+  sleep 5
+}
+W1=(p_plain p_dflash p_auto s_plain s_dflash s_auto)
+W2=(); for b in ${AUTO_FIXED:-16 64 128}; do W2+=(p_full$b s_full$b); done
+run_wave 1 "${W1[@]}"
+run_wave 2 "${W2[@]}"
+stop_watchdog
+stop_all; trap - EXIT
+summarize; RC=${PIPESTATUS[0]}
+ts "done"
+pack
+exit "$RC"
