@@ -92,6 +92,8 @@ VENV_REQUIREMENTS = (
     "uvicorn",
     "fastapi",
     "opentelemetry-api",
+    # /metrics: SGLang's own collectors and the payload's auto figures (ddtree_metrics) register here.
+    "prometheus-client",
 )
 
 # Parsed inside the image once at build time, so a broken venv fails the build, not a test later;

@@ -501,6 +501,21 @@ def auto_checks(batch_for, head, draft_hidden, bonus) -> list[str]:
         out.append(f"auto internal_state: {state.get('budget')}, {state.get('budget_max')}, {report.get('plan')}")
     if sum(report.get("verified", {}).values()) != 64 or report.get("accepted_by_budget", {}).get("63") is None:
         out.append(f"auto report: {report}")
+    # /metrics (prometheus_client, as SGLang's own collectors): the budgets stepped, the curve and the costs.
+    from prometheus_client import REGISTRY, generate_latest
+    from sglang.srt.speculative.ddtree_metrics import AutoMetrics
+
+    metrics = AutoMetrics.maybe_create(ctl.auto.budgets, enabled=True, tp_rank=0)
+    for name in report.get("verified", {}):
+        metrics.observe_step(0 if name == "chain" else int(name))
+    metrics.publish(ctl.auto.as_dict())
+    text = generate_latest(REGISTRY).decode()
+    for want in ('sglang:ddtree_step_budget_bucket{le="0.0"} 1.0', 'sglang:ddtree_accepted_by_budget{budget="63"}',
+                 "sglang:ddtree_step_ms{"):
+        if want not in text:
+            out.append(f"auto /metrics lacks {want!r}")
+    if AutoMetrics.maybe_create(ctl.auto.budgets, enabled=True, tp_rank=1) is not None:
+        out.append("auto /metrics registered on a TP rank other than 0")
     # Start-up replays that make wide trees a hundred times dearer than the block: at a batch size no step has
     # measured yet (4; the steps above ran 2, whose own CPU timings rule there) the plan keeps to the block.
     ctl.auto.seed_start_costs({(w, bs): (1e-3 if w == 16 else 1e-1) for w in (16, 32, 64) for bs in (1, 2, 4)})

@@ -58,6 +58,7 @@ from sglang.srt.speculative.ddtree_auto_budget import (
     auto_candidates,
     verify_widths,
 )
+from sglang.srt.speculative.ddtree_metrics import AutoMetrics
 from sglang.srt.speculative.ddtree_penalties import (
     DEFAULT_ORDER,
     PENALIZERS,
@@ -371,6 +372,7 @@ class DDTreeController:
         self._shape: StepShape = LINEAR_STEP
         self._step_acceptance: torch.Tensor | None = None
         self._step_started: float | None = None
+        self._auto_metrics: AutoMetrics | None = None
         self.topk_cap = sa.speculative_ddtree_topk_cap
         self.keep_chain = bool(getattr(sa, "speculative_ddtree_keep_chain", False))
         self.tp_rank = worker.tp_rank
@@ -426,6 +428,9 @@ class DDTreeController:
             if self._verify_ladder is not None:
                 self.auto.seed_start_costs(self._verify_ladder.replay_seconds)
             self._auto_budgets = torch.tensor(self.auto.budgets, dtype=torch.int64, device=worker.model_runner.device)
+            self._auto_metrics = AutoMetrics.maybe_create(
+                self.auto.budgets, enabled=bool(getattr(sa, "enable_metrics", False)), tp_rank=self.tp_rank
+            )
 
         if TEST_BIASED_WALK and self.tp_rank == 0:
             logger.warning("DDTree: SGLANG_DDTREE_TEST_BIASED_WALK=1, sampled requests are WRONG (test fault)")
@@ -861,10 +866,14 @@ class DDTreeController:
                                   seconds=seconds, accepted=values[:-1], chain=values[-1], requests=len(num_correct))
         self._step_acceptance = None
         auto.observe(obs)
+        if self._auto_metrics is not None:
+            self._auto_metrics.observe_step(obs.budget)
         if auto.due(step):
             group = tp_cpu_group(self.worker)
             world = 1 if group is None else int(torch.distributed.get_world_size(group))
             auto.refresh(reduce=lambda v: agree_sum(v, group), world=world)
+            if self._auto_metrics is not None:
+                self._auto_metrics.publish(auto.as_dict())
 
     def internal_state(self) -> dict[str, Any]:
         """For the scheduler's get_internal_state (`/server_info` → internal_states[i]["ddtree"]);
