@@ -233,6 +233,30 @@ def test_concurrent_mixed_requests_are_served_correctly(full_engine):
     assert together == alone
 
 
+def test_auto_budget_over_http(host, full_engine):
+    """--speculative-ddtree-budget auto through the real ServerArgs of the patched tree: the engine steps through
+    the payload's AutoBudget, serves the fixed-budget engine's greedy tokens, and reports what it chose."""
+    fixed, _ = full_engine
+    engine = host.engine("--speculative-ddtree-budget", "auto", "--speculative-ddtree-budget-max", "31")
+    engine.wait_ready()
+    try:
+        bodies = [{"input_ids": [5 + i, 6, 7], "sampling_params": {**GREEDY, "max_new_tokens": 160}} for i in range(4)]
+        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+            got = list(pool.map(lambda b: engine.generate(b).json()["output_ids"], bodies))
+        assert got == [fixed.generate(b).json()["output_ids"] for b in bodies]
+        server = engine.get("/server_info").json()
+        assert (server["speculative_ddtree_budget"], server["speculative_ddtree_budget_max"]) == ("auto", 31)
+        state = server["internal_states"][0]["ddtree"]
+        assert sorted(state) == host.contract["ddtree_keys"]
+        assert (state["budget"], state["budget_max"]) == ("auto", 31)
+        auto = state["auto"]
+        assert auto["candidates"] == ["chain", "15", "31"] and sum(auto["verified"].values()) == state["steps"]
+        assert auto["refreshes"] >= 1, state  # a plan is recomputed every 16 steps
+        assert auto["accepted_by_budget"]["31"] is not None and set(auto["plan"]) >= {"1", "2", "4"}
+    finally:
+        engine.stop()
+
+
 def test_fail_at_start(host):
     engine = host.engine(env={F.FAIL_AT_START: "1"})
     assert engine.exit_code(60) == 1

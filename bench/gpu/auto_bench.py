@@ -116,21 +116,21 @@ def cmd_run(a: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------ compare
-def paired(res: dict, tag: str, ref: str, key: str, bs: str) -> list[float]:
-    mine = res["servers"][tag]["results"].get(key, {}).get(bs, [])
-    theirs = res["servers"][ref]["results"].get(key, {}).get(bs, [])
+def paired(mine_res: dict, tag: str, ref: str, key: str, bs: str) -> list[float]:
+    """`tag`'s tokens/s over DFLASH's, pass by pass, within the file (the call's wave) that measured `tag`."""
+    mine = mine_res["servers"][tag]["results"].get(key, {}).get(bs, [])
+    theirs = mine_res["servers"].get(ref, {}).get("results", {}).get(key, {}).get(bs, [])
     return [m["tok_s"] / t["tok_s"] for m, t in zip(mine, theirs, strict=False) if t["tok_s"] > 0]
 
 
-def identity(res: dict, plain: str, tag: str) -> dict:
+def identity(reference: list[dict] | None, res: dict, tag: str) -> dict:
+    """Greedy outputs of the first pass vs plain's reference (the same prompts in every wave)."""
     row = {"same": 0, "tie": 0, "fault": 0, "details": []}
-    ref = res.get("reference")
-    if not ref:
+    if not reference:
         return row
     for bs, runs in res["servers"][tag]["results"].get("t0", {}).items():
-        outs = runs[0].get("outputs") or []
-        for i, out in enumerate(outs):
-            kind, detail = classify(ref[i], {"output_ids": out})
+        for i, out in enumerate(runs[0].get("outputs") or []):
+            kind, detail = classify(reference[i], {"output_ids": out})
             kind = "fault" if kind == "upstream" else kind
             row[kind] += 1
             if kind != "same":
@@ -139,68 +139,73 @@ def identity(res: dict, plain: str, tag: str) -> dict:
 
 
 def cmd_compare(a: argparse.Namespace) -> int:
-    rc = 0
-    lines = [f"# {a.title}", ""]
+    """One set's waves (files): each server's ratios against the DFLASH of its own wave."""
+    waves = []
     for path in a.files:
         with open(path) as f:
-            res = json.load(f)
-        tags = [t for t in [a.plain, a.dflash, *a.fixed, a.auto] if t and t in res["servers"]]
-        lines += [f"## {path}", ""]
-        for key in [f"t{t:g}" for t in res["temps"]]:
-            lines += [f"### {key}: tokens/s (x {a.dflash}: median of the paired passes, [min, max])", "",
-                      "| server | " + " | ".join(f"bs {b}" for b in res["batches"]) + " |",
-                      "|---|" + "---|" * len(res["batches"])]
-            best_fixed: dict[str, float] = {}
-            ratios: dict[str, dict[str, list[float]]] = {}
-            for tag in tags:
-                cells = []
-                for bs in map(str, res["batches"]):
-                    runs = res["servers"][tag]["results"].get(key, {}).get(bs, [])
-                    if not runs:
-                        cells.append("—")
-                        continue
-                    tok = statistics.median(r["tok_s"] for r in runs)
-                    acc = statistics.median(r["accept"] for r in runs)
-                    rr = paired(res, tag, a.dflash, key, bs)
-                    ratios.setdefault(tag, {})[bs] = rr
-                    cells.append(f"{tok:.0f} ({statistics.median(rr):.2f}x [{min(rr):.2f}, {max(rr):.2f}], acc {acc:.2f})"
-                                 if rr and tag != a.dflash else f"{tok:.0f} (acc {acc:.2f})")
-                    if tag in a.fixed and rr:
-                        best_fixed[bs] = max(best_fixed.get(bs, 0.0), statistics.median(rr))
-                lines.append(f"| {tag} | " + " | ".join(cells) + " |")
-            lines.append("")
-            for bs in map(str, res["batches"]):
-                rr = ratios.get(a.auto, {}).get(bs)
-                if not rr:
-                    lines.append(f"- {key} bs {bs}: auto not measured: **missed**")
-                    rc = 1
+            waves.append(json.load(f))
+    home: dict[str, dict] = {}
+    for res in waves:
+        for tag, srv in res["servers"].items():
+            if srv.get("results") and (tag not in home or tag != a.dflash):
+                home.setdefault(tag, res)
+    reference = next((res["reference"] for res in waves if res.get("reference")), None)
+    tags = [t for t in [a.plain, a.dflash, *a.fixed, a.auto] if t and t in home]
+    batches = waves[0]["batches"] if waves else []
+    rc = 0
+    lines = [f"# {a.title}", "", f"files: {', '.join(a.files)}", ""]
+    for key in [f"t{t:g}" for t in (waves[0]["temps"] if waves else [])]:
+        lines += [f"## {key}: tokens/s (x {a.dflash} of the same wave: median of the paired passes [min, max]; accept)",
+                  "", "| server | " + " | ".join(f"bs {b}" for b in batches) + " |", "|---|" + "---|" * len(batches)]
+        med: dict[str, dict[str, float]] = {}
+        spread: dict[str, dict[str, float]] = {}
+        for tag in tags:
+            cells = []
+            for bs in map(str, batches):
+                runs = home[tag]["servers"][tag]["results"].get(key, {}).get(bs, [])
+                if not runs:
+                    cells.append("—")
                     continue
-                med = statistics.median(rr)
-                spread = max(rr) - min(rr)
-                goals = [("auto >= DFLASH (within the passes' spread)", med >= 1.0 - spread)]
-                if bs in best_fixed:
-                    goals.append((f"auto >= best fixed ({best_fixed[bs]:.2f}x) - 5 %",
-                                  med >= best_fixed[bs] * (1 - AUTO_MARGIN)))
-                if a.cost_realistic and bs == "1":
-                    goals.append((f"auto >= {BS1_GOAL}x DFLASH at batch 1", med >= BS1_GOAL))
-                for name, ok in goals:
-                    lines.append(f"- {key} bs {bs}: {name}: {med:.3f}x: {'met' if ok else '**missed**'}")
-                    rc |= 0 if ok else 1
-            lines.append("")
-        if a.plain and a.plain in res["servers"]:
-            for tag in tags:
-                if tag == a.plain:
-                    continue
-                row = identity(res, a.plain, tag)
-                lines.append(f"- greedy vs {a.plain}: {tag}: same {row['same']}, tie {row['tie']}, fault {row['fault']}"
-                             + (f"; first: {row['details'][:2]}" if row["details"] else ""))
-                if row["fault"] and tag in (a.auto, *a.fixed):
-                    rc = 1
-        st = res["servers"].get(a.auto, {}).get("ddtree") or {}
-        auto = st.get("auto") or {}
-        lines += ["", f"auto's plan: {auto.get('plan')}", f"steps by budget: {auto.get('verified')}",
-                  f"acceptance by budget: {auto.get('accepted_by_budget')}", f"step ms: {auto.get('step_ms')}",
-                  f"replay ms: {auto.get('replay_ms')}", ""]
+                tok = statistics.median(r["tok_s"] for r in runs)
+                acc = statistics.median(r["accept"] for r in runs)
+                rr = paired(home[tag], tag, a.dflash, key, bs) if tag != a.dflash else []
+                if rr:
+                    med.setdefault(tag, {})[bs] = statistics.median(rr)
+                    spread.setdefault(tag, {})[bs] = max(rr) - min(rr)
+                    cells.append(f"{tok:.0f} ({med[tag][bs]:.2f}x [{min(rr):.2f}, {max(rr):.2f}], {acc:.2f})")
+                else:
+                    cells.append(f"{tok:.0f} ({acc:.2f})")
+            lines.append(f"| {tag} | " + " | ".join(cells) + " |")
+        lines.append("")
+        for bs in map(str, batches):
+            got = med.get(a.auto, {}).get(bs)
+            if got is None:
+                lines.append(f"- {key} bs {bs}: auto not measured: **missed**")
+                rc = 1
+                continue
+            goals = [("auto >= DFLASH (within the passes' spread)", got >= 1.0 - spread[a.auto][bs])]
+            fixed = {t: med[t][bs] for t in a.fixed if bs in med.get(t, {})}
+            if fixed:
+                best = max(fixed, key=fixed.get)
+                goals.append((f"auto >= best fixed ({best} {fixed[best]:.2f}x) - 5 %", got >= fixed[best] * (1 - AUTO_MARGIN)))
+            if a.cost_realistic and bs == "1":
+                goals.append((f"auto >= {BS1_GOAL}x DFLASH at batch 1", got >= BS1_GOAL))
+            for name, ok in goals:
+                lines.append(f"- {key} bs {bs}: {name}: {got:.3f}x: {'met' if ok else '**missed**'}")
+                rc |= 0 if ok else 1
+        lines.append("")
+    for tag in tags:
+        if tag in (a.plain, a.dflash):
+            continue
+        row = identity(reference, home[tag], tag)
+        lines.append(f"- greedy vs {a.plain}: {tag}: same {row['same']}, tie {row['tie']}, fault {row['fault']}"
+                     + (f"; first: {row['details'][:2]}" if row["details"] else ""))
+        if row["fault"] and tag == a.auto:
+            rc = 1
+    auto = ((home.get(a.auto, {}).get("servers", {}).get(a.auto, {}).get("ddtree")) or {}).get("auto") or {}
+    lines += ["", f"auto's plan: {auto.get('plan')}", f"steps by budget: {auto.get('verified')}",
+              f"acceptance by budget: {auto.get('accepted_by_budget')}", f"step ms: {auto.get('step_ms')}",
+              f"replay ms: {auto.get('replay_ms')}", ""]
     print("\n".join(lines))
     return rc
 

@@ -1,7 +1,8 @@
 # Sourced by run_device.sh when AUTO=1 (issue 24): `--speculative-ddtree-budget auto` against DFLASH and fixed
 # budgets, CUDA graphs on, on the trained pair (p_) and on its real-size shell (s_: make_shell.py, 36 layers,
 # hidden 4096: every verify step costs what an 8B model's does, the outputs are the pair's).
-# Wave 1: plain, DFLASH and auto on both sets; wave 2: fixed budgets (AUTO_FIXED, default "16 64 128") on both.
+# Waves (AUTO_WAVES, default "plain dflash auto|dflash 16 32|dflash 64 128": fixed budgets by number) on both
+# sets; every wave has its own DFLASH, so each server's ratio is paired with a DFLASH of the same minutes.
 # Each wave's servers start together, then auto_bench.py measures them in paired passes (AUTO_PASSES, default 2)
 # at batch 1..64 (AUTO_BATCHES), greedy and T 0.8 (AUTO_TEMPS), plain's greedy outputs the identity reference.
 # Summaries: auto_bench.py compare over both waves' JSON per set -> summary.txt.
@@ -13,7 +14,7 @@ pack() {
 }
 summarize() {
   local fixed_p=() fixed_s=() b
-  for b in ${AUTO_FIXED:-16 64 128}; do fixed_p+=(p_full$b); fixed_s+=(s_full$b); done
+  for b in ${AUTO_FIXED:-16 32 64 128}; do fixed_p+=(p_full$b); fixed_s+=(s_full$b); done
   { "${ABENCH[@]}" compare $(ls "$OUT"/auto_p_*.json 2>/dev/null) --plain p_plain --dflash p_dflash --auto p_auto \
       --fixed "${fixed_p[@]}" --title "trained pair (hidden 256), H200 $(date -u +%F)"
     "${ABENCH[@]}" compare $(ls "$OUT"/auto_s_*.json 2>/dev/null) --plain s_plain --dflash s_dflash --auto s_auto \
@@ -50,11 +51,18 @@ run_wave() {  # NAME TAG...: start the wave's servers together, measure each set
     [ -n "${PID[$t]:-}" ] && kill -TERM -- "-${PID[$t]}" 2>/dev/null
   done
   sleep 5
+  for t in "$@"; do mv "$OUT/server_$t.log" "$OUT/server_${t}_w$wave.log" 2>/dev/null; done  # a later wave reuses the tag
 }
-W1=(p_plain p_dflash p_auto s_plain s_dflash s_auto)
-W2=(); for b in ${AUTO_FIXED:-16 64 128}; do W2+=(p_full$b s_full$b); done
-run_wave 1 "${W1[@]}"
-run_wave 2 "${W2[@]}"
+# AUTO_WAVES: the servers of each wave by kind, waves split by '|'; both sets' servers of a kind start together.
+IFS='|' read -r -a WAVES <<< "${AUTO_WAVES:-plain dflash auto|dflash 16 32|dflash 64 128}"
+w=0
+for kinds in "${WAVES[@]}"; do
+  w=$((w + 1)); members=()
+  for k in $kinds; do
+    case $k in plain|dflash|auto) members+=(p_$k s_$k) ;; *) members+=(p_full$k s_full$k) ;; esac
+  done
+  run_wave "$w" "${members[@]}"
+done
 stop_watchdog
 stop_all; trap - EXIT
 summarize; RC=${PIPESTATUS[0]}

@@ -209,16 +209,17 @@ if [ "${SWEEP:-0}" = 1 ]; then
 fi
 if [ "${AUTO:-0}" = 1 ]; then
   # Issue 24: CUDA graphs up to batch 64 for every server; the KV pool capped (64 requests x (256 + 64 + a
-  # 128-node tree)); the shell's 16 GB of weights each: --mem-fraction-static sized for them.
+  # 128-node tree)). SGLang sizes the pool as free-after-load - free-at-init x (1 - fraction): servers of 16 GB
+  # loading together see each other's weights, so the fraction is high and --max-total-tokens bounds the pool.
   KEEP=(); for c in "${COMMON[@]}"; do case $c in --disable-cuda-graph|--max-total-tokens|16384|--mem-fraction-static|0.3) ;; *) KEEP+=("$c") ;; esac; done
   COMMON=("${KEEP[@]}" --cuda-graph-max-bs 64 --max-running-requests 64 --context-length 1024 --schedule-policy fcfs
-          --sleep-on-idle --max-total-tokens 40000 --mem-fraction-static ${AUTO_MEM:-0.17})
+          --sleep-on-idle --max-total-tokens 40000 --mem-fraction-static ${AUTO_MEM:-0.8})
   FULL="DF --speculative-ddtree-mode full --speculative-ddtree-budget"
   VARIANTS=()
   for set in p s; do
     m=/tmp/pair; [ $set = s ] && m=/tmp/shell
     VARIANTS+=("${set}_plain|$m|" "${set}_dflash|$m|DF" "${set}_auto|$m|$FULL auto --speculative-ddtree-budget-max ${AUTO_MAX:-127}")
-    for b in ${AUTO_FIXED:-16 64 128}; do VARIANTS+=("${set}_full$b|$m|$FULL $b"); done
+    for b in ${AUTO_FIXED:-16 32 64 128}; do VARIANTS+=("${set}_full$b|$m|$FULL $b"); done
   done
 fi
 if [ "${TP2:-0}" = 1 ]; then  # the TP twins (token TP2 -> --tp-size 2 --nccl-port ...), queried early
