@@ -174,13 +174,26 @@ def test_the_plan_converges_to_the_best_candidate_per_batch(seed: int) -> None:
         assert server.throughput(picked, bs) >= 0.97 * server.throughput(auto.chain, bs), (bs, picked)
 
 
-def test_exploration_keeps_measuring_budgets_the_plan_avoids() -> None:
+def test_exploration_measures_what_could_still_win_and_skips_what_cannot() -> None:
     cands = ab.auto_candidates(127, 16)
-    auto = ab.AutoBudget(cands, [1, 2, 4], max_running=4, explore_every=8, warmup_steps=0)
-    picks = [auto.choose(4, step) for step in range(8 * 12)]
-    explored = {picks[i] for i in range(0, len(picks), 8)}
-    assert explored == set(cands)  # every candidate, the largest every other exploration
-    assert sum(1 for i in range(0, len(picks), 8) if picks[i] == auto.largest) == 6
+    auto = ab.AutoBudget(cands, [1, 2, 4, 64], max_running=64, explore_every=8, warmup_steps=0)
+    # Nothing known yet: the plan is the largest tree, every other candidate is explored in turn.
+    picks = [auto.choose(4, step) for step in range(8 * 8)]
+    assert {picks[i] for i in range(0, len(picks), 8)} == set(cands) - {auto.largest}
+    assert {picks[i] for i in range(len(picks)) if i % 8} == {auto.largest}
+    # A real-size target: a verify step's cost grows with width x batch. The largest tree accepts most, yet
+    # at batch 64 its step costs five of the block's: it is explored at batch 1 (cheap there), not at 64.
+    replay = {(c.width, bs): 5e-3 + 2e-6 * c.width * bs for c in cands for bs in (1, 2, 4, 64)}
+    auto.seed_start_costs(replay)
+    auto.observe(ab.StepObservation(budget=127, width=128, batch_size=1, seconds=0.0, accepted=[0.9, 1.1, 1.3, 1.45],
+                                    chain=0.5, requests=1))
+    auto.refresh()
+    at1, at64 = auto.explore[auto.bucket_index(1)], auto.explore[auto.bucket_index(64)]
+    assert auto.plan[auto.bucket_index(1)] == auto.largest and auto.plan[auto.bucket_index(64)].width == 16
+    assert auto.largest not in at64 and at64  # the cheap ones still are
+    assert set(at1) == set(cands) - {auto.largest}
+    explored_at_64 = {auto.choose(64, step) for step in range(0, 8 * 16, 8)}
+    assert explored_at_64 == set(at64)
 
 
 def test_ranks_with_different_clocks_agree_after_refresh() -> None:

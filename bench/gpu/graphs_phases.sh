@@ -60,7 +60,7 @@ for v in "${TAGS[@]}"; do
     p_full64|p_full64_cycle) ( mix $t; proof $t --samples 2000 --liveness ) & ;;
     p_full64_bias) ( proof $t --samples 2000 ) & ;;
     p_*_prof|p_dflash_twin|p_shadow_twin|p_shadow_every1) continue ;;
-    p_dflash) ( mix $t; proof $t --samples 2000 --liveness ) & ;;
+    p_dflash|p_auto) ( mix $t; proof $t --samples 2000 --liveness ) & ;;
     p_shadow) ( mix $t; proof $t --liveness ) & ;;
     r_plain|r_dflash_pristine) continue ;;
     r_*) ( mix $t; proof $t --liveness ) & ;;
@@ -86,14 +86,14 @@ stop_all; trap - EXIT
   for set in r p; do
     has ${set}_plain && [ "$PERF_ONLY" != 1 ] || continue
     "${MIXC[@]}" ${set}_plain --upstream ${set}_dflash --expect-padded ${set}_full64_cycle -- \
-      $(served ${set}_dflash ${set}_shadow ${set}_full16 ${set}_full64 ${set}_full256 ${set}_full64_cycle); echo "rc=$?"
+      $(served ${set}_dflash ${set}_shadow ${set}_full16 ${set}_full64 ${set}_full256 ${set}_full64_cycle ${set}_auto); echo "rc=$?"
   done
   if [ "$PERF_ONLY" = 1 ]; then
     echo "--- speed"; "${PROOF[@]}" compare "$OUT" --plain p_plain --perf $(served "${PERF_TAGS[@]}") ${RATIO_TO:+--ratio-to $RATIO_TO}; echo "rc=$?"
   else
     echo "--- sampling, liveness, speed (bf16: the walk and the verify kernels' rounding; DFLASH, lossless by upstream's construction, beside it)"
-    "${PROOF[@]}" compare "$OUT" --plain p_plain --cand $(served p_full64 p_full64_cycle p_dflash) $(has p_full64_bias && echo --biased p_full64_bias) \
-      --liveness $(served p_dflash p_shadow p_full64 p_full64_cycle r_dflash r_full16 r_full64 r_full256 r_full64_cycle r_dflash_pristine) \
+    "${PROOF[@]}" compare "$OUT" --plain p_plain --cand $(served p_full64 p_full64_cycle p_dflash p_auto) $(has p_full64_bias && echo --biased p_full64_bias) \
+      --liveness $(served p_dflash p_shadow p_full64 p_full64_cycle p_auto r_dflash r_full16 r_full64 r_full256 r_full64_cycle r_auto r_dflash_pristine) \
       --expect-stall r_dflash_pristine --perf $(served "${PERF_TAGS[@]}") ${RATIO_TO:+--ratio-to $RATIO_TO}; echo "rc=$?"
   fi
   echo "--- builder and verify-step Triton tests on the GPU"; tail -3 "$OUT/triton_tests.log" 2>/dev/null

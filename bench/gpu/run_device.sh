@@ -149,6 +149,8 @@ if [ "${GRAPHS:-0}" = 1 ]; then
     "r_plain|/tmp/tiny_r|" "r_dflash|/tmp/tiny_r|DF" "r_dflash_pristine|/tmp/tiny_r|DF PRISTINE"  # queried last
     "r_full16|/tmp/tiny_r|$FULL 16" "r_full64|/tmp/tiny_r|$FULL 64" "r_full256|/tmp/tiny_r|$FULL 256"
     "r_full64_cycle|/tmp/tiny_r|$FULL 64 CYCLE"
+    # issue 24: --speculative-ddtree-budget auto (graph ladder, per-step budget), served with ONLY=... when wanted
+    "p_auto|/tmp/tiny_p|$FULL auto --speculative-ddtree-budget-max 127" "r_auto|/tmp/tiny_r|$FULL auto --speculative-ddtree-budget-max 127"
   )
   # Both sets no longer fit one 600 s call: GRAPHS_SET=p serves the p set (mix, samples, liveness,
   # speed), GRAPHS_SET=r the r set (mix, liveness, upstream's stall).

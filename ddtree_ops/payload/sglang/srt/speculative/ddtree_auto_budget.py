@@ -18,12 +18,15 @@ per request. Each step takes the candidate with the most expected tokens per sec
   (`ddtree_utils.shrink_tree`), which is what auto runs. The chain's acceptance from a tree walk is a
   lower bound where the walk ends on the chain and the tree lacks the chain's next node; chain steps
   measure it exactly and replace it once there are enough of them.
-- Costs, measured on this server: the verify graphs' replays timed at start (`seed_start_costs`,
-  seconds per `(width, batch bucket)`), then every step's own wall time, per cell; a cell never stepped
-  in is estimated from its start-up replay plus what the steps of its bucket cost beyond their replays
-  (draft, build, walk, attention over real contexts).
+- Costs, measured on this server, per candidate and batch bucket (the chain and the tree of the same
+  width differ: a tree step also builds, masks and walks the tree): the verify graphs' replays timed at
+  start (`seed_start_costs`, seconds per `(width, batch bucket)`), then every step's own wall time; a
+  cell never stepped in is its start-up replay plus what its kind's steps (tree or chain) of that bucket
+  cost beyond their replays (draft, build, walk, attention over real contexts).
 - Budgets larger than the ones stepped in are only learnt by stepping in them: one step in
-  `explore_every` explores, alternating the largest candidate and the others in turn.
+  `explore_every` explores, in turn, the candidates that could still beat the plan for its batch (their
+  cost with the largest tree's acceptance). On a real-size target a wide tree at a large batch costs
+  several plain steps, so it is explored where it is cheap (small batches), never where it cannot win.
 
 Every decision is a function of the step index, the batch size and a plan recomputed every
 `refresh_every` steps from accumulators that `refresh` first sums over the TP ranks (the caller passes
@@ -162,18 +165,19 @@ class AutoBudget:
         self.explore_every = max(2, int(explore_every))
         self.refresh_every = max(1, int(refresh_every))
         self.warmup_steps = int(warmup_steps)
-        nb, nw, nk = len(self.budgets), len(self.widths), len(self.buckets)
+        nb, nc, nk = len(self.budgets), len(self.candidates), len(self.buckets)
         # Decayed state (identical on every rank after a refresh).
         self.accept_sum = [0.0] * nb
         self.accept_n = [0.0] * nb
         self.chain_tree_sum = self.chain_tree_n = 0.0
         self.chain_step_sum = self.chain_step_n = 0.0
-        self.cost = [[0.0] * nk for _ in range(nw)]  # EWMA seconds per (width, bucket)
-        self.cost_weight = [[0.0] * nk for _ in range(nw)]
+        self.cost = [[0.0] * nk for _ in range(nc)]  # EWMA seconds per (candidate, bucket)
+        self.cost_weight = [[0.0] * nk for _ in range(nc)]
         self.start_cost: dict[tuple[int, int], float] = {}
         # Pending sums since the last refresh (this rank's), flattened by `_pending_vector`.
         self._reset_pending()
         self.plan: list[Candidate] = [self.largest] * nk
+        self.explore: list[list[Candidate]] = [[c for c in self.candidates if c != self.largest]] * nk
         self.chosen: dict[str, int] = {c.name: 0 for c in self.candidates}  # by choose()
         self.verified: dict[str, int] = {}  # budgets steps really verified (memory may shrink a choice)
         self.explore_steps = 0
@@ -201,20 +205,20 @@ class AutoBudget:
                     self._p_accept_n[i] += obs.requests
             self._p_chain_tree_sum += obs.chain
             self._p_chain_tree_n += obs.requests
-        if obs.width in self.widths and obs.seconds > 0:
-            w, k = self.widths.index(obs.width), self.bucket_index(obs.batch_size)
-            self._p_time_sum[w][k] += obs.seconds
-            self._p_time_n[w][k] += 1
+        c = self._candidate_of(obs)
+        if c is not None and obs.seconds > 0:
+            i, k = self.candidates.index(c), self.bucket_index(obs.batch_size)
+            self._p_time_sum[i][k] += obs.seconds
+            self._p_time_n[i][k] += 1
 
     # ------------------------------------------------------------------ decisions
     def choose(self, batch_size: int, step: int) -> Candidate:
         """The candidate for step `step` (a counter every rank shares) of `batch_size` requests."""
         if step < self.warmup_steps:
             pick = self.largest
-        elif step % self.explore_every == 0:
-            cycle = step // self.explore_every
-            others = [c for c in self.candidates if c != self.largest] or [self.largest]
-            pick = self.largest if cycle % 2 == 0 else others[(cycle // 2) % len(others)]
+        elif step % self.explore_every == 0 and self.explore[self.bucket_index(batch_size)]:
+            pool = self.explore[self.bucket_index(batch_size)]
+            pick = pool[(step // self.explore_every) % len(pool)]
             self.explore_steps += 1
         else:
             pick = self.plan[self.bucket_index(batch_size)]
@@ -254,29 +258,30 @@ class AutoBudget:
                 return self.accept_sum[j] / self.accept_n[j]
         return None
 
-    def step_seconds(self, width: int, bucket: int) -> float | None:
-        """Estimated wall seconds of a step at `width` in bucket index `bucket`: the cell's own steps; else
-        its start-up replay plus the bucket's overhead; else a fit over the measured cells."""
-        w = self.widths.index(width)
-        if self.cost_weight[w][bucket] >= MIN_COST_WEIGHT:
-            return self.cost[w][bucket]
-        replay = self._start_replay(width, bucket)
+    def step_seconds(self, candidate: Candidate, bucket: int) -> float | None:
+        """Estimated wall seconds of a step of `candidate` in bucket index `bucket`: the cell's own steps;
+        else its start-up replay plus what its kind's steps cost beyond their replays; else a fit over the
+        measured cells of its kind."""
+        i = self.candidates.index(candidate)
+        if self.cost_weight[i][bucket] >= MIN_COST_WEIGHT:
+            return self.cost[i][bucket]
+        replay = self._start_replay(candidate.width, bucket)
         if replay is not None:
-            return replay + self._overhead(bucket)
-        return self._fitted(width, self.buckets[bucket])
+            return replay + self._overhead(candidate, bucket)
+        return self._fitted(candidate, self.buckets[bucket])
 
     # ------------------------------------------------------------------ reporting
     def as_dict(self) -> dict[str, Any]:
         """For /server_info (string keys: the HTTP layer serialises with orjson)."""
         curve = {c.name: self.expected_accepted(c) for c in self.candidates}
         costs = {}
-        for w in self.widths:
+        for c in self.candidates:
             row = {}
             for k, bs in enumerate(self.buckets):
-                s = self.step_seconds(w, k)
-                if s is not None:
-                    row[str(bs)] = round(s * 1e3, 4)
-            costs[str(w)] = row
+                seconds = self.step_seconds(c, k)
+                if seconds is not None:
+                    row[str(bs)] = round(seconds * 1e3, 4)
+            costs[c.name] = row
         return {
             "candidates": [c.name for c in self.candidates],
             "chosen": dict(self.chosen),
@@ -285,19 +290,20 @@ class AutoBudget:
             "refreshes": self.refreshes,
             "plan": {str(bs): self.plan[k].name for k, bs in enumerate(self.buckets)},
             "accepted_by_budget": {k: None if v is None else round(v, 4) for k, v in curve.items()},
-            "step_ms": costs,  # estimated ms per step, by verify width then batch bucket
+            "explore": {str(bs): [c.name for c in self.explore[k]] for k, bs in enumerate(self.buckets)},
+            "step_ms": costs,  # estimated ms per step, by candidate then batch bucket
             "replay_ms": {f"{w}x{bs}": round(s * 1e3, 4) for (w, bs), s in sorted(self.start_cost.items())},
         }
 
     # ------------------------------------------------------------------ internals
     def _reset_pending(self) -> None:
-        nb, nw, nk = len(self.budgets), len(self.widths), len(self.buckets)
+        nb, nc, nk = len(self.budgets), len(self.candidates), len(self.buckets)
         self._p_accept_sum = [0.0] * nb
         self._p_accept_n = [0.0] * nb
         self._p_chain_tree_sum = self._p_chain_tree_n = 0.0
         self._p_chain_step_sum = self._p_chain_step_n = 0.0
-        self._p_time_sum = [[0.0] * nk for _ in range(nw)]
-        self._p_time_n = [[0.0] * nk for _ in range(nw)]
+        self._p_time_sum = [[0.0] * nk for _ in range(nc)]
+        self._p_time_n = [[0.0] * nk for _ in range(nc)]
 
     def _pending_vector(self) -> list[float]:
         v = [*self._p_accept_sum, *self._p_accept_n, self._p_chain_tree_sum, self._p_chain_tree_n,
@@ -309,7 +315,7 @@ class AutoBudget:
         return v
 
     def _fold(self, v: list[float], world: int) -> None:
-        nb, nw, nk = len(self.budgets), len(self.widths), len(self.buckets)
+        nb, nw, nk = len(self.budgets), len(self.candidates), len(self.buckets)
         # Acceptance is the same on every rank (same trees, same walk): the sum is world times it.
         acc_sum, acc_n = v[:nb], v[nb:2 * nb]
         ct_sum, ct_n, cs_sum, cs_n = (x / world for x in v[2 * nb:2 * nb + 4])
@@ -337,25 +343,46 @@ class AutoBudget:
     def _start_replay(self, width: int, bucket: int) -> float | None:
         return self.start_cost.get((int(width), self.buckets[bucket]))
 
-    def _overhead(self, bucket: int) -> float:
-        """What this bucket's steps cost beyond their verify replay (draft, build, walk, real-context
-        attention), from the widths measured in it; else from the nearest measured bucket; else 0."""
-        order = sorted(range(len(self.buckets)), key=lambda k: abs(k - bucket))
-        for k in order:
-            extra = [self.cost[w][k] - self._start_replay(width, k)
-                     for w, width in enumerate(self.widths)
-                     if self.cost_weight[w][k] >= MIN_COST_WEIGHT and self._start_replay(width, k) is not None]
+    def _candidate_of(self, obs: StepObservation) -> Candidate | None:
+        """The candidate whose cost a step measured: its own; a step that memory shrank counts for the
+        tree candidate whose graph width it ran at, an unpadded shrunk tree for none."""
+        for c in self.candidates:
+            if c.budget == obs.budget and c.width == obs.width:
+                return c
+        return next((c for c in self.trees if c.width == obs.width and obs.budget), None)
+
+    def _overhead(self, candidate: Candidate, bucket: int) -> float:
+        """What steps of the candidate's kind (chain, or tree) cost beyond their verify replay in this bucket
+        (draft, build, walk, real-context attention), from its kind's measured cells; else the nearest
+        measured bucket's; else 0."""
+        kind = [self.chain] if candidate.is_chain else self.trees
+        for k in sorted(range(len(self.buckets)), key=lambda k: abs(k - bucket)):
+            extra = [self.cost[self.candidates.index(c)][k] - self._start_replay(c.width, k) for c in kind
+                     if self.cost_weight[self.candidates.index(c)][k] >= MIN_COST_WEIGHT
+                     and self._start_replay(c.width, k) is not None]
             if extra:
                 return max(0.0, sum(extra) / len(extra))
         return 0.0
 
-    def _fitted(self, width: int, batch_size: int) -> float | None:
+    def _fitted(self, candidate: Candidate, batch_size: int) -> float | None:
         """`a + b * batch + c * width * batch` (per step, per request, per verify token) least-squares fitted
-        to the measured cells; None while they cannot tell the three apart (fewer than two widths or two
-        batch sizes measured)."""
-        rows = [(1.0, float(bs), float(w * bs), self.cost[i][k], self.cost_weight[i][k])
-                for i, w in enumerate(self.widths) for k, bs in enumerate(self.buckets)
+        to the measured cells of the candidate's kind; None while they cannot tell the three apart (fewer
+        than two widths or two batch sizes measured)."""
+        kind = [self.chain] if candidate.is_chain else self.trees
+        rows = [(1.0, float(bs), float(c.width * bs), self.cost[i][k], self.cost_weight[i][k])
+                for i, c in enumerate(self.candidates) if c in kind for k, bs in enumerate(self.buckets)
                 if self.cost_weight[i][k] >= MIN_COST_WEIGHT]
+        if candidate.is_chain:  # one width: cost = a + b * batch
+            rows = [(r[0], r[1], 0.0, r[3], r[4]) for r in rows]
+            if len({r[1] for r in rows}) < 2:
+                return None
+            m = [[sum(r[4] * r[i] * r[j] for r in rows) for j in range(2)] for i in range(2)]
+            v = [sum(r[4] * r[i] * r[3] for r in rows) for i in range(2)]
+            det = m[0][0] * m[1][1] - m[0][1] * m[1][0]
+            if abs(det) < 1e-18:
+                return None
+            a, b = (v[0] * m[1][1] - v[1] * m[0][1]) / det, (m[0][0] * v[1] - m[1][0] * v[0]) / det
+            return max(a + b * batch_size, 1e-9)
         if len({r[1] for r in rows}) < 2 or len({r[2] / r[1] for r in rows}) < 2:
             return None
         # Normal equations (3 x 3), weighted by each cell's observation weight.
@@ -365,27 +392,42 @@ class AutoBudget:
         if coef is None:
             return None
         a, b, c = coef
-        return max(a + b * batch_size + c * width * batch_size, 1e-9)
+        return max(a + b * batch_size + c * candidate.width * batch_size, 1e-9)
 
     def _replan(self) -> None:
+        ceiling = max((a for a in (self.expected_accepted(c) for c in self.candidates) if a is not None), default=None)
         for k in range(len(self.buckets)):
             accepted = {c: self.expected_accepted(c) for c in self.candidates}
-            seconds = {c: self.step_seconds(c.width, k) for c in self.candidates}
+            seconds = {c: self.step_seconds(c, k) for c in self.candidates}
             if all(s is None for s in seconds.values()):
                 # No cost known for this bucket (no graphs timed, nothing stepped yet): as far as we know
                 # the candidates cost alike, so the one that accepts most wins (ties: the narrower).
                 known = [c for c in self.candidates if accepted[c] is not None]
                 self.plan[k] = max(known, key=lambda c: (accepted[c], -c.width)) if known else self.largest
+                self.explore[k] = [c for c in self.candidates if c != self.plan[k]]
                 continue
             scored = [(self.buckets[k] * (1.0 + accepted[c]) / seconds[c], c) for c in self.candidates
                       if accepted[c] is not None and seconds[c] is not None and seconds[c] > 0]
             if not scored:
                 self.plan[k] = self.largest
+                self.explore[k] = [c for c in self.candidates if c != self.largest]
                 continue
             best = max(s for s, _ in scored)
             # Ties within a part in a thousand go to the narrower verify (less memory traffic; the
             # timings are not that exact).
             self.plan[k] = min((c for s, c in scored if s >= best * (1 - 1e-3)), key=lambda c: (c.width, c.budget))
+            # Worth a step now and then: a candidate whose cost here is only a guess (neither stepped nor
+            # replayed: the fit), or that would beat the plan if it accepted as much as the best tree does
+            # (10 % slack for the cost estimates).
+            self.explore[k] = [
+                c for c in self.candidates if c != self.plan[k] and (
+                    seconds[c] is None or ceiling is None or not self._measured(c, k)
+                    or self.buckets[k] * (1.0 + ceiling) / seconds[c] >= 0.9 * best)
+            ]
+
+    def _measured(self, candidate: Candidate, bucket: int) -> bool:
+        return (self.cost_weight[self.candidates.index(candidate)][bucket] >= MIN_COST_WEIGHT
+                or self._start_replay(candidate.width, bucket) is not None)
 
 
 def _solve3(m: list[list[float]], v: list[float]) -> list[float] | None:
