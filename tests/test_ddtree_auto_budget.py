@@ -139,8 +139,13 @@ class SimulatedServer:
     def throughput(self, c, bs: int) -> float:
         return bs * (1 + self.accept[c.budget]) / self.true_seconds(c.width, bs)
 
+    spikes: set | None = None  # (candidate, batch) pairs whose first step is ten times slow (first use)
+
     def observation(self, c, bs: int) -> ab.StepObservation:
         noise = self.rng.uniform(0.95, 1.05)
+        if self.spikes is not None and (c, bs) not in self.spikes:
+            self.spikes.add((c, bs))
+            noise *= 10
         budgets = [b for b in self.accept if b]
         accepted = [bs * self.accept[b] * self.rng.uniform(0.9, 1.1) if b <= c.budget else 0.0 for b in sorted(budgets)]
         chain = bs * self.accept[0] * self.rng.uniform(0.9, 1.1)
@@ -155,6 +160,8 @@ def test_the_plan_converges_to_the_best_candidate_per_batch(seed: int) -> None:
     cands = ab.auto_candidates(rng.choice([63, 127, 100]), 16)
     capture_bs = [1, 2, 4, 8, 16, 32]
     server = SimulatedServer(rng, cands, real_size=rng.random() < 0.75)
+    if seed % 2:  # as seen on the H200: the first step of a candidate at a batch size is far slower
+        server.spikes = set()
     auto = ab.AutoBudget(cands, capture_bs, max_running=64)
     if rng.random() < 0.7:  # start-up replays (graphs on), or none (CPU, graphs off)
         auto.seed_start_costs({(w, bs): server.replay_seconds(w, bs) for w in auto.widths for bs in capture_bs})

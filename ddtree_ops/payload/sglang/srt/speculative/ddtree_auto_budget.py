@@ -26,7 +26,9 @@ per request. Each step takes the candidate with the most expected tokens per sec
 - Budgets larger than the ones stepped in are only learnt by stepping in them: one step in
   `explore_every` explores, in turn, the candidates that could still beat the plan for its batch (their
   cost with the largest tree's acceptance). On a real-size target a wide tree at a large batch costs
-  several plain steps, so it is explored where it is cheap (small batches), never where it cannot win.
+  several plain steps, so it is explored where it is cheap (small batches), and where it cannot win only
+  one exploration in `RECHECK_EVERY`, so a cell that a slow first step made look hopeless is measured
+  again (a cell falls to a lower measurement at once and rises by `COST_RISE` a refresh at most).
 
 Every decision is a function of the step index, the batch size and a plan recomputed every
 `refresh_every` steps from accumulators that `refresh` first sums over the TP ranks (the caller passes
@@ -51,6 +53,12 @@ COST_DECAY = 0.99
 EWMA_ALPHA = 0.2
 # A cost cell is trusted once it holds this much (decayed) observation weight.
 MIN_COST_WEIGHT = 1.0
+# One exploration step in this many may take any candidate (see `_explore_pool`).
+RECHECK_EVERY = 4
+# A step's wall time has one-off spikes (a graph's first replay, a kernel's first launch, a prefill between
+# steps) far more often than dips: a cost cell falls to a lower measurement at once and rises by at most
+# this fraction a refresh (a real rise, longer contexts, still passes: doubling in ~7 refreshes).
+COST_RISE = 0.1
 # Chain steps must have measured this many requests (decayed) before their exact acceptance replaces
 # the tree walks' lower bound.
 MIN_CHAIN_REQUESTS = 16.0
@@ -216,14 +224,23 @@ class AutoBudget:
         """The candidate for step `step` (a counter every rank shares) of `batch_size` requests."""
         if step < self.warmup_steps:
             pick = self.largest
-        elif step % self.explore_every == 0 and self.explore[self.bucket_index(batch_size)]:
-            pool = self.explore[self.bucket_index(batch_size)]
+        elif step % self.explore_every == 0 and self._explore_pool(batch_size, step):
+            pool = self._explore_pool(batch_size, step)
             pick = pool[(step // self.explore_every) % len(pool)]
             self.explore_steps += 1
         else:
             pick = self.plan[self.bucket_index(batch_size)]
         self.chosen[pick.name] += 1
         return pick
+
+    def _explore_pool(self, batch_size: int, step: int) -> list[Candidate]:
+        """Who an exploration step may take: those that could still win here; one exploration in
+        `RECHECK_EVERY` any candidate but the plan, so a cell whose estimate went wrong (a slow first
+        step) is measured again even where it looks hopeless."""
+        k = self.bucket_index(batch_size)
+        if (step // self.explore_every) % RECHECK_EVERY == 0:
+            return [c for c in self.candidates if c != self.plan[k]]
+        return self.explore[k]
 
     def due(self, step: int) -> bool:
         """Whether `refresh` is due after step `step` (same answer on every rank)."""
@@ -265,10 +282,8 @@ class AutoBudget:
         i = self.candidates.index(candidate)
         if self.cost_weight[i][bucket] >= MIN_COST_WEIGHT:
             return self.cost[i][bucket]
-        replay = self._start_replay(candidate.width, bucket)
-        if replay is not None:
-            return replay + self._overhead(candidate, bucket)
-        return self._fitted(candidate, self.buckets[bucket])
+        prior = self._prior(candidate, bucket)
+        return prior if prior is not None else self._fitted(candidate, self.buckets[bucket])
 
     # ------------------------------------------------------------------ reporting
     def as_dict(self) -> dict[str, Any]:
@@ -335,10 +350,19 @@ class AutoBudget:
                 if count <= 0:
                     continue
                 mean = total / count  # over this refresh's steps of every rank: the ranks' mean
-                old = self.cost_weight[w][k]
-                alpha = 1.0 if old <= 0 else max(EWMA_ALPHA, count / (count + old))
-                self.cost[w][k] = mean if old <= 0 else self.cost[w][k] + alpha * (mean - self.cost[w][k])
+                old, est = self.cost_weight[w][k], self.cost[w][k]
+                if old <= 0 or mean < est:
+                    est = mean
+                else:
+                    alpha = max(EWMA_ALPHA, count / (count + old))
+                    est = min(est + alpha * (mean - est), est * (1 + COST_RISE))
+                self.cost[w][k] = est
                 self.cost_weight[w][k] = old + count / world
+
+    def _prior(self, candidate: Candidate, bucket: int) -> float | None:
+        """What a cell is believed to cost before its first step: its replay plus its kind's overhead."""
+        replay = self._start_replay(candidate.width, bucket)
+        return None if replay is None else replay + self._overhead(candidate, bucket)
 
     def _start_replay(self, width: int, bucket: int) -> float | None:
         return self.start_cost.get((int(width), self.buckets[bucket]))
