@@ -107,3 +107,55 @@ def test_merge_rates_each_config_against_its_own_call(tmp_path):
     assert set(m) == {"dflash", "full_b64", "full_b15"}
     assert m["full_b64"]["run"] == 0 and m["full_b64"]["results"]["greedy"]["bs1"]["tok_s_x_dflash"] == 1.5
     assert m["full_b15"]["run"] == 1 and m["full_b15"]["results"]["t0.8"]["bs32"]["tok_s_x_dflash"] == 1.2
+
+
+# --- bench/gpu/auto_bench.py (issue 24): the same stand-in, several servers in one paired run ---------------
+
+
+def _auto_bench(*args: str) -> subprocess.CompletedProcess:
+    pytest.importorskip("requests")
+    return subprocess.run([sys.executable, str(GPU / "auto_bench.py"), *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_auto_bench_runs_every_server_paired_and_classes_identity(tmp_path, prompts):
+    servers = {"s_plain": _server(None, 0.0625, None), "s_dflash": _server(None, 0.0625, 2),
+               "s_auto": _server(3, 0.0625, 4)}
+    try:
+        specs = [f"{t}={s.server_address[1]}" for t, s in servers.items()]
+        r = _auto_bench("run", "--servers", *specs, "--reference", "s_plain", "--prompts", str(prompts), "--out",
+                        str(tmp_path / "w1.json"), "--batches", "1,4", "--temps", "0,0.8", "--passes", "2",
+                        "--max-new", "8", "--wait", "10")
+    finally:
+        for s in servers.values():
+            s.shutdown()
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads((tmp_path / "w1.json").read_text())
+    runs = res["servers"]["s_auto"]["results"]["t0"]["4"]
+    assert len(runs) == 2 and runs[0]["accept"] == 4.0 and runs[0]["outputs"] and runs[1]["outputs"] is None
+    assert len(res["reference"]) == 4 and res["servers"]["s_auto"]["results"]["t0.8"]["1"][0]["outputs"] is None
+    c = _auto_bench("compare", str(tmp_path / "w1.json"), "--plain", "s_plain", "--dflash", "s_dflash",
+                    "--auto", "s_auto")
+    # prompts of even length diverge at position 3 within plain's one-bf16-step margin: ties, not faults
+    assert "s_auto: same 2, tie 3, fault 0" in c.stdout, c.stdout  # bs 1: prompt 0; bs 4: prompts 0 and 2
+
+
+def test_auto_bench_goals_pair_each_server_with_its_own_waves_dflash(tmp_path):
+    def wave(servers: dict[str, list[float]]) -> dict:
+        cell = lambda tok: [{"tok_s": t, "accept": 2.0, "ms_per_step": 1.0, "outputs": None} for t in tok]  # noqa: E731
+        return {"batches": [1, 8], "temps": [0], "servers": {
+            tag: {"results": {"t0": {"1": cell(tok), "8": cell([x * 2 for x in tok])}}} for tag, tok in servers.items()}}
+
+    # wave 1: DFLASH 100, auto 140 (1.4x); wave 2 (other minutes, a slower machine): DFLASH 50, full 16 at 75 (1.5x)
+    (tmp_path / "w1.json").write_text(json.dumps(wave({"s_dflash": [100, 100], "s_auto": [140, 140]})))
+    (tmp_path / "w2.json").write_text(json.dumps(wave({"s_dflash": [50, 50], "s_full16": [75, 75]})))
+    c = _auto_bench("compare", str(tmp_path / "w1.json"), str(tmp_path / "w2.json"), "--dflash", "s_dflash",
+                    "--auto", "s_auto", "--fixed", "s_full16", "--cost-realistic")
+    assert c.returncode == 1, c.stdout + c.stderr  # 1.4x < 1.5x - 5 %
+    assert "t0 bs 1: auto >= DFLASH (within the passes' spread): 1.400x: met" in c.stdout
+    assert "t0 bs 1: auto >= best fixed (s_full16 1.50x) - 5 %: 1.400x: **missed**" in c.stdout
+    assert "t0 bs 1: auto >= 1.3x DFLASH at batch 1: 1.400x: met" in c.stdout
+    (tmp_path / "w2.json").write_text(json.dumps(wave({"s_dflash": [50, 50], "s_full16": [70, 70]})))
+    ok = _auto_bench("compare", str(tmp_path / "w1.json"), str(tmp_path / "w2.json"), "--dflash", "s_dflash",
+                     "--auto", "s_auto", "--fixed", "s_full16")
+    assert ok.returncode == 0, ok.stdout

@@ -27,31 +27,17 @@ import time
 
 import requests
 from graphs_proof import ddtree_state  # same folder: the scripts run by path
+from pair_sweep import generate
 from production_mix import TOP_K, _write, classify, wait_healthy
 
 AUTO_MARGIN = 0.05  # auto within 5 % of the best fixed budget
 BS1_GOAL = 1.3  # auto over DFLASH at batch 1, cost-realistic target
 
 
-def generate(base: str, prompt: list[int], temperature: float, max_new: int, *, logprobs: bool = False) -> dict:
-    body: dict = {"input_ids": prompt, "sampling_params": {"temperature": temperature, "max_new_tokens": max_new,
-                                                           "ignore_eos": True}}
-    if logprobs:
-        body.update(return_logprob=True, top_logprobs_num=TOP_K, logprob_start_len=len(prompt) - 1)
-    r = requests.post(base + "/generate", json=body, timeout=600)
-    r.raise_for_status()
-    j = r.json()
-    meta = j.get("meta_info", {})
-    out = {"output_ids": j.get("output_ids"), "tokens": meta.get("completion_tokens"),
-           "verify_ct": meta.get("spec_verify_ct")}
-    if logprobs:
-        out["topk"] = [[[lp, tid] for lp, tid, *_ in pos[:TOP_K]] for pos in meta.get("output_top_logprobs") or []]
-    return out
-
-
 def batch(base: str, prompts: list[list[int]], temperature: float, max_new: int, *, logprobs: bool = False) -> list[dict]:
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as ex:
-        return list(ex.map(lambda p: generate(base, p, temperature, max_new, logprobs=logprobs), prompts))
+        return list(ex.map(lambda p: generate(base, p, {"temperature": temperature}, logprobs=logprobs,
+                                              max_new=max_new), prompts))
 
 
 def measure(base: str, prompts: list[list[int]], temperature: float, max_new: int) -> dict:

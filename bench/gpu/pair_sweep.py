@@ -39,8 +39,8 @@ MAX_NEW = 128
 GOALS = {"accept": 1.2, "bs1": 1.15, "bs32": 1.0}  # issue 14: x DFLASH at the best budget (tok/s by batch)
 
 
-def generate(base: str, prompt: list[int], sp: dict, *, logprobs: bool = False) -> dict:
-    body: dict = {"input_ids": prompt, "sampling_params": {**sp, "max_new_tokens": MAX_NEW, "ignore_eos": True}}
+def generate(base: str, prompt: list[int], sp: dict, *, logprobs: bool = False, max_new: int = MAX_NEW) -> dict:
+    body: dict = {"input_ids": prompt, "sampling_params": {**sp, "max_new_tokens": max_new, "ignore_eos": True}}
     if logprobs:
         body.update(return_logprob=True, top_logprobs_num=TOP_K, logprob_start_len=len(prompt) - 1)
     r = requests.post(base + "/generate", json=body, timeout=300)
