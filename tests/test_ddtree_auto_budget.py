@@ -89,12 +89,6 @@ def test_acceptance_by_budget_is_what_the_smaller_trees_accept(seed: int) -> Non
     assert got[-1] == float(chain_total)
 
 
-def test_acceptance_by_budget_reference_functions() -> None:
-    assert ab.accepted_by_budget([1, 4, 9], [1, 3, 4, 15]) == [1, 1, 2, 3]
-    assert ab.chain_accepted([0, 0, 2, 0]) == 2
-    assert ab.chain_accepted([]) == 0
-
-
 # ----------------------------------------------------------------------------- candidates
 
 

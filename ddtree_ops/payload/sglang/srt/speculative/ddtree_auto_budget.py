@@ -12,7 +12,7 @@ per request. Each step takes the candidate with the most expected tokens per sec
 - Acceptance by budget, measured online: nodes are numbered best-first and the order does not depend on
   the budget, so the first `b'` nodes of a budget-`b` tree are the budget-`b'` tree (with the same top-k
   cap), and the accepted path is a prefix of it: a step's walk tells, for every `b' <= b`, how many
-  tokens the budget-`b'` tree would have accepted (`accepted_by_budget`). Exact for greedy requests;
+  tokens the budget-`b'` tree would have accepted (`ddtree_utils.acceptance_by_budget`). Exact for greedy requests;
   for sampled ones exact in distribution (the target's sample at a node does not depend on which other
   nodes the tree holds). With keep-chain the prefix is what a shrunk keep-chain step verifies
   (`ddtree_utils.shrink_tree`), which is what auto runs. The chain's acceptance from a tree walk is a
@@ -43,7 +43,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-DEFAULT_AUTO_MAX_BUDGET = 127
 # Decay per refresh of the acceptance and cost accumulators: a refresh every 16 steps forgets half of
 # what it knew in about 7 refreshes (~110 steps): traffic changes within minutes, not within steps.
 DECAY = 0.9
@@ -115,24 +114,6 @@ def batch_buckets(capture_bs: Sequence[int], max_running: int) -> list[int]:
         top *= 2
         buckets.append(top)
     return buckets
-
-
-def accepted_by_budget(path_nodes: Sequence[int], budgets: Sequence[int]) -> list[int]:
-    """Tokens each budget's tree would have accepted, from one walk's accepted path (node indices after
-    the root, increasing along the path): the path's nodes among the first `b` (reference for the
-    tensor version in the worker and the lab engine)."""
-    return [sum(1 for node in path_nodes if 1 <= node <= b) for b in budgets]
-
-
-def chain_accepted(path_ranks: Sequence[int]) -> int:
-    """Tokens the chain would have accepted: the leading path nodes that are their position's top-1
-    draft token (rank 0)."""
-    n = 0
-    for rank in path_ranks:
-        if rank != 0:
-            break
-        n += 1
-    return n
 
 
 @dataclass
