@@ -59,7 +59,8 @@ def test_real_payload_install_smoke_rollback(real_tree):
     res = smoke["result"]
     assert res["passed"], [(s["name"], s["detail"], s["output"][-1500:]) for s in res["steps"] if not s["passed"]]
     cases = {c["case"]: c for c in next(s for s in res["steps"] if s["name"] == "server_args")["detail"]}
-    assert len(cases) == 12 and all(c["ok"] for c in cases.values())
+    assert len(cases) == 14 and all(c["ok"] for c in cases.values())
+    assert cases["full, budget auto, maximum 63"]["ok"] and cases["budget maximum without auto"]["ok"]
     assert cases["keep-chain with budget below the depth"]["ok"] and cases["shadow-linear, keep-chain"]["ok"]
 
     back = run_agent("rollback", {**base, "to": "pristine"})

@@ -84,6 +84,9 @@ valid = [
      "--speculative-ddtree-keep-chain"],
      {"speculative_ddtree_mode": "shadow-linear", "speculative_ddtree_budget": 15,
       "speculative_ddtree_keep_chain": True}),
+    ("full, budget auto, maximum 63", dflash + ["--speculative-ddtree-mode", "full", "--attention-backend", "triton",
+     "--page-size", "1", "--speculative-ddtree-budget", "auto", "--speculative-ddtree-budget-max", "63"],
+     {"speculative_ddtree_mode": "full", "speculative_ddtree_budget": "auto", "speculative_ddtree_budget_max": 63}),
 ]
 invalid = [
     ("ddtree without DFLASH", ["--speculative-ddtree-mode", "shadow-linear"], "--speculative-algorithm DFLASH"),
@@ -95,6 +98,8 @@ invalid = [
     ("topk-cap above budget", dflash + ["--speculative-ddtree-mode", "shadow-linear", "--speculative-ddtree-budget",
      "8", "--speculative-ddtree-topk-cap", "9"], "--speculative-ddtree-topk-cap"),
     ("budget with mode off", dflash + ["--speculative-ddtree-budget", "8"], "--speculative-ddtree-mode"),
+    ("budget maximum without auto", dflash + ["--speculative-ddtree-mode", "shadow-linear", "--speculative-ddtree-budget",
+     "8", "--speculative-ddtree-budget-max", "8"], "--speculative-ddtree-budget-max"),
     ("allow-hybrid-unsafe (not supported yet)", dflash + ["--speculative-ddtree-mode", "full",
      "--attention-backend", "triton", "--page-size", "1", "--speculative-ddtree-allow-hybrid-unsafe"],
      "not supported yet"),
