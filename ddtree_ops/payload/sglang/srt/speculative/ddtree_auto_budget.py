@@ -311,7 +311,7 @@ class AutoBudget:
         return v
 
     def _fold(self, v: list[float], world: int) -> None:
-        nb, nw, nk = len(self.budgets), len(self.candidates), len(self.buckets)
+        nb, nc, nk = len(self.budgets), len(self.candidates), len(self.buckets)
         # Acceptance is the same on every rank (same trees, same walk): the sum is world times it.
         acc_sum, acc_n = v[:nb], v[nb:2 * nb]
         ct_sum, ct_n, cs_sum, cs_n = (x / world for x in v[2 * nb:2 * nb + 4])
@@ -323,10 +323,10 @@ class AutoBudget:
         self.chain_tree_n = DECAY * self.chain_tree_n + ct_n
         self.chain_step_sum = DECAY * self.chain_step_sum + cs_sum
         self.chain_step_n = DECAY * self.chain_step_n + cs_n
-        for w in range(nw):
+        for w in range(nc):
             for k in range(nk):
                 total = v[t0 + w * nk + k]
-                count = v[t0 + nw * nk + w * nk + k]
+                count = v[t0 + nc * nk + w * nk + k]
                 self.cost_weight[w][k] *= COST_DECAY
                 if count <= 0:
                     continue
@@ -374,35 +374,30 @@ class AutoBudget:
         to the measured cells of the candidate's kind; None while they cannot tell the three apart (fewer
         than two widths or two batch sizes measured)."""
         kind = [self.chain] if candidate.is_chain else self.trees
-        rows = [(1.0, float(bs), float(c.width * bs), self.cost[i][k], self.cost_weight[i][k])
+        rows = [(float(bs), float(c.width * bs), self.cost[i][k], self.cost_weight[i][k])
                 for i, c in enumerate(self.candidates) if c in kind for k, bs in enumerate(self.buckets)
                 if self.cost_weight[i][k] >= MIN_COST_WEIGHT]
-        if candidate.is_chain:  # one width: cost = a + b * batch
-            rows = [(r[0], r[1], 0.0, r[3], r[4]) for r in rows]
-            if len({r[1] for r in rows}) < 2:
-                return None
-            m = [[sum(r[4] * r[i] * r[j] for r in rows) for j in range(2)] for i in range(2)]
-            v = [sum(r[4] * r[i] * r[3] for r in rows) for i in range(2)]
-            det = m[0][0] * m[1][1] - m[0][1] * m[1][0]
-            if abs(det) < 1e-18:
-                return None
-            a, b = (v[0] * m[1][1] - v[1] * m[0][1]) / det, (m[0][0] * v[1] - m[1][0] * v[0]) / det
-            return max(a + b * batch_size, 1e-9)
-        if len({r[1] for r in rows}) < 2 or len({r[2] / r[1] for r in rows}) < 2:
+        if len({r[0] for r in rows}) < 2:
             return None
-        # Normal equations (3 x 3), weighted by each cell's observation weight.
-        m = [[sum(r[4] * r[i] * r[j] for r in rows) for j in range(3)] for i in range(3)]
-        v = [sum(r[4] * r[i] * r[3] for r in rows) for i in range(3)]
-        coef = _solve3(m, v)
+        # The chain has one width: its per-token term cannot be told from the per-request one.
+        widths_vary = not candidate.is_chain and len({r[1] / r[0] for r in rows}) >= 2
+        if not candidate.is_chain and not widths_vary:
+            return None
+        features = [(1.0, bs, wbs) if widths_vary else (1.0, bs) for bs, wbs, _, _ in rows]
+        n = len(features[0])
+        # Normal equations, weighted by each cell's observation weight.
+        m = [[sum(r[3] * f[i] * f[j] for f, r in zip(features, rows, strict=True)) for j in range(n)] for i in range(n)]
+        v = [sum(r[3] * f[i] * r[2] for f, r in zip(features, rows, strict=True)) for i in range(n)]
+        coef = _solve(m, v)
         if coef is None:
             return None
-        a, b, c = coef
-        return max(a + b * batch_size + c * candidate.width * batch_size, 1e-9)
+        x = (1.0, float(batch_size), float(candidate.width * batch_size))
+        return max(sum(c * xi for c, xi in zip(coef, x, strict=False)), 1e-9)
 
     def _replan(self) -> None:
-        ceiling = max((a for a in (self.expected_accepted(c) for c in self.candidates) if a is not None), default=None)
+        accepted = {c: self.expected_accepted(c) for c in self.candidates}
+        ceiling = max((a for a in accepted.values() if a is not None), default=None)
         for k in range(len(self.buckets)):
-            accepted = {c: self.expected_accepted(c) for c in self.candidates}
             seconds = {c: self.step_seconds(c, k) for c in self.candidates}
             if all(s is None for s in seconds.values()):
                 # No cost known for this bucket (no graphs timed, nothing stepped yet): as far as we know
@@ -435,16 +430,18 @@ class AutoBudget:
                 or self._start_replay(candidate.width, bucket) is not None)
 
 
-def _solve3(m: list[list[float]], v: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting; None when singular."""
+def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting (n x n); None when singular."""
+    n = len(v)
     a = [row[:] + [v[i]] for i, row in enumerate(m)]
-    for col in range(3):
-        pivot = max(range(col, 3), key=lambda r: abs(a[r][col]))
-        if abs(a[pivot][col]) < 1e-12 * max(1.0, max(abs(x) for row in a for x in row[:3])):
+    scale = max(1.0, max(abs(x) for row in a for x in row[:n]))
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) < 1e-12 * scale:
             return None
         a[col], a[pivot] = a[pivot], a[col]
-        for r in range(3):
+        for r in range(n):
             if r != col:
                 f = a[r][col] / a[col][col]
                 a[r] = [x - f * y for x, y in zip(a[r], a[col], strict=True)]
-    return [a[i][3] / a[i][i] for i in range(3)]
+    return [a[i][n] / a[i][i] for i in range(n)]

@@ -479,8 +479,7 @@ class DDTreeController:
             if self.tp_rank == 0:
                 logger.warning("DDTree auto: verify graphs at widths %s not captured (%s); smaller trees are "
                                "padded to width %d", widths, error or "failed on another TP rank", self.budget + 1)
-            runner.graph_runner = getattr(ladder, "runners", {}).get(self.budget + 1, runner.graph_runner)
-            return None
+            return None  # capture_verify_ladder left SGLang's own runner installed
         if ladder is not None and self.tp_rank == 0:
             logger.info("DDTree auto: verify graphs at widths %s captured in %.1f s, %.2f GiB; replay ms by "
                         "(width, bs): %s", ladder.widths, ladder.seconds, ladder.captured_bytes / 2**30,
