@@ -3,9 +3,10 @@
 batch 1 .. 64, in paired passes, and auto's greedy outputs against plain's.
 
   run --servers TAG=PORT[:PID] ... --prompts heldout_prompts.json --out F [--reference TAG] [--batches 1,2,..]
-      [--temps 0,0.8] [--passes N] [--max-new N] [--wait S]
+      [--temps 0,0.8] [--passes N] [--max-new N] [--warmup N] [--wait S]
       Every server is measured at every (temperature, batch): `batch` held-out prompts sent together, `max-new`
-      tokens each (ignore_eos), after one warm-up batch of that size. A pass measures each (temperature, batch)
+      tokens each (ignore_eos), after `warmup` batches of that size (first uses: graphs, kernels; auto
+      has a graph per candidate). A pass measures each (temperature, batch)
       on every server back to back, in an order rotated per pass, so a server's figure and DFLASH's come from
       the same minutes (paired). --reference (plain): first, greedy outputs with plain's top-5 logprobs for the
       largest batch's prompts, so `compare` can class every divergence by plain's margin. Greedy outputs of
@@ -78,7 +79,8 @@ def cmd_run(a: argparse.Namespace) -> int:
     for temp in temps:  # warm-up: the first batch of a size compiles and fills the radix cache alike everywhere
         for bs in batches:
             for base in alive.values():
-                batch(base, chosen[:bs], temp, a.max_new)
+                for _ in range(a.warmup):
+                    batch(base, chosen[:bs], temp, a.max_new)
     print("[auto] warm-up done", flush=True)
     tags = list(alive)
     for p in range(a.passes):
@@ -208,6 +210,7 @@ def main() -> int:
     r.add_argument("--temps", default="0,0.8")
     r.add_argument("--passes", type=int, default=3)
     r.add_argument("--max-new", type=int, default=64)
+    r.add_argument("--warmup", type=int, default=1, help="warm-up batches per (temperature, batch size)")
     r.add_argument("--wait", type=float, default=300)
     c = sub.add_parser("compare")
     c.add_argument("files", nargs="+")

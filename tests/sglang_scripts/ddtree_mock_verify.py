@@ -110,7 +110,7 @@ def main() -> int:
         seq_lens = torch.tensor(prefix, dtype=torch.int64)
         widths: list[int | None] = []
         controller = SimpleNamespace(stats=dw.DDTreeStats(), widths=widths, set_verify_width=widths.append,
-                                     mark_phase=lambda name: None, stash_acceptance=lambda tree, nodes: None)
+                                     mark_phase=lambda name: None, stash_acceptance=lambda tree, nodes, sampled: None)
         batch = SimpleNamespace(
             forward_mode=SimpleNamespace(is_idle=lambda: False),
             batch_size=lambda bs=bs: bs,
@@ -479,7 +479,7 @@ def auto_checks(batch_for, head, draft_hidden, bonus) -> list[str]:
             widths.append(vi.draft_token_num)
             target = torch.randint(0, VOCAB, vi.tree.parents.shape, generator=g)
             accepted, lens, _ = follow_verified_tree(vi.tree, target)
-            ctl.stash_acceptance(vi.tree, accepted)
+            ctl.stash_acceptance(vi.tree, accepted, [])
             ctl.on_verified(vi, lens.tolist())
         else:
             widths.append(0)

@@ -289,36 +289,42 @@ class Decoder:
         observation = sys.modules[type(self.auto).__module__].StepObservation
         started = time.perf_counter()
         step = self.tree_stats.steps
-        pick = self.auto.choose(len(reqs), step)
+        sampled = [not r.choice.greedy for r in reqs]
+        pick = self.auto.choose(len(reqs), step, sampled=sum(sampled))
         budgets = self.auto.budgets
         if pick.is_chain:
-            before = sum(r.spec_num_correct_drafts for r in reqs)
+            before = [r.spec_num_correct_drafts for r in reqs]
             self.tree_stats.chain_steps += 1
             self._linear_verify(reqs, draft_logits)
-            chain = float(sum(r.spec_num_correct_drafts for r in reqs) - before)
-            accepted = [0.0] * len(budgets)
+            rows = [[0.0] * (len(budgets) + 1) for _ in range(2)]  # greedy, sampled; the chain's last
+            for r, was, kind in zip(reqs, before, sampled, strict=True):
+                rows[int(kind)][-1] += r.spec_num_correct_drafts - was
         else:
-            values = self._tree_verify(reqs, draft_logits, budget=pick.budget,
-                                       acceptance_budgets=torch.tensor(budgets, dtype=torch.int64)).tolist()
-            accepted, chain = values[:-1], values[-1]
+            rows = self._tree_verify(reqs, draft_logits, budget=pick.budget,
+                                     acceptance_budgets=torch.tensor(budgets, dtype=torch.int64),
+                                     sampled=torch.tensor(sampled, dtype=torch.bool)).tolist()
+        (accepted, chain), (s_accepted, s_chain) = ((row[:-1], row[-1]) for row in rows)
         self.auto.observe(observation(budget=pick.budget, width=pick.width, batch_size=len(reqs),
-                                          seconds=time.perf_counter() - started, accepted=accepted, chain=chain,
-                                          requests=len(reqs)))
+                                      seconds=time.perf_counter() - started, accepted=accepted, chain=chain,
+                                      requests=len(reqs) - sum(sampled), sampled_accepted=s_accepted,
+                                      sampled_chain=s_chain, sampled_requests=sum(sampled)))
         if self.auto.due(step):
             self.auto.refresh()
 
     def _tree_verify(self, reqs: list[Request], draft_logits: torch.Tensor, *, budget: int | None = None,
-                     acceptance_budgets: torch.Tensor | None = None) -> torch.Tensor | None:
+                     acceptance_budgets: torch.Tensor | None = None,
+                     sampled: torch.Tensor | None = None) -> torch.Tensor | None:
         """One tree step (its first `budget` nodes when given, as the worker shrinks a tree); with
-        `acceptance_budgets`, returns the payload's `acceptance_by_budget` of its walk."""
+        `acceptance_budgets`, returns the payload's `acceptance_by_budget` of its walk (`sampled`: which
+        requests are sampled)."""
         tree = self._build_tree(draft_logits)
         if budget is not None and budget < self.budget:
             tree = self.ddtree.shrink_tree(tree, budget, pad=False)
             self.tree_stats.shrunk_steps += 1
         self.tree_stats.tree_steps += 1
-        sampled = sum(1 for r in reqs if not r.choice.greedy)
-        self.tree_stats.sampled_requests += sampled
-        self.tree_stats.greedy_requests += len(reqs) - sampled
+        n_sampled = sum(1 for r in reqs if not r.choice.greedy)
+        self.tree_stats.sampled_requests += n_sampled
+        self.tree_stats.greedy_requests += len(reqs) - n_sampled
         n = tree.parents.shape[1]
         all_tokens = tree.full_token_ids(torch.tensor([r.tokens[-1] for r in reqs]))
         all_positions = tree.positions(torch.tensor([len(r.tokens) - 1 for r in reqs]))
@@ -342,7 +348,7 @@ class Decoder:
         self.tree_stats.steps += 1
         if acceptance_budgets is None:
             return None
-        return self.ddtree.acceptance_by_budget(tree, accepted_nodes, acceptance_budgets)
+        return self.ddtree.acceptance_by_budget(tree, accepted_nodes, acceptance_budgets, sampled)
 
     def _commit(self, r: Request, out: Any, path: list[int], emitted: list[int]) -> None:
         """Append emitted tokens until the request finishes; keep the KV of the path nodes whose

@@ -18,17 +18,25 @@ per request. Each step takes the candidate with the most expected tokens per sec
   (`ddtree_utils.shrink_tree`), which is what auto runs. The chain's acceptance from a tree walk is a
   lower bound where the walk ends on the chain and the tree lacks the chain's next node; chain steps
   measure it exactly and replace it once there are enough of them.
+- Greedy and sampled requests accept differently (a sampled walk accepts less, and less so on wide
+  trees): acceptance is kept for each kind, and a step scores the candidates for its batch's mix.
 - Costs, measured on this server, per candidate and batch bucket (the chain and the tree of the same
   width differ: a tree step also builds, masks and walks the tree): the verify graphs' replays timed at
   start (`seed_start_costs`, seconds per `(width, batch bucket)`), then every step's own wall time; a
   cell never stepped in is its start-up replay plus what its kind's steps (tree or chain) of that bucket
   cost beyond their replays (draft, build, walk, attention over real contexts).
-- Budgets larger than the ones stepped in are only learnt by stepping in them: one step in
-  `explore_every` explores, in turn, the candidates that could still beat the plan for its batch (their
-  cost with the largest tree's acceptance). On a real-size target a wide tree at a large batch costs
-  several plain steps, so it is explored where it is cheap (small batches), and where it cannot win only
-  one exploration in `RECHECK_EVERY`, so a cell that a slow first step made look hopeless is measured
-  again (a cell falls to a lower measurement at once and rises by `COST_RISE` a refresh at most).
+- Budgets larger than the ones stepped in are only learnt by stepping in them, and a cell's cost by its
+  own steps: one step in `explore_every` may explore a candidate other than the plan. Exploration is
+  priced: a candidate is explored once in as many rounds as keep what its steps lose against the plan
+  (time beyond the plan's for the tokens it brings) under `EXPLORE_SHARE` of the plan's time, and
+  `RECHECK_EVERY` times rarer when it could not win even with the largest tree's acceptance. On a
+  real-size target a wide tree at a large batch costs several plain steps, so it is explored where it
+  is cheap (small batches) and rarely where it is dear.
+- A step's wall time has one-off spikes (a graph's first replay, a first kernel launch): a cell's
+  first step is not timed, each refresh keeps the median of a cell's steps, a cell falls to a lower
+  measurement at once and rises by `COST_RISE` a refresh at most, and a cell never stepped in borrows
+  the smallest overhead of its kind (optimistic, so the plan visits it and measures it, where a
+  pessimistic guess would never be corrected).
 
 Every decision is a function of the step index, the batch size and a plan recomputed every
 `refresh_every` steps from accumulators that `refresh` first sums over the TP ranks (the caller passes
@@ -39,6 +47,7 @@ would give ranks different budgets for the same step.
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,8 +61,16 @@ COST_DECAY = 0.99
 EWMA_ALPHA = 0.2
 # A cost cell is trusted once it holds this much (decayed) observation weight.
 MIN_COST_WEIGHT = 1.0
-# One exploration step in this many may take any candidate (see `_explore_pool`).
+# Exploration's share of the plan's step time: what exploring steps lose against the plan, at most.
+EXPLORE_SHARE = 0.03
+# A candidate that could not beat the plan even with the largest tree's acceptance is explored this
+# many times rarer (still measured now and then: its estimate may be what is wrong).
 RECHECK_EVERY = 4
+# Steps of a cell (candidate, batch bucket) not timed: the first replays of a graph, first launches.
+UNTIMED_FIRST_STEPS = 1
+# During warm-up (nothing accepted yet) the largest tree whose replay at the batch costs at most this
+# many times the cheapest candidate's: acceptance for many budgets, without a 6x step at batch 64.
+WARMUP_COST = 2.0
 # A step's wall time has one-off spikes (a graph's first replay, a kernel's first launch, a prefill between
 # steps) far more often than dips: a cost cell falls to a lower measurement at once and rises by at most
 # this fraction a refresh (a real rise, longer contexts, still passes: doubling in ~7 refreshes).
@@ -61,6 +78,9 @@ COST_RISE = 0.1
 # Chain steps must have measured this many requests (decayed) before their exact acceptance replaces
 # the tree walks' lower bound.
 MIN_CHAIN_REQUESTS = 16.0
+# Kinds of request whose acceptance is kept apart (index into StepObservation's per-kind fields).
+GREEDY, SAMPLED = 0, 1
+KINDS = (GREEDY, SAMPLED)
 
 
 @dataclass(frozen=True)
@@ -118,9 +138,10 @@ def batch_buckets(capture_bs: Sequence[int], max_running: int) -> list[int]:
 
 @dataclass
 class StepObservation:
-    """What one decode step measured. `accepted` sums, over the batch, the accepted tokens each tree
-    budget of `AutoBudget.budgets` would have had (entries for budgets above the step's are ignored);
-    `chain` the chain's (exact on a chain step, a lower bound from a tree walk)."""
+    """What one decode step measured. `accepted` sums, over the batch's greedy requests, the accepted tokens
+    each tree budget of `AutoBudget.budgets` would have had (entries for budgets above the step's are
+    ignored); `chain` the chain's (exact on a chain step, a lower bound from a tree walk); `sampled_*` the
+    same over its sampled requests."""
 
     budget: int  # the budget verified (0: a chain step)
     width: int
@@ -129,6 +150,14 @@ class StepObservation:
     accepted: Sequence[float]
     chain: float
     requests: int
+    sampled_accepted: Sequence[float] = ()
+    sampled_chain: float = 0.0
+    sampled_requests: int = 0
+
+    def by_kind(self) -> list[tuple[Sequence[float], float, int]]:
+        """(accepted, chain, requests) per kind, GREEDY then SAMPLED."""
+        sampled = self.sampled_accepted or [0.0] * len(self.accepted)
+        return [(self.accepted, self.chain, self.requests), (sampled, self.sampled_chain, self.sampled_requests)]
 
 
 class AutoBudget:
@@ -155,18 +184,27 @@ class AutoBudget:
         self.refresh_every = max(1, int(refresh_every))
         self.warmup_steps = int(warmup_steps)
         nb, nc, nk = len(self.budgets), len(self.candidates), len(self.buckets)
-        # Decayed state (identical on every rank after a refresh).
-        self.accept_sum = [0.0] * nb
-        self.accept_n = [0.0] * nb
-        self.chain_tree_sum = self.chain_tree_n = 0.0
-        self.chain_step_sum = self.chain_step_n = 0.0
+        # Decayed state (identical on every rank after a refresh), acceptance per kind of request.
+        self.accept_sum = [[0.0] * nb for _ in KINDS]
+        self.accept_n = [[0.0] * nb for _ in KINDS]
+        self.chain_tree_sum, self.chain_tree_n = [0.0] * len(KINDS), [0.0] * len(KINDS)
+        self.chain_step_sum, self.chain_step_n = [0.0] * len(KINDS), [0.0] * len(KINDS)
         self.cost = [[0.0] * nk for _ in range(nc)]  # EWMA seconds per (candidate, bucket)
         self.cost_weight = [[0.0] * nk for _ in range(nc)]
         self.start_cost: dict[tuple[int, int], float] = {}
         # Pending sums since the last refresh (this rank's), flattened by `_pending_vector`.
         self._reset_pending()
         self.plan: list[Candidate] = [self.largest] * nk
-        self.explore: list[list[Candidate]] = [[c for c in self.candidates if c != self.largest]] * nk
+        # Per bucket: (candidate, seconds, accepted per kind) of the candidates a step can score (`_best`).
+        self._scores: list[list[tuple[Candidate, float, list[float]]]] = [[] for _ in range(nk)]
+        # Per bucket: who exploration may take, and once in how many of the bucket's exploration rounds.
+        self.explore: list[list[tuple[Candidate, int]]] = [
+            [(c, 1) for c in self.candidates if c != self.largest] for _ in range(nk)]
+        # Exploration rounds per bucket, and the round each candidate was last explored in (same on
+        # every rank: every rank calls `choose` with the same steps and batch sizes).
+        self._rounds = [0] * nk
+        self._last_explored = [[0] * nc for _ in range(nk)]
+        self._untimed = [[UNTIMED_FIRST_STEPS] * nk for _ in range(nc)]
         self.chosen: dict[str, int] = {c.name: 0 for c in self.candidates}  # by choose()
         self.verified: dict[str, int] = {}  # budgets steps really verified (memory may shrink a choice)
         self.explore_steps = 0
@@ -184,44 +222,73 @@ class AutoBudget:
     def observe(self, obs: StepObservation) -> None:
         name = "chain" if obs.budget == 0 else str(obs.budget)
         self.verified[name] = self.verified.get(name, 0) + 1
-        if obs.budget == 0:
-            self._p_chain_step_sum += obs.chain
-            self._p_chain_step_n += obs.requests
-        else:
+        for kind, (accepted, chain, requests) in enumerate(obs.by_kind()):
+            if not requests:
+                continue
+            if obs.budget == 0:
+                self._p_chain_step_sum[kind] += chain
+                self._p_chain_step_n[kind] += requests
+                continue
             for i, b in enumerate(self.budgets):
                 if b <= obs.budget:
-                    self._p_accept_sum[i] += obs.accepted[i]
-                    self._p_accept_n[i] += obs.requests
-            self._p_chain_tree_sum += obs.chain
-            self._p_chain_tree_n += obs.requests
+                    self._p_accept_sum[kind][i] += accepted[i]
+                    self._p_accept_n[kind][i] += requests
+            self._p_chain_tree_sum[kind] += chain
+            self._p_chain_tree_n[kind] += requests
         c = self._candidate_of(obs)
         if c is not None and obs.seconds > 0:
             i, k = self.candidates.index(c), self.bucket_index(obs.batch_size)
-            self._p_time_sum[i][k] += obs.seconds
-            self._p_time_n[i][k] += 1
+            if self._untimed[i][k] > 0:
+                self._untimed[i][k] -= 1
+            else:
+                self._p_times[i][k].append(obs.seconds)
 
     # ------------------------------------------------------------------ decisions
-    def choose(self, batch_size: int, step: int) -> Candidate:
-        """The candidate for step `step` (a counter every rank shares) of `batch_size` requests."""
+    def choose(self, batch_size: int, step: int, sampled: int = 0) -> Candidate:
+        """The candidate for step `step` (a counter every rank shares) of `batch_size` requests, `sampled`
+        of them sampled."""
+        k = self.bucket_index(batch_size)
         if step < self.warmup_steps:
-            pick = self.largest
-        elif step % self.explore_every == 0 and self._explore_pool(batch_size, step):
-            pool = self._explore_pool(batch_size, step)
-            pick = pool[(step // self.explore_every) % len(pool)]
+            pick = self._warmup_pick(k)
+        elif step % self.explore_every == 0 and (explored := self._exploration(k)) is not None:
+            pick = explored
             self.explore_steps += 1
         else:
-            pick = self.plan[self.bucket_index(batch_size)]
+            pick = self._best(k, batch_size, sampled)
         self.chosen[pick.name] += 1
         return pick
 
-    def _explore_pool(self, batch_size: int, step: int) -> list[Candidate]:
-        """Who an exploration step may take: those that could still win here; one exploration in
-        `RECHECK_EVERY` any candidate but the plan, so a cell whose estimate went wrong (a slow first
-        step) is measured again even where it looks hopeless."""
-        k = self.bucket_index(batch_size)
-        if (step // self.explore_every) % RECHECK_EVERY == 0:
-            return [c for c in self.candidates if c != self.plan[k]]
-        return self.explore[k]
+    def _best(self, bucket: int, batch_size: int, sampled: int) -> Candidate:
+        """The most expected tokens per second for this batch's mix of greedy and sampled requests (the
+        plan, which pools the kinds as traffic came, when nothing can be scored)."""
+        if not self._scores[bucket]:
+            return self.plan[bucket]
+        mix = (max(0, batch_size - sampled), min(sampled, batch_size))
+        scored = [(sum(n * (1.0 + a) for n, a in zip(mix, accepted, strict=True)) / seconds, c)
+                  for c, seconds, accepted in self._scores[bucket]]
+        return _narrowest_best(scored)
+
+    def _warmup_pick(self, bucket: int) -> Candidate:
+        """The largest tree whose replay here costs at most `WARMUP_COST` times the cheapest candidate's
+        (the largest without replays): its walks give the acceptance of every smaller budget."""
+        replay = {c: self._start_replay(c.width, bucket) for c in self.candidates}
+        known = [s for s in replay.values() if s is not None]
+        if not known:
+            return self.largest
+        fits = [c for c in self.trees if replay[c] is not None and replay[c] <= WARMUP_COST * min(known)]
+        return fits[-1] if fits else self.largest
+
+    def _exploration(self, bucket: int) -> Candidate | None:
+        """This exploration round's candidate in `bucket`: of those whose rounds have come (`explore`),
+        the one explored longest ago (ties: the narrower); None when none is due."""
+        self._rounds[bucket] += 1
+        now, last = self._rounds[bucket], self._last_explored[bucket]
+        due = [c for c, rounds in self.explore[bucket] if now - last[self.candidates.index(c)] >= rounds]
+        if not due:
+            return None
+        pick = min(due, key=lambda c: (last[self.candidates.index(c)], c.width, c.budget))
+        last[self.candidates.index(pick)] = now
+        return pick
 
     def due(self, step: int) -> bool:
         """Whether `refresh` is due after step `step` (same answer on every rank)."""
@@ -238,22 +305,27 @@ class AutoBudget:
         self.refreshes += 1
 
     # ------------------------------------------------------------------ estimates
-    def expected_accepted(self, candidate: Candidate) -> float | None:
-        """Mean accepted draft tokens per request, or None while nothing is known."""
+    def expected_accepted(self, candidate: Candidate, kind: int | None = None) -> float | None:
+        """Mean accepted draft tokens per request of `kind` (None: both, as traffic came; a kind not seen
+        yet: both), or None while nothing is known."""
+        own = self._accepted(candidate, KINDS if kind is None else (kind,))
+        return own if own is not None or kind is None else self._accepted(candidate, KINDS)
+
+    def _accepted(self, candidate: Candidate, kinds: Sequence[int]) -> float | None:
         if candidate.is_chain:
-            if self.chain_step_n >= MIN_CHAIN_REQUESTS:
-                return self.chain_step_sum / self.chain_step_n
-            if self.chain_tree_n > 0:
-                return self.chain_tree_sum / self.chain_tree_n
-            return self.chain_step_sum / self.chain_step_n if self.chain_step_n > 0 else None
-        i = self.budgets.index(candidate.budget)
-        if self.accept_n[i] > 0:
-            return self.accept_sum[i] / self.accept_n[i]
+            step_sum, step_n = (sum(x[k] for k in kinds) for x in (self.chain_step_sum, self.chain_step_n))
+            tree_sum, tree_n = (sum(x[k] for k in kinds) for x in (self.chain_tree_sum, self.chain_tree_n))
+            if step_n >= MIN_CHAIN_REQUESTS:
+                return step_sum / step_n
+            if tree_n > 0:
+                return tree_sum / tree_n
+            return step_sum / step_n if step_n > 0 else None
         # Never stepped at this budget: a larger tree holds the smaller one, so it accepts at least
         # what the largest smaller budget measured (a lower bound until explored).
-        for j in range(i - 1, -1, -1):
-            if self.accept_n[j] > 0:
-                return self.accept_sum[j] / self.accept_n[j]
+        for j in range(self.budgets.index(candidate.budget), -1, -1):
+            n = sum(self.accept_n[k][j] for k in kinds)
+            if n > 0:
+                return sum(self.accept_sum[k][j] for k in kinds) / n
         return None
 
     def step_seconds(self, candidate: Candidate, bucket: int) -> float | None:
@@ -269,7 +341,10 @@ class AutoBudget:
     # ------------------------------------------------------------------ reporting
     def as_dict(self) -> dict[str, Any]:
         """For /server_info (string keys: the HTTP layer serialises with orjson)."""
-        curve = {c.name: self.expected_accepted(c) for c in self.candidates}
+        def curve(kind: int | None) -> dict[str, float | None]:
+            values = {c.name: self.expected_accepted(c, kind) for c in self.candidates}
+            return {k: None if v is None else round(v, 4) for k, v in values.items()}
+
         costs = {}
         for c in self.candidates:
             row = {}
@@ -285,8 +360,10 @@ class AutoBudget:
             "explore_steps": self.explore_steps,
             "refreshes": self.refreshes,
             "plan": {str(bs): self.plan[k].name for k, bs in enumerate(self.buckets)},
-            "accepted_by_budget": {k: None if v is None else round(v, 4) for k, v in curve.items()},
-            "explore": {str(bs): [c.name for c in self.explore[k]] for k, bs in enumerate(self.buckets)},
+            "accepted_by_budget": curve(None),  # both kinds, as traffic came
+            "accepted_by_kind": {"greedy": curve(GREEDY), "sampled": curve(SAMPLED)},
+            # per bucket: candidate -> explored once in this many of the bucket's exploration rounds
+            "explore": {str(bs): {c.name: r for c, r in self.explore[k]} for k, bs in enumerate(self.buckets)},
             "step_ms": costs,  # estimated ms per step, by candidate then batch bucket
             "replay_ms": {f"{w}x{bs}": round(s * 1e3, 4) for (w, bs), s in sorted(self.start_cost.items())},
         }
@@ -294,43 +371,46 @@ class AutoBudget:
     # ------------------------------------------------------------------ internals
     def _reset_pending(self) -> None:
         nb, nc, nk = len(self.budgets), len(self.candidates), len(self.buckets)
-        self._p_accept_sum = [0.0] * nb
-        self._p_accept_n = [0.0] * nb
-        self._p_chain_tree_sum = self._p_chain_tree_n = 0.0
-        self._p_chain_step_sum = self._p_chain_step_n = 0.0
-        self._p_time_sum = [[0.0] * nk for _ in range(nc)]
-        self._p_time_n = [[0.0] * nk for _ in range(nc)]
+        self._p_accept_sum = [[0.0] * nb for _ in KINDS]
+        self._p_accept_n = [[0.0] * nb for _ in KINDS]
+        self._p_chain_tree_sum, self._p_chain_tree_n = [0.0] * len(KINDS), [0.0] * len(KINDS)
+        self._p_chain_step_sum, self._p_chain_step_n = [0.0] * len(KINDS), [0.0] * len(KINDS)
+        self._p_times: list[list[list[float]]] = [[[] for _ in range(nk)] for _ in range(nc)]
 
     def _pending_vector(self) -> list[float]:
-        v = [*self._p_accept_sum, *self._p_accept_n, self._p_chain_tree_sum, self._p_chain_tree_n,
-             self._p_chain_step_sum, self._p_chain_step_n]
-        for row in self._p_time_sum:
-            v.extend(row)
-        for row in self._p_time_n:
-            v.extend(row)
+        v: list[float] = []
+        for k in KINDS:
+            v += [*self._p_accept_sum[k], *self._p_accept_n[k], self._p_chain_tree_sum[k], self._p_chain_tree_n[k],
+                  self._p_chain_step_sum[k], self._p_chain_step_n[k]]
+        # Per cell: the median of this refresh's steps (a spike among them does not move it), then their
+        # count; summed over the ranks, which time the same steps.
+        for row in self._p_times:
+            v.extend(_median(times) if times else 0.0 for times in row)
+        for row in self._p_times:
+            v.extend(float(len(times)) for times in row)
         return v
 
     def _fold(self, v: list[float], world: int) -> None:
         nb, nc, nk = len(self.budgets), len(self.candidates), len(self.buckets)
         # Acceptance is the same on every rank (same trees, same walk): the sum is world times it.
-        acc_sum, acc_n = v[:nb], v[nb:2 * nb]
-        ct_sum, ct_n, cs_sum, cs_n = (x / world for x in v[2 * nb:2 * nb + 4])
-        t0 = 2 * nb + 4
-        for i in range(nb):
-            self.accept_sum[i] = DECAY * self.accept_sum[i] + acc_sum[i] / world
-            self.accept_n[i] = DECAY * self.accept_n[i] + acc_n[i] / world
-        self.chain_tree_sum = DECAY * self.chain_tree_sum + ct_sum
-        self.chain_tree_n = DECAY * self.chain_tree_n + ct_n
-        self.chain_step_sum = DECAY * self.chain_step_sum + cs_sum
-        self.chain_step_n = DECAY * self.chain_step_n + cs_n
+        per_kind = 2 * nb + 4
+        for k in KINDS:
+            part = [x / world for x in v[k * per_kind:(k + 1) * per_kind]]
+            for i in range(nb):
+                self.accept_sum[k][i] = DECAY * self.accept_sum[k][i] + part[i]
+                self.accept_n[k][i] = DECAY * self.accept_n[k][i] + part[nb + i]
+            for state, x in zip((self.chain_tree_sum, self.chain_tree_n, self.chain_step_sum, self.chain_step_n),
+                                part[2 * nb:], strict=True):
+                state[k] = DECAY * state[k] + x
+        t0 = len(KINDS) * per_kind
         for w in range(nc):
             for k in range(nk):
-                total = v[t0 + w * nk + k]
+                median_sum = v[t0 + w * nk + k]
                 count = v[t0 + nc * nk + w * nk + k]
                 self.cost_weight[w][k] *= COST_DECAY
                 if count <= 0:
                     continue
-                mean = total / count  # over this refresh's steps of every rank: the ranks' mean
+                mean = median_sum / world  # the ranks' mean of their medians
                 old, est = self.cost_weight[w][k], self.cost[w][k]
                 if old <= 0 or mean < est:
                     est = mean
@@ -359,14 +439,15 @@ class AutoBudget:
     def _overhead(self, candidate: Candidate, bucket: int) -> float:
         """What steps of the candidate's kind (chain, or tree) cost beyond their verify replay in this bucket
         (draft, build, walk, real-context attention), from its kind's measured cells; else the nearest
-        measured bucket's; else 0."""
-        kind = [self.chain] if candidate.is_chain else self.trees
-        for k in sorted(range(len(self.buckets)), key=lambda k: abs(k - bucket)):
-            extra = [self.cost[self.candidates.index(c)][k] - self._start_replay(c.width, k) for c in kind
-                     if self.cost_weight[self.candidates.index(c)][k] >= MIN_COST_WEIGHT
-                     and self._start_replay(c.width, k) is not None]
-            if extra:
-                return max(0.0, sum(extra) / len(extra))
+        measured bucket's; else the other kind's (both draft); else 0. The smallest of them: a guess too low
+        is corrected by the plan's next steps, one too high never is (nothing steps there)."""
+        for kind in ([self.chain], self.trees) if candidate.is_chain else (self.trees, [self.chain]):
+            for k in sorted(range(len(self.buckets)), key=lambda k: abs(k - bucket)):
+                extra = [self.cost[self.candidates.index(c)][k] - self._start_replay(c.width, k) for c in kind
+                         if self.cost_weight[self.candidates.index(c)][k] >= MIN_COST_WEIGHT
+                         and self._start_replay(c.width, k) is not None]
+                if extra:
+                    return max(0.0, min(extra))
         return 0.0
 
     def _fitted(self, candidate: Candidate, batch_size: int) -> float | None:
@@ -396,38 +477,62 @@ class AutoBudget:
 
     def _replan(self) -> None:
         accepted = {c: self.expected_accepted(c) for c in self.candidates}
+        by_kind = {c: [self.expected_accepted(c, kind) for kind in KINDS] for c in self.candidates}
         ceiling = max((a for a in accepted.values() if a is not None), default=None)
         for k in range(len(self.buckets)):
             seconds = {c: self.step_seconds(c, k) for c in self.candidates}
+            self._scores[k] = [(c, seconds[c], by_kind[c]) for c in self.candidates
+                               if accepted[c] is not None and seconds[c] is not None and seconds[c] > 0]
             if all(s is None for s in seconds.values()):
                 # No cost known for this bucket (no graphs timed, nothing stepped yet): as far as we know
                 # the candidates cost alike, so the one that accepts most wins (ties: the narrower).
                 known = [c for c in self.candidates if accepted[c] is not None]
                 self.plan[k] = max(known, key=lambda c: (accepted[c], -c.width)) if known else self.largest
-                self.explore[k] = [c for c in self.candidates if c != self.plan[k]]
+                self.explore[k] = [(c, 1) for c in self.candidates if c != self.plan[k]]
                 continue
             scored = [(self.buckets[k] * (1.0 + accepted[c]) / seconds[c], c) for c in self.candidates
                       if accepted[c] is not None and seconds[c] is not None and seconds[c] > 0]
             if not scored:
                 self.plan[k] = self.largest
-                self.explore[k] = [c for c in self.candidates if c != self.largest]
+                self.explore[k] = [(c, 1) for c in self.candidates if c != self.largest]
                 continue
             best = max(s for s, _ in scored)
-            # Ties within a part in a thousand go to the narrower verify (less memory traffic; the
-            # timings are not that exact).
-            self.plan[k] = min((c for s, c in scored if s >= best * (1 - 1e-3)), key=lambda c: (c.width, c.budget))
-            # Worth a step now and then: a candidate whose cost here is only a guess (neither stepped nor
-            # replayed: the fit), or that would beat the plan if it accepted as much as the best tree does
-            # (10 % slack for the cost estimates).
-            self.explore[k] = [
-                c for c in self.candidates if c != self.plan[k] and (
-                    seconds[c] is None or ceiling is None or not self._measured(c, k)
-                    or self.buckets[k] * (1.0 + ceiling) / seconds[c] >= 0.9 * best)
-            ]
+            self.plan[k] = _narrowest_best(scored)
+            self.explore[k] = [(c, self._explore_rounds(c, self.plan[k], k, seconds, accepted, ceiling, best))
+                               for c in self.candidates if c != self.plan[k]]
+
+    def _explore_rounds(self, c: Candidate, plan: Candidate, k: int, seconds: dict, accepted: dict,
+                        ceiling: float | None, best: float) -> int:
+        """Once in how many exploration rounds `c` is explored in bucket `k`: a step of `c` loses, against
+        the plan, its time beyond what the plan takes for the tokens `c` brings (in plan steps); spread so
+        that exploring stays within `EXPLORE_SHARE` of the plan's time. `RECHECK_EVERY` times rarer when `c`
+        could not win even with the largest tree's acceptance (10 % slack for the cost estimates)."""
+        s, s_plan, a_plan = seconds[c], seconds[plan], accepted[plan]
+        if s is None or s_plan is None or a_plan is None:
+            return 1
+        a = a_plan if accepted[c] is None else accepted[c]
+        loss = max(0.0, s / s_plan - (1.0 + a) / (1.0 + a_plan))
+        rounds = max(1, math.ceil(loss / (EXPLORE_SHARE * self.explore_every)))
+        hopeless = (self._measured(c, k) and ceiling is not None
+                    and self.buckets[k] * (1.0 + ceiling) / s < 0.9 * best)
+        return rounds * RECHECK_EVERY if hopeless else rounds
 
     def _measured(self, candidate: Candidate, bucket: int) -> bool:
         return (self.cost_weight[self.candidates.index(candidate)][bucket] >= MIN_COST_WEIGHT
                 or self._start_replay(candidate.width, bucket) is not None)
+
+
+def _narrowest_best(scored: list[tuple[float, Candidate]]) -> Candidate:
+    """The best score; ties within a part in a thousand go to the narrower verify (less memory traffic; the
+    timings are not that exact)."""
+    best = max(s for s, _ in scored)
+    return min((c for s, c in scored if s >= best * (1 - 1e-3)), key=lambda c: (c.width, c.budget))
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
 
 
 def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:

@@ -627,22 +627,29 @@ def follow_verified_tree(
     return accepted, accept_lengths, bonus_tokens
 
 
-def acceptance_by_budget(tree: DDTree, accepted_nodes: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
-    """What smaller trees would have accepted on this step (``ddtree_auto_budget``), summed over the batch.
+def acceptance_by_budget(tree: DDTree, accepted_nodes: torch.Tensor, budgets: torch.Tensor,
+                         sampled: torch.Tensor | None = None) -> torch.Tensor:
+    """What smaller trees would have accepted on this step (``ddtree_auto_budget``), summed over the batch's
+    greedy requests (row 0) and its sampled ones (row 1).
 
-    ``accepted_nodes`` as ``follow_verified_tree`` returns it; ``budgets`` int64 ``[k]``. Returns float32
-    ``[k + 1]``: for each budget ``b`` the accepted path's nodes among the first ``b`` (the budget-``b``
-    tree's accepted tokens: nodes are numbered best-first whatever the budget, and indices increase along
-    a path), then the leading path nodes that are their position's top-1 draft token (the chain's; a lower
-    bound where the path ends on the chain and this tree lacks the chain's next node). No host sync.
+    ``accepted_nodes`` as ``follow_verified_tree`` returns it; ``budgets`` int64 ``[k]``; ``sampled`` bool
+    ``[batch]`` (None: every request greedy). Returns float32 ``[2, k + 1]``: for each budget ``b`` the
+    accepted path's nodes among the first ``b`` (the budget-``b`` tree's accepted tokens: nodes are numbered
+    best-first whatever the budget, and indices increase along a path), then the leading path nodes that are
+    their position's top-1 draft token (the chain's; a lower bound where the path ends on the chain and this
+    tree lacks the chain's next node). No host sync.
     """
     path = accepted_nodes[:, 1:]
     on_path = path > 0
     within = (path[:, :, None] <= budgets.to(path.device)[None, None, :]) & on_path[:, :, None]
-    per_budget = within.sum(dim=(0, 1)).to(torch.float32)
+    per_budget = within.sum(dim=1)
     ranks = tree.token_ranks.gather(1, path.clamp(min=0))
-    chain = ((ranks == 0) & on_path).to(torch.int64).cumprod(dim=1).sum().to(torch.float32).view(1)
-    return torch.cat([per_budget, chain])
+    chain = ((ranks == 0) & on_path).to(torch.int64).cumprod(dim=1).sum(dim=1, keepdim=True)
+    per_request = torch.cat([per_budget, chain], dim=1).to(torch.float32)
+    kind = (torch.zeros(path.shape[0], dtype=torch.int64, device=path.device) if sampled is None
+            else sampled.to(device=path.device, dtype=torch.int64))
+    out = torch.zeros((2, per_request.shape[1]), dtype=torch.float32, device=path.device)
+    return out.index_add_(0, kind, per_request)
 
 
 # --------------------------------------------------------------------------------------------------

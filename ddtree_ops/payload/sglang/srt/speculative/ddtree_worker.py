@@ -367,8 +367,10 @@ class DDTreeController:
         self.auto: AutoBudget | None = None
         self._verify_ladder: Any = None
         self._auto_budgets: torch.Tensor | None = None
-        # This step's: auto's pick, its shape, the acceptance by budget of its walk (device), its start.
+        # This step's: auto's pick, its shape, its sampled rows, the acceptance by budget of its walk
+        # (device), its start.
         self._pick: Any = None
+        self._step_sampled: set[int] = set()
         self._shape: StepShape = LINEAR_STEP
         self._step_acceptance: torch.Tensor | None = None
         self._step_started: float | None = None
@@ -733,7 +735,8 @@ class DDTreeController:
         top, graph_width = self.budget, self.budget + 1
         self._pick = None
         if self.auto is not None:
-            self._pick = self.auto.choose(bs, self.stats.steps)
+            self._step_sampled = set(sampled_rows(batch))
+            self._pick = self.auto.choose(bs, self.stats.steps, sampled=len(self._step_sampled))
             if self._pick.is_chain:
                 self.stats.chain_steps += 1
                 return LINEAR_STEP
@@ -830,7 +833,7 @@ class DDTreeController:
     # ------------------------------------------------------------------ metrics
     def on_step_done(self, num_correct_drafts_per_req: list[int], *, linear: bool) -> None:
         if self.auto is not None:
-            self._observe_step(num_correct_drafts_per_req, linear=linear)
+            self._observe_step(num_correct_drafts_per_req, self._step_sampled, linear=linear)
         self.stats.steps += 1
         if linear:
             if self.mode == "full" and not (self._pick is not None and self._pick.is_chain):
@@ -845,24 +848,34 @@ class DDTreeController:
                 self._pending_build_events = []
             logger.info("DDTree stats (%s): %s", self.mode, self.stats.as_dict())
 
-    def stash_acceptance(self, tree: Any, accepted_nodes: torch.Tensor) -> None:
-        """auto: what each candidate budget's tree would have accepted on this step (device; read once the
-        step's own host copy has synchronised)."""
+    def stash_acceptance(self, tree: Any, accepted_nodes: torch.Tensor, sampled: list[int]) -> None:
+        """auto: what each candidate budget's tree would have accepted on this step, greedy and sampled
+        requests apart (device; read once the step's own host copy has synchronised)."""
         if self.auto is not None:
-            self._step_acceptance = acceptance_by_budget(tree, accepted_nodes, self._auto_budgets)
+            mask = None
+            if sampled:
+                mask = torch.zeros(accepted_nodes.shape[0], dtype=torch.bool)
+                mask[sampled] = True
+            self._step_acceptance = acceptance_by_budget(tree, accepted_nodes, self._auto_budgets, mask)
 
-    def _observe_step(self, num_correct: list[int], *, linear: bool) -> None:
+    def _observe_step(self, num_correct: list[int], sampled: set[int], *, linear: bool) -> None:
         auto = self.auto
         step = self.stats.steps
         seconds = 0.0 if self._step_started is None else time.perf_counter() - self._step_started
+        n_sampled = len(sampled)
+        n_greedy = len(num_correct) - n_sampled
         if linear or self._step_acceptance is None:
+            zeros = [0.0] * len(auto.budgets)
+            chain_sampled = float(sum(k for i, k in enumerate(num_correct) if i in sampled))
             obs = StepObservation(budget=0, width=self.block_size, batch_size=len(num_correct), seconds=seconds,
-                                  accepted=[0.0] * len(auto.budgets), chain=float(sum(num_correct)),
-                                  requests=len(num_correct))
+                                  accepted=zeros, chain=float(sum(num_correct)) - chain_sampled, requests=n_greedy,
+                                  sampled_accepted=zeros, sampled_chain=chain_sampled, sampled_requests=n_sampled)
         else:
-            values = self._step_acceptance.tolist()
+            greedy, by_sampled = self._step_acceptance.tolist()
             obs = StepObservation(budget=self._shape.budget, width=self._shape.width, batch_size=len(num_correct),
-                                  seconds=seconds, accepted=values[:-1], chain=values[-1], requests=len(num_correct))
+                                  seconds=seconds, accepted=greedy[:-1], chain=greedy[-1], requests=n_greedy,
+                                  sampled_accepted=by_sampled[:-1], sampled_chain=by_sampled[-1],
+                                  sampled_requests=n_sampled)
         self._step_acceptance = None
         auto.observe(obs)
         if self._auto_metrics is not None:
@@ -999,7 +1012,7 @@ class DDTreeVerifyInput(DFlashVerifyInput):
             accepted_nodes, packed = greedy_walk(
                 self.tree, candidates, torch.argmax(logits, dim=-1).view(bs, n), follow_verified_tree
             )
-        self.controller.stash_acceptance(self.tree, accepted_nodes)
+        self.controller.stash_acceptance(self.tree, accepted_nodes, sampled)
         # [bs, depth + 1], root first, -1 pad; one D2H copy for everything the per-request loop needs
         max_path = int(accepted_nodes.shape[1])
         rows = packed.cpu().tolist()
