@@ -27,9 +27,10 @@ per request. Each step takes the candidate with the most expected tokens per sec
   cost beyond their replays (draft, build, walk, attention over real contexts).
 - Budgets larger than the ones stepped in are only learnt by stepping in them, and a cell's cost by its
   own steps: one step in `explore_every` may explore a candidate other than the plan. Exploration is
-  priced: a candidate is explored once in as many rounds as keep what its steps lose against the plan
-  (time beyond the plan's for the tokens it brings) under `EXPLORE_SHARE` of the plan's time, and
-  `RECHECK_EVERY` times rarer when it could not win even with the largest tree's acceptance. On a
+  priced: the candidates that lose against the plan (time beyond the plan's for the tokens they bring)
+  share `EXPLORE_SHARE` of the plan's time equally, each explored once in as many rounds as keep its
+  steps within its part, and `RECHECK_EVERY` times rarer when it could not win even with the largest
+  tree's acceptance. On a
   real-size target a wide tree at a large batch costs several plain steps, so it is explored where it
   is cheap (small batches) and rarely where it is dear.
 - A step's wall time has one-off spikes (a graph's first replay, a first kernel launch): a cell's
@@ -490,30 +491,39 @@ class AutoBudget:
                 self.plan[k] = max(known, key=lambda c: (accepted[c], -c.width)) if known else self.largest
                 self.explore[k] = [(c, 1) for c in self.candidates if c != self.plan[k]]
                 continue
-            scored = [(self.buckets[k] * (1.0 + accepted[c]) / seconds[c], c) for c in self.candidates
-                      if accepted[c] is not None and seconds[c] is not None and seconds[c] > 0]
+            scored = [(self.buckets[k] * (1.0 + accepted[c]) / s, c) for c, s, _ in self._scores[k]]
             if not scored:
                 self.plan[k] = self.largest
                 self.explore[k] = [(c, 1) for c in self.candidates if c != self.largest]
                 continue
             best = max(s for s, _ in scored)
-            self.plan[k] = _narrowest_best(scored)
-            self.explore[k] = [(c, self._explore_rounds(c, self.plan[k], k, seconds, accepted, ceiling, best))
-                               for c in self.candidates if c != self.plan[k]]
+            plan = self.plan[k] = _narrowest_best(scored)
+            losses = {c: self._explore_loss(c, plan, seconds, accepted) for c in self.candidates if c != plan}
+            lossy = sum(1 for loss in losses.values() if loss > 0.0)
+            self.explore[k] = [(c, self._explore_rounds(c, k, loss, lossy, seconds, ceiling, best))
+                               for c, loss in losses.items()]
 
-    def _explore_rounds(self, c: Candidate, plan: Candidate, k: int, seconds: dict, accepted: dict,
-                        ceiling: float | None, best: float) -> int:
-        """Once in how many exploration rounds `c` is explored in bucket `k`: a step of `c` loses, against
-        the plan, its time beyond what the plan takes for the tokens `c` brings (in plan steps); spread so
-        that exploring stays within `EXPLORE_SHARE` of the plan's time. `RECHECK_EVERY` times rarer when `c`
-        could not win even with the largest tree's acceptance (10 % slack for the cost estimates)."""
+    @staticmethod
+    def _explore_loss(c: Candidate, plan: Candidate, seconds: dict, accepted: dict) -> float:
+        """What one step of `c` loses against the plan, in plan steps: its time beyond what the plan takes
+        for the tokens `c` brings (0 where a cost is unknown: such a cell must be measured anyway)."""
         s, s_plan, a_plan = seconds[c], seconds[plan], accepted[plan]
         if s is None or s_plan is None or a_plan is None:
-            return 1
+            return 0.0
         a = a_plan if accepted[c] is None else accepted[c]
-        loss = max(0.0, s / s_plan - (1.0 + a) / (1.0 + a_plan))
-        rounds = max(1, math.ceil(loss / (EXPLORE_SHARE * self.explore_every)))
-        hopeless = (self._measured(c, k) and ceiling is not None
+        return max(0.0, s / s_plan - (1.0 + a) / (1.0 + a_plan))
+
+    def _explore_rounds(self, c: Candidate, k: int, loss: float, lossy: int, seconds: dict,
+                        ceiling: float | None, best: float) -> int:
+        """Once in how many exploration rounds `c` is explored in bucket `k`, losing `loss` a step: the
+        `lossy` candidates that lose anything share `EXPLORE_SHARE` of the plan's time equally (for a
+        fixed total, equal shares keep the staleness of all of them lowest: a cheap candidate is explored
+        often, a dear one rarely), so exploring all of them together stays within it. `RECHECK_EVERY`
+        times rarer when `c` could not win even with the largest tree's acceptance (10 % slack for the
+        cost estimates)."""
+        rounds = max(1, math.ceil(loss * max(1, lossy) / (EXPLORE_SHARE * self.explore_every)))
+        s = seconds[c]
+        hopeless = (s is not None and self._measured(c, k) and ceiling is not None
                     and self.buckets[k] * (1.0 + ceiling) / s < 0.9 * best)
         return rounds * RECHECK_EVERY if hopeless else rounds
 
