@@ -61,6 +61,7 @@ for v in "${TAGS[@]}"; do
     p_full64_bias) ( proof $t --samples 2000 ) & ;;
     p_*_prof|p_dflash_twin|p_shadow_twin|p_shadow_every1) continue ;;
     p_dflash|p_auto) ( mix $t; proof $t --samples 2000 --liveness ) & ;;
+    p_auto_twin|p_full127) ( mix $t ) & ;;
     p_shadow) ( mix $t; proof $t --liveness ) & ;;
     r_plain|r_dflash_pristine) continue ;;
     r_*) ( mix $t; proof $t --liveness ) & ;;
@@ -86,7 +87,7 @@ stop_all; trap - EXIT
   for set in r p; do
     has ${set}_plain && [ "$PERF_ONLY" != 1 ] || continue
     "${MIXC[@]}" ${set}_plain --upstream ${set}_dflash --expect-padded ${set}_full64_cycle -- \
-      $(served ${set}_dflash ${set}_shadow ${set}_full16 ${set}_full64 ${set}_full256 ${set}_full64_cycle ${set}_auto); echo "rc=$?"
+      $(served ${set}_dflash ${set}_shadow ${set}_full16 ${set}_full64 ${set}_full256 ${set}_full64_cycle ${set}_full127 ${set}_auto ${set}_auto_twin); echo "rc=$?"
   done
   if [ "$PERF_ONLY" = 1 ]; then
     echo "--- speed"; "${PROOF[@]}" compare "$OUT" --plain p_plain --perf $(served "${PERF_TAGS[@]}") ${RATIO_TO:+--ratio-to $RATIO_TO}; echo "rc=$?"

@@ -15,7 +15,8 @@
 #    (1 - fraction) ~= fraction * (total - used by others) - weights, so 0.3 leaves ample room even
 #    with ~20 servers on GPU 0 (TP servers take the minimum over their ranks).
 # 4) the same greedy requests to each (sequentially: timings are not shared), then compare_ddtree.py.
-# Env: BUDGET_S (deadline, default 560), ONLY="tag tag" (subset), SGLANG_DDTREE_LOG_EVERY (default 8).
+# Env: BUDGET_S (deadline, default 560), ONLY="tag tag" (subset), SGLANG_DDTREE_LOG_EVERY (default 8),
+#   COMMON_EXTRA (flags added to every server).
 # MIX=1 (issue 12): the production-mix proof instead (production_mix.py): --context-length 1024,
 #   --schedule-policy fcfs; for the random (r_) and peaked (p_) sets plain | DFLASH | full 16, 64, 256;
 #   a retraction set (*_rt: --max-total-tokens 4096, SGLANG_TEST_RETRACT=1) plain | full 64, 256; and,
@@ -151,6 +152,9 @@ if [ "${GRAPHS:-0}" = 1 ]; then
     "r_full64_cycle|/tmp/tiny_r|$FULL 64 CYCLE"
     # issue 24: --speculative-ddtree-budget auto (graph ladder, per-step budget), served with ONLY=... when wanted
     "p_auto|/tmp/tiny_p|$FULL auto --speculative-ddtree-budget-max 127" "r_auto|/tmp/tiny_r|$FULL auto --speculative-ddtree-budget-max 127"
+    # a fault on auto's mix, told apart: the same flags again (does it repeat?) and the fixed budget of
+    # auto's warm-up (every step a 128-wide tree: a width's bf16 rounding, or auto's switching?)
+    "p_auto_twin|/tmp/tiny_p|$FULL auto --speculative-ddtree-budget-max 127" "p_full127|/tmp/tiny_p|$FULL 127"
   )
   # Both sets no longer fit one 600 s call: GRAPHS_SET=p serves the p set (mix, samples, liveness,
   # speed), GRAPHS_SET=r the r set (mix, liveness, upstream's stall).
@@ -241,6 +245,8 @@ if [ "${TP2:-0}" = 1 ]; then  # the TP twins (token TP2 -> --tp-size 2 --nccl-po
   VARIANTS=("${WITH_TP[@]}")
 fi
 read -r -a TP2_EXTRA_ARGS <<< "${TP2_EXTRA---disable-custom-all-reduce}"
+# COMMON_EXTRA: flags every server gets (e.g. "--dtype float32": does a divergence survive without bf16?)
+read -r -a COMMON_EXTRA_ARGS <<< "${COMMON_EXTRA:-}"; COMMON+=("${COMMON_EXTRA_ARGS[@]}")
 declare -A PID PORT
 launch() {  # TAG MODEL_DIR EXTRA...
   local tag=$1 model=$2; shift 2
