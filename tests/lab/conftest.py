@@ -11,10 +11,13 @@ down when no other session is using it.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
+import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -96,10 +99,25 @@ class LabFleet:
 
     def ssh(self, host: str, *remote: str, timeout: float = 120, user: str = "root") -> subprocess.CompletedProcess[str]:
         """Run a command like the plain ssh client does: the words are joined with spaces and the
-        host's shell parses them, so quote with shlex.join for arguments that hold shell syntax."""
-        return subprocess.run(
-            self.ssh_argv(host, *remote, user=user), capture_output=True, text=True, timeout=timeout, check=False
-        )
+        host's shell parses them, so quote with shlex.join for arguments that hold shell syntax.
+
+        Waits for ssh itself, not for its pipes: through the bastion, a stopped host leaves the
+        ProxyCommand's `ssh -W` waiting on the bastion's TCP connect (the kernel's SYN retries, tens of
+        seconds when the host's ARP entry is still fresh) while holding the output open, after ssh has
+        already given up with 255. Its process group goes when ssh has finished."""
+        argv = self.ssh_argv(host, *remote, user=user)
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, text=True,
+                                    start_new_session=True)
+            try:
+                rc = proc.wait(timeout=timeout)
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            out.seek(0)
+            err.seek(0)
+            return subprocess.CompletedProcess(argv, rc, out.read(), err.read())
 
 
 def pytest_configure(config: pytest.Config) -> None:
