@@ -245,7 +245,7 @@ if [ "${TP2:-0}" = 1 ]; then  # the TP twins (token TP2 -> --tp-size 2 --nccl-po
   VARIANTS=("${WITH_TP[@]}")
 fi
 read -r -a TP2_EXTRA_ARGS <<< "${TP2_EXTRA---disable-custom-all-reduce}"
-# COMMON_EXTRA: flags every server gets (e.g. "--dtype float32": does a divergence survive without bf16?)
+# COMMON_EXTRA: flags every server gets (e.g. "--dtype float16": does a divergence survive finer rounding? float32 is refused by sgl_kernel's rmsnorm)
 read -r -a COMMON_EXTRA_ARGS <<< "${COMMON_EXTRA:-}"; COMMON+=("${COMMON_EXTRA_ARGS[@]}")
 declare -A PID PORT
 launch() {  # TAG MODEL_DIR EXTRA...
