@@ -8,6 +8,7 @@
 #   mix, and the first-3-token samples at T 1 / top_p 1 (plain and full 64). LIMITS_SET=p (the peaked set
 #   alone): samples at T 0.8 / top_p 0.95 with the biased walk (must be rejected), and the penalties on
 #   upstream DFLASH and the previous payload (must fault: the workload catches what was fixed).
+# r_auto / q_auto / p_auto (issue 24, when served): the same workloads as full 64 / 512 / 64 on their set.
 # C: upstream DFLASH without the payload on r's limits workload and (with dist/old/) the previous
 #   payload's full 512 on q's: both expected to crash; greedy only (upstream also stalls on mixed batches).
 # Then production_mix.py compare per workload, graphs_proof.py compare for the samples, the GPU checks.
@@ -51,11 +52,12 @@ wait $P1 $P2 $P3
 ts "A1 done (workloads made)"
 # A2
 JOBS=()
-for t in r_dflash r_full15 r_full64 r_full256; do has $t && { ( work $t mix; work $t limits ) & JOBS+=($!); }; done
-for t in q_dflash q_full64 q_full512; do has $t && { ( work $t limits ) & JOBS+=($!); }; done
+for t in r_dflash r_full15 r_full64 r_full256 r_auto; do has $t && { ( work $t mix; work $t limits ) & JOBS+=($!); }; done
+for t in q_dflash q_full64 q_full512 q_auto; do has $t && { ( work $t limits ) & JOBS+=($!); }; done
 TP=${T1:+1}; TP=${TP:-0.95}; TT=${T1:-0.8}
 has p_dflash && { ( work p_dflash penalties; work p_dflash mix ) & JOBS+=($!); }
 has p_full64 && { ( work p_full64 penalties; work p_full64 mix; samples p_full64 $TT $TP ) & JOBS+=($!); }
+has p_auto && { ( work p_auto penalties; work p_auto mix; samples p_auto $TT $TP ) & JOBS+=($!); }
 has p_plain && { ( samples p_plain $TT $TP ) & JOBS+=($!); }
 has p_full64_bias && { ( samples p_full64_bias $TT $TP ) & JOBS+=($!); }
 for t in p_dflash_pristine p_full64_old; do has $t && { ( work $t penalties ) & JOBS+=($!); }; done
@@ -80,26 +82,27 @@ MIXC=(python3 $HERE/production_mix.py compare "$OUT")
   echo "--- builder and verify-step Triton tests on the GPU"; tail -3 "$OUT/triton_tests.log" 2>/dev/null
   if has r_plain; then
     echo "--- production mix (r, context 1024, graphs on)"
-    "${MIXC[@]}" r_plain --suffix _mix -- $(served r_dflash r_full15 r_full64 r_full256); echo "rc=$?"
+    "${MIXC[@]}" r_plain --suffix _mix -- $(served r_dflash r_full15 r_full64 r_full256 r_auto); echo "rc=$?"
     echo "--- limits: a graph batch of 32 at --context-length 1024"
     "${MIXC[@]}" r_plain --suffix _limits --expect-dead $(served r_dflash_pristine) -- \
-      $(served r_dflash r_full15 r_full64 r_full256 r_dflash_pristine); echo "rc=$?"
+      $(served r_dflash r_full15 r_full64 r_full256 r_auto r_dflash_pristine); echo "rc=$?"
   fi
   if has q_plain; then
     echo "--- limits: a graph batch of 8 at --context-length 4096"
     "${MIXC[@]}" q_plain --suffix _limits --expect-dead $(served q_full512_old) -- \
-      $(served q_dflash q_full64 q_full512 q_full512_old); echo "rc=$?"
+      $(served q_dflash q_full64 q_full512 q_auto q_full512_old); echo "rc=$?"
   fi
   echo "--- penalties (greedy) and the logprob probe"
   "${MIXC[@]}" p_plain --suffix _penalties --expect-fault $(served p_dflash_pristine p_full64_old) -- \
-    $(served p_dflash p_full64 p_dflash_pristine p_full64_old); echo "rc=$?"
+    $(served p_dflash p_full64 p_auto p_dflash_pristine p_full64_old); echo "rc=$?"
   python3 -c "import json,sys; [print(t, json.load(open(f'$OUT/{t}_penalties.json')).get('logprob_probe')) for t in sys.argv[1:]]" \
-    $(served p_plain p_dflash p_full64)
+    $(served p_plain p_dflash p_full64 p_auto)
   echo "--- production mix (p, context 1024, graphs on)"
-  "${MIXC[@]}" p_plain --suffix _mix -- $(served p_dflash p_full64); echo "rc=$?"
+  "${MIXC[@]}" p_plain --suffix _mix -- $(served p_dflash p_full64 p_auto); echo "rc=$?"
   echo "--- samples at T $TT / top_p $TP"
   "${PROOF[@]}" compare "$OUT" --plain p_plain_t$TT --cand p_full64_t$TT \
     $(has p_full64_bias && echo --biased p_full64_bias_t$TT); echo "rc=$?"
+  has p_auto && { "${PROOF[@]}" compare "$OUT" --plain p_plain_t$TT --cand p_auto_t$TT; echo "rc=$?"; }
 } 2>&1 | tee "$OUT/summary.txt"
 ts "done"
 stop_watchdog

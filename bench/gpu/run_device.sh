@@ -182,6 +182,10 @@ if [ "${LIMITS:-0}" = 1 ]; then
     "q_full512|/tmp/tiny_r|$FULL 512 CTX4K"
     "p_plain|/tmp/tiny_p|" "p_dflash|/tmp/tiny_p|DF" "p_full64|/tmp/tiny_p|$FULL 64"
     "r_dflash_pristine|/tmp/tiny_r|DF PRISTINE" "q_full512_old|/tmp/tiny_r|$FULL 512 CTX4K OLD"  # upstream / the previous payload: run last
+    # issue 24: --speculative-ddtree-budget auto at the limits (its ladder up to each set's largest fixed budget)
+    "r_auto|/tmp/tiny_r|$FULL auto --speculative-ddtree-budget-max 255"
+    "q_auto|/tmp/tiny_r|$FULL auto --speculative-ddtree-budget-max 511 CTX4K"
+    "p_auto|/tmp/tiny_p|$FULL auto --speculative-ddtree-budget-max 127"
   )
   # LIMITS_SET=p: the peaked set alone: its production mix, samples at T 0.8 with the biased walk's
   # power check, and the penalties on upstream DFLASH and the previous payload (expected to fault).
