@@ -18,6 +18,11 @@ per request. Each step takes the candidate with the most expected tokens per sec
   (`ddtree_utils.shrink_tree`), which is what auto runs. The chain's acceptance from a tree walk is a
   lower bound where the walk ends on the chain and the tree lacks the chain's next node; chain steps
   measure it exactly and replace it once there are enough of them.
+- The curve is estimated paired: the smallest budget's acceptance from every tree step, and for each larger
+  budget only its gain over the next smaller one, from the steps that measured both. Larger budgets are
+  measured only by the rarer steps that verify them (exploration), at other moments of the traffic; their
+  own means move with whatever those few steps met (on the H200 budget 31 came out below budget 15), while
+  a gain measured on the same walks does not, and the curve cannot fall with the budget.
 - Greedy and sampled requests accept differently (a sampled walk accepts less, and less so on wide
   trees): acceptance is kept for each kind, and a step scores the candidates for its batch's mix.
 - Costs, measured on this server, per candidate and batch bucket (the chain and the tree of the same
@@ -34,8 +39,11 @@ per request. Each step takes the candidate with the most expected tokens per sec
   real-size target a wide tree at a large batch costs several plain steps, so it is explored where it
   is cheap (small batches) and rarely where it is dear.
 - A step's wall time has one-off spikes (a graph's first replay, a first kernel launch): a cell's
-  first step is not timed, each refresh keeps the median of a cell's steps, a cell falls to a lower
-  measurement at once and rises by `COST_RISE` a refresh at most, and a cell never stepped in borrows
+  first step is not timed, each refresh keeps the median of a cell's steps, a refresh's median above
+  `COST_SPIKE` times the cell's estimate counts as that much, one below the estimate by as much replaces
+  it (the estimate was a spike), anything between is averaged in (taking the lower at once instead made
+  the rarely stepped cells the minimum of their noise, the plan's cell their median: on the H200 the chain
+  looked 25 % cheaper than the width-16 tree at batch 4, and ran), and a cell never stepped in borrows
   the smallest overhead of its kind (optimistic, so the plan visits it and measures it, where a
   pessimistic guess would never be corrected).
 
@@ -73,9 +81,10 @@ UNTIMED_FIRST_STEPS = 1
 # many times the cheapest candidate's: acceptance for many budgets, without a 6x step at batch 64.
 WARMUP_COST = 2.0
 # A step's wall time has one-off spikes (a graph's first replay, a kernel's first launch, a prefill between
-# steps) far more often than dips: a cost cell falls to a lower measurement at once and rises by at most
-# this fraction a refresh (a real rise, longer contexts, still passes: doubling in ~7 refreshes).
-COST_RISE = 0.1
+# steps) 3-10x its usual: a refresh's median is clipped to this factor of the cell's estimate before it is
+# averaged in, and one this factor below the estimate replaces it (a real rise, longer contexts, still
+# passes: doubling in two refreshes).
+COST_SPIKE = 1.5
 # Chain steps must have measured this many requests (decayed) before their exact acceptance replaces
 # the tree walks' lower bound.
 MIN_CHAIN_REQUESTS = 16.0
@@ -185,7 +194,8 @@ class AutoBudget:
         self.refresh_every = max(1, int(refresh_every))
         self.warmup_steps = int(warmup_steps)
         nb, nc, nk = len(self.budgets), len(self.candidates), len(self.buckets)
-        # Decayed state (identical on every rank after a refresh), acceptance per kind of request.
+        # Decayed state (identical on every rank after a refresh), acceptance per kind of request: index 0
+        # the smallest budget's accepted tokens, index i > 0 budget i's gain over budget i - 1 (`observe`).
         self.accept_sum = [[0.0] * nb for _ in KINDS]
         self.accept_n = [[0.0] * nb for _ in KINDS]
         self.chain_tree_sum, self.chain_tree_n = [0.0] * len(KINDS), [0.0] * len(KINDS)
@@ -230,10 +240,15 @@ class AutoBudget:
                 self._p_chain_step_sum[kind] += chain
                 self._p_chain_step_n[kind] += requests
                 continue
+            # Paired: the smallest budget's acceptance, then each larger budget's gain over the next
+            # smaller one on the same walks (budgets ascend).
+            below = 0.0
             for i, b in enumerate(self.budgets):
-                if b <= obs.budget:
-                    self._p_accept_sum[kind][i] += accepted[i]
-                    self._p_accept_n[kind][i] += requests
+                if b > obs.budget:
+                    break
+                self._p_accept_sum[kind][i] += accepted[i] - below
+                self._p_accept_n[kind][i] += requests
+                below = accepted[i]
             self._p_chain_tree_sum[kind] += chain
             self._p_chain_tree_n[kind] += requests
         c = self._candidate_of(obs)
@@ -321,13 +336,16 @@ class AutoBudget:
             if tree_n > 0:
                 return tree_sum / tree_n
             return step_sum / step_n if step_n > 0 else None
-        # Never stepped at this budget: a larger tree holds the smaller one, so it accepts at least
-        # what the largest smaller budget measured (a lower bound until explored).
-        for j in range(self.budgets.index(candidate.budget), -1, -1):
+        # The smallest budget's mean plus the mean gain of each budget up to this one; a gain never
+        # measured counts 0 (a larger tree holds the smaller one: a lower bound until explored).
+        total = None
+        for j in range(self.budgets.index(candidate.budget) + 1):
             n = sum(self.accept_n[k][j] for k in kinds)
             if n > 0:
-                return sum(self.accept_sum[k][j] for k in kinds) / n
-        return None
+                total = (total or 0.0) + sum(self.accept_sum[k][j] for k in kinds) / n
+            elif j == 0:
+                return None
+        return total
 
     def step_seconds(self, candidate: Candidate, bucket: int) -> float | None:
         """Estimated wall seconds of a step of `candidate` in bucket index `bucket`: the cell's own steps;
@@ -413,11 +431,11 @@ class AutoBudget:
                     continue
                 mean = median_sum / world  # the ranks' mean of their medians
                 old, est = self.cost_weight[w][k], self.cost[w][k]
-                if old <= 0 or mean < est:
+                if old <= 0 or mean * COST_SPIKE < est:
                     est = mean
                 else:
                     alpha = max(EWMA_ALPHA, count / (count + old))
-                    est = min(est + alpha * (mean - est), est * (1 + COST_RISE))
+                    est += alpha * (min(mean, est * COST_SPIKE) - est)
                 self.cost[w][k] = est
                 self.cost_weight[w][k] = old + count / world
 
