@@ -83,14 +83,19 @@ def cmd_run(a: argparse.Namespace) -> int:
                     batch(base, chosen[:bs], temp, a.max_new)
     print("[auto] warm-up done", flush=True)
     tags = list(alive)
+    profiled = set(a.profiled or ()) & set(alive)
     for p in range(a.passes):
         order = tags[p % len(tags):] + tags[:p % len(tags)]
         for temp in temps:
             for bs in batches:
                 for tag in order:
+                    if tag in profiled:  # drop the phases of the steps before this measurement
+                        ddtree_state(alive[tag])
                     r = measure(alive[tag], chosen[:bs], temp, a.max_new)
                     if p > 0:
                         r["outputs"] = None
+                    if tag in profiled:  # SGLANG_DDTREE_PROFILE=1: this measurement's per-phase medians
+                        r["profile"] = (ddtree_state(alive[tag]) or {}).get("profile")
                     res["servers"][tag]["results"].setdefault(f"t{temp:g}", {}).setdefault(str(bs), []).append(r)
                     print(f"[auto] pass {p} T {temp:g} bs {bs} {tag}: {r['tok_s']} tok/s accept {r['accept']} "
                           f"{r['ms_per_step']} ms/step", flush=True)
@@ -194,8 +199,32 @@ def cmd_compare(a: argparse.Namespace) -> int:
     lines += ["", f"auto's plan: {auto.get('plan')}", f"steps by budget: {auto.get('verified')}",
               f"acceptance by budget: {auto.get('accepted_by_budget')}", f"step ms: {auto.get('step_ms')}",
               f"replay ms: {auto.get('replay_ms')}", ""]
+    lines += profile_table(home, [t for t in (*a.fixed, a.auto) if t in home], batches)
     print("\n".join(lines))
     return rc
+
+
+PHASES = ("step_start->draft_done", "draft_done->built", "built->mask_ready", "mask_ready->target_done",
+          "target_done->walked", "walked->step_done", "step_done->step_start")
+
+
+def profile_table(home: dict, tags: list[str], batches: list[int]) -> list[str]:
+    """Profiled servers (`run --profiled`): greedy, first pass, GPU ms per phase (CPU ms where the GPU has no
+    event), by batch size: where one server's step costs more than another's at the same tree."""
+    lines: list[str] = []
+    for bs in map(str, batches):
+        rows = []
+        for tag in tags:
+            runs = home[tag]["servers"][tag]["results"].get("t0", {}).get(bs, [])
+            prof = (runs[0].get("profile") if runs else None) or {}
+            if prof:
+                cells = [prof.get(k, {}).get("gpu_ms") or prof.get(k, {}).get("cpu_ms") for k in PHASES]
+                rows.append(f"| {tag} | " + " | ".join("—" if c is None else f"{c:.2f}" for c in cells)
+                            + f" | {runs[0]['ms_per_step']:.2f} |")
+        if rows:
+            lines += [f"## profile, T 0, bs {bs} (ms per phase, medians; last column: client ms per step)", "",
+                      "| server | " + " | ".join(PHASES) + " | client |", "|---|" + "---|" * (len(PHASES) + 1), *rows, ""]
+    return lines
 
 
 def main() -> int:
@@ -212,6 +241,8 @@ def main() -> int:
     r.add_argument("--max-new", type=int, default=64)
     r.add_argument("--warmup", type=int, default=1, help="warm-up batches per (temperature, batch size)")
     r.add_argument("--wait", type=float, default=300)
+    r.add_argument("--profiled", nargs="*", default=[],
+                   help="servers started with SGLANG_DDTREE_PROFILE=1: each measurement keeps its per-phase step times")
     c = sub.add_parser("compare")
     c.add_argument("files", nargs="+")
     c.add_argument("--dflash", required=True)

@@ -8,6 +8,8 @@
 # Each wave's servers start together, then auto_bench.py measures them in paired passes (AUTO_PASSES, default 2)
 # at batch 1..64 (AUTO_BATCHES), greedy and T 0.8 (AUTO_TEMPS), plain's greedy outputs the identity reference.
 # Summaries: auto_bench.py compare over both waves' JSON per set -> summary.txt.
+# AUTO_PROFILE=1: auto and the fixed budgets run with SGLANG_DDTREE_PROFILE=1 (run_device.sh's PROF) and every
+# measurement keeps their per-phase step times (where auto's steps cost more than a fixed budget's at the same plan).
 ABENCH=(python3 $HERE/auto_bench.py)
 pack() {
   ( cd "$OUT" && find . -maxdepth 1 -type f ! -name summary.txt ! -name 'auto_*.json' ! -name run.log \
@@ -39,11 +41,14 @@ run_wave() {  # NAME TAG...: start the wave's servers together, measure each set
     for t in "$@"; do [[ $t == ${set}_* ]] && [ -n "${PID[$t]:-}" ] && servers+=("$t=${PORT[$t]}:${PID[$t]}"); done
     [ ${#servers[@]} -gt 0 ] || continue
     [[ " $* " == *" ${set}_plain "* ]] && ref=(--reference ${set}_plain)
+    local prof=()
+    [ "${AUTO_PROFILE:-0}" = 1 ] && for t in "$@"; do [[ $t == ${set}_auto || $t == ${set}_full* ]] && prof+=("$t"); done
     local left=$(( DEADLINE - $(date +%s) - 40 ))
     [ "$left" -gt 20 ] || { ts "skip $set wave $wave: no time left"; continue; }
     timeout "$left" "${ABENCH[@]}" run --servers "${servers[@]}" "${ref[@]}" --prompts /tmp/pair/heldout_prompts.json \
       --out "$OUT/auto_${set}_$wave.json" --passes "${AUTO_PASSES:-2}" --batches "${AUTO_BATCHES:-1,2,4,8,16,32,64}" \
-      --temps "${AUTO_TEMPS:-0,0.8}" --max-new "${AUTO_MAX_NEW:-64}" --warmup "${AUTO_WARMUP:-1}" --wait 60 > "$OUT/client_${set}_$wave.log" 2>&1
+      --temps "${AUTO_TEMPS:-0,0.8}" --max-new "${AUTO_MAX_NEW:-64}" --warmup "${AUTO_WARMUP:-1}" --wait 60 \
+      ${prof[@]:+--profiled "${prof[@]}"} > "$OUT/client_${set}_$wave.log" 2>&1
     ts "$set wave $wave rc=$? $(grep -c 'tok/s' "$OUT/client_${set}_$wave.log") measurements"
     grep -E "pass 0 T 0 bs (1|8|64) " "$OUT/client_${set}_$wave.log" | cut -c1-160
   done

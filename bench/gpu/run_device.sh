@@ -228,8 +228,9 @@ if [ "${AUTO:-0}" = 1 ]; then
   VARIANTS=()
   for set in p s; do
     m=/tmp/pair; [ $set = s ] && m=/tmp/shell
-    VARIANTS+=("${set}_plain|$m|" "${set}_dflash|$m|DF" "${set}_auto|$m|$FULL auto --speculative-ddtree-budget-max ${AUTO_MAX:-127}")
-    for b in ${AUTO_FIXED:-16 32 64 128}; do VARIANTS+=("${set}_full$b|$m|$FULL $b"); done
+    prof=; [ "${AUTO_PROFILE:-0}" = 1 ] && prof=" PROF"
+    VARIANTS+=("${set}_plain|$m|" "${set}_dflash|$m|DF" "${set}_auto|$m|$FULL auto --speculative-ddtree-budget-max ${AUTO_MAX:-127}$prof")
+    for b in ${AUTO_FIXED:-16 32 64 128}; do VARIANTS+=("${set}_full$b|$m|$FULL $b$prof"); done
   done
 fi
 if [ "${TP2:-0}" = 1 ]; then  # the TP twins (token TP2 -> --tp-size 2 --nccl-port ...), queried early
