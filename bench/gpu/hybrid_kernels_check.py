@@ -11,9 +11,13 @@ root-to-node path alone, as a one-branch tree: the node saw exactly its ancestor
 request's pool state. Bit for bit: the arithmetic per node is the same in both runs.
 
 Its power: the same tokens verified as DFLASH does (no tree arrays: a chain, each node after the one
-before it in index order), and the tree with its sibling links dropped (a later sibling then hangs off
-the root), must both differ from the per-path reference on branching trees, else the check could not see
-a wrong parent.
+before it in index order) must differ from the per-path reference on branching trees, else the check
+could not see a wrong parent.
+
+Then the commit: each request accepts a path off the index-order chain, its state at
+`ddtree_hybrid_state.commit_step` is scattered into the pool (SGLang's fused scatter on the GPU), and a
+plain decode step for the next token must continue the path (against the path plus that token as one
+branch); committing DFLASH's `commit_len - 1` or the deepest node off the path must not.
 
 Runs on the GPU (`--device cuda`: the compiled kernels, bf16 conv inputs as served) and on the CPU under
 Triton's interpreter (`TRITON_INTERPRET=1`, float32; tests/test_hybrid_tree_kernels.py), where the same
@@ -33,22 +37,26 @@ from typing import Any
 
 import torch
 
-PAYLOAD_UTILS = Path(__file__).resolve().parents[2] / "ddtree_ops/payload/sglang/srt/speculative/ddtree_utils.py"
+PAYLOAD = Path(__file__).resolve().parents[2] / "ddtree_ops/payload/sglang/srt/speculative"
 DEPTH = 15  # DFLASH's block of 16: positions 1..15 after the bonus token
 VOCAB = 24
 
 
-def ddtree_utils() -> Any:
-    """The payload's tree builder: installed (a patched site on the GPU machine) or from this checkout."""
+def payload_module(stem: str) -> Any:
+    """A payload module (`ddtree_utils`, `ddtree_hybrid_state`): installed (a patched site on the GPU
+    machine) or from this checkout."""
     try:
-        from sglang.srt.speculative import ddtree_utils as installed
-        return installed
+        return importlib.import_module(f"sglang.srt.speculative.{stem}")
     except ImportError:
-        spec = importlib.util.spec_from_file_location("ddtree_utils_for_g1", PAYLOAD_UTILS)
+        spec = importlib.util.spec_from_file_location(f"{stem}_for_g1", PAYLOAD / f"{stem}.py")
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
         spec.loader.exec_module(module)
         return module
+
+
+def ddtree_utils() -> Any:
+    return payload_module("ddtree_utils")
 
 
 def random_trees(seed: int, bs: int, budget: int, *, keep_chain: bool = False, shrink: int | None = None) -> Any:
@@ -97,8 +105,8 @@ class Case:
             return (torch.randn(*shape, generator=g) * scale).to(device)
 
         self.slots = torch.arange(1, self.bs + 1, dtype=torch.int32, device=device)  # pool row 0 unused
-        # Conv pool [slots, dim, K - 1], contiguous along dim as SGLang's MambaPool lays it out.
-        self.conv_pool = rnd(self.bs + 1, width - 1, dim).transpose(1, 2).to(conv_dtype)
+        # Conv pool [slots, dim, K - 1], contiguous, as SGLang's MambaPool allocates a GDN layer's.
+        self.conv_pool = rnd(self.bs + 1, dim, width - 1).to(conv_dtype)
         self.x = rnd(self.bs, dim, self.n).to(conv_dtype)
         self.weight = rnd(dim, width, scale=0.5).to(conv_dtype)
         self.bias = rnd(dim, scale=0.1).to(conv_dtype)
@@ -110,6 +118,11 @@ class Case:
         self.a_log, self.dt_bias = rnd(v_heads, scale=0.3), rnd(v_heads, scale=0.3)
         self.ssm_pool = rnd(self.bs + 1, v_heads, head_k, head_v, scale=0.1)
         self.paths = paths(tree)
+        # The token after the verify (the next step's root), one per request.
+        self.x_new = rnd(self.bs, dim).to(conv_dtype)
+        self.q_new, self.k_new = rnd(1, self.bs, heads, head_k).to(conv_dtype), rnd(1, self.bs, heads, head_k).to(conv_dtype)
+        self.v_new = rnd(1, self.bs, v_heads, head_v).to(conv_dtype)
+        self.a_new, self.b_new = rnd(self.bs, v_heads).to(conv_dtype), rnd(self.bs, v_heads).to(conv_dtype)
 
     # ---------------------------------------------------------------- kernels
     def conv(self, x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, nxt: torch.Tensor | None,
@@ -145,9 +158,8 @@ class Case:
         return o.reshape(rows, length, self.hv, self.dv), cache
 
     # ---------------------------------------------------------------- runs
-    def tree_mode(self, *, links: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        nxt, sib = links if links is not None else (self.tree.retrive_next_token.to(self.device),
-                                                     self.tree.retrive_next_sibling.to(self.device))
+    def tree_mode(self) -> dict[str, torch.Tensor]:
+        nxt, sib = self.tree.retrive_next_token.to(self.device), self.tree.retrive_next_sibling.to(self.device)
         out, window, parent = self.conv(self.x, self.conv_pool, self.slots, nxt, sib)
         sel = torch.arange(self.bs * self.n, device=self.device)
         o, cache = self.recurrence(sel, self.bs, self.n, self.ssm_pool, self.slots, parent)
@@ -160,6 +172,39 @@ class Case:
         sel = torch.arange(self.bs * self.n, device=self.device)
         o, cache = self.recurrence(sel, self.bs, self.n, self.ssm_pool, self.slots, None)
         return {"conv": out, "window": window[self.slots.long()], "o": o, "state": cache[self.slots.long()]}
+
+    def continuation(self, chosen: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per request, its chosen path followed by the new token, as one branch from its pool rows: the conv
+        output and the recurrence output at the new token (what a correct commit must continue to)."""
+        length = max(len(p) for p in chosen) + 1
+        x = torch.zeros(self.bs, self.dim, length, dtype=self.conv_dtype, device=self.device)
+        q = torch.zeros(1, self.bs * length, self.h, self.dk, dtype=self.conv_dtype, device=self.device)
+        k, v = torch.zeros_like(q), torch.zeros(1, self.bs * length, self.hv, self.dv, dtype=self.conv_dtype,
+                                                device=self.device)
+        a, b = (torch.zeros(self.bs * length, self.hv, dtype=self.conv_dtype, device=self.device) for _ in range(2))
+        nxt, sib = chain_links(self.bs, length, self.device)
+        for r, p in enumerate(chosen):
+            nodes = [r * self.n + i for i in p]
+            x[r, :, :len(p)] = self.x[r][:, p]
+            x[r, :, len(p)] = self.x_new[r]
+            rows = slice(r * length, r * length + len(p))
+            q[0, rows], k[0, rows], v[0, rows] = self.q[0, nodes], self.k[0, nodes], self.v[0, nodes]
+            a[rows], b[rows] = self.a[nodes], self.b[nodes]
+            last = r * length + len(p)
+            q[0, last], k[0, last], v[0, last] = self.q_new[0, r], self.k_new[0, r], self.v_new[0, r]
+            a[last], b[last] = self.a_new[r], self.b_new[r]
+            nxt[r, len(p)] = -1
+        out, _, parent = self.conv(x, self.conv_pool, self.slots, nxt, sib)
+        saved = self.q, self.k, self.v, self.a, self.b
+        self.q, self.k, self.v, self.a, self.b = q, k, v, a, b
+        try:
+            o, _ = self.recurrence(torch.arange(self.bs * length, device=self.device), self.bs, length,
+                                   self.ssm_pool, self.slots, parent)
+        finally:
+            self.q, self.k, self.v, self.a, self.b = saved
+        ends = torch.tensor([len(p) for p in chosen], device=self.device)
+        rows_idx = torch.arange(self.bs, device=self.device)
+        return out[rows_idx, :, ends], o[rows_idx, ends]
 
     def per_path(self) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
         """Every valid node's root-to-node path as its own one-branch tree (padded to the longest path),
@@ -174,8 +219,7 @@ class Case:
         idx = idx.to(self.device)
         owner = torch.tensor([b for b, _, _ in flat], device=self.device)
         slots = torch.arange(1, rows + 1, dtype=torch.int32, device=self.device)
-        conv_pool = torch.cat([self.conv_pool[:1], self.conv_pool[self.slots.long()[owner]]]).transpose(1, 2)
-        conv_pool = conv_pool.contiguous().transpose(1, 2)
+        conv_pool = torch.cat([self.conv_pool[:1], self.conv_pool[self.slots.long()[owner]]])
         ssm_pool = torch.cat([self.ssm_pool[:1], self.ssm_pool[self.slots.long()[owner]]])
         x = self.x.permute(0, 2, 1).reshape(self.bs * self.n, self.dim)[idx].permute(0, 2, 1).contiguous()
         nxt, sib = chain_links(rows, length, self.device)
@@ -189,6 +233,76 @@ class Case:
             refs[(b, v)] = {"conv": out[r, :, last], "window": window[r + 1, last], "o": o[r, last],
                             "state": cache[r + 1, last], "parent": p[-2] if len(p) > 1 else 0}
         return refs
+
+
+def commit_scatter(dst: torch.Tensor, src: torch.Tensor, slots: torch.Tensor, steps: torch.Tensor) -> None:
+    """`dst[slots[i]] = src[slots[i], steps[i]]`: what HybridLinearAttnBackend.update_mamba_state_after_mtp_verify
+    does with SGLang's fused scatter (one layer here); the kernel itself on CUDA, which it requires."""
+    if dst.is_cuda:
+        from sglang.srt.layers.attention.mamba.mamba_state_scatter_triton import (
+            fused_mamba_state_scatter_with_mask,
+        )
+
+        fused_mamba_state_scatter_with_mask(dst[None], src[slots.long()][None], slots, steps)
+    else:
+        dst[slots.long()] = src[slots.long(), steps.long()]
+
+
+def commit_then_decode(case: Case, pool_window: torch.Tensor, pool_state: torch.Tensor,
+                       steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Commit each request's state at `steps` into its pool rows, then one plain decode step (conv and
+    recurrence without tree or intermediate buffers, as SGLang decodes) for one new token per request."""
+    conv_pool, ssm_pool = case.conv_pool.clone(), case.ssm_pool.clone()
+    commit_scatter(conv_pool, pool_window, case.slots, steps)
+    commit_scatter(ssm_pool, pool_state, case.slots, steps)
+    from sglang.srt.layers.attention.fla.fused_sigmoid_gating_recurrent import (
+        fused_sigmoid_gating_delta_rule_update,
+    )
+    from sglang.srt.layers.attention.mamba.causal_conv1d_triton import causal_conv1d_update
+
+    out = causal_conv1d_update(case.x_new, conv_pool, case.weight, case.bias, "silu", conv_state_indices=case.slots)
+    nb = case.bs
+    o = fused_sigmoid_gating_delta_rule_update(
+        A_log=case.a_log, a=case.a_new, dt_bias=case.dt_bias, softplus_beta=1.0, softplus_threshold=20.0,
+        q=case.q_new, k=case.k_new, v=case.v_new, b=case.b_new, initial_state_source=ssm_pool,
+        initial_state_indices=case.slots, cu_seqlens=torch.arange(nb + 1, device=case.device, dtype=torch.int32),
+        use_qk_l2norm_in_kernel=True, is_kda=False)
+    return out, o.reshape(nb, case.hv, case.dv)
+
+
+def commit_check(case: Case, verified: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Each request accepts a path that is not nodes 0, 1, 2, ... (where DFLASH's index would be right by
+    luck): its state is committed at `ddtree_hybrid_state.commit_step` and a decode step continues from it.
+    The reference: the path plus the new token, one branch, from the pool. DFLASH's index (`commit_len - 1`)
+    and the deepest valid node off that path must not continue it."""
+    hs = payload_module("ddtree_hybrid_state")
+    choice, dflash, deepest = [], [], []
+    for rows in case.paths:
+        off_chain = [p for p in rows if p != list(range(len(p)))] or rows
+        path = max(off_chain, key=lambda p: (len(p), -p[-1]))
+        choice.append(path)
+        dflash.append(len(path) - 1)  # DFLASH: commit_len - 1
+        others = [v for v in range(len(rows)) if v not in path] or [0]  # the deepest node off the accepted path
+        deepest.append(max(others, key=lambda v: (len(rows[v]), v)))
+    steps = torch.tensor([hs.commit_step(p, len(p)) for p in choice], dtype=torch.int64, device=case.device)
+    # The new token's inputs, and the reference: path + new token as one branch (tree mode), from the pool.
+    window_all = torch.zeros(case.bs + 1, case.n, case.dim, case.kw - 1, dtype=case.conv_dtype, device=case.device)
+    state_all = torch.zeros(case.bs + 1, case.n, case.hv, case.dk, case.dv, device=case.device)
+    window_all[case.slots.long()] = verified["window"]
+    state_all[case.slots.long()] = verified["state"]
+    got = commit_then_decode(case, window_all, state_all, steps)
+    ref = case.continuation(choice)
+    wrong = {"dflash_index": torch.tensor(dflash, device=case.device),
+             "deepest_node": torch.tensor(deepest, device=case.device)}
+    close = lambda a, b: bool(torch.allclose(a.float(), b.float(), rtol=1e-3, atol=1e-3))  # noqa: E731
+    row = {"paths": [len(p) - 1 for p in choice], "steps": steps.tolist(),
+           "accepted_conv": close(got[0], ref[0]), "accepted_o": close(got[1], ref[1])}
+    for name, idx in wrong.items():
+        differs = [i for i in range(case.bs) if int(idx[i]) != int(steps[i])]
+        bad = commit_then_decode(case, window_all, state_all, idx)
+        row[name] = {"requests_with_another_node": len(differs),
+                     "continued_anyway": sum(close(bad[1][i], ref[1][i]) for i in differs)}
+    return row
 
 
 def compare(case: Case, got: dict[str, torch.Tensor], refs: dict, *, exact: bool) -> dict[str, Any]:
@@ -229,14 +343,17 @@ def run(device: str, *, batch: int = 3, budgets: tuple[str, ...] = ()) -> dict[s
         tree = random_trees(100 + i, batch, budget, keep_chain=keep_chain, shrink=shrink)
         case = Case(tree, seed=200 + i, device=dev, conv_dtype=conv_dtype)
         refs = case.per_path()
-        tree_vs_path = compare(case, case.tree_mode(), refs, exact=True)
+        tree_vs_path = compare(case, verified := case.tree_mode(), refs, exact=True)
         chain = compare(case, case.chain_mode(), refs, exact=False)
-        no_siblings = (tree.retrive_next_token.to(dev), torch.full_like(tree.retrive_next_sibling, -1).to(dev))
-        broken = compare(case, case.tree_mode(links=no_siblings), refs, exact=True)
+        commit = commit_check(case, verified)
         row = {"case": name, "batch": batch, "width": case.n, "tree_vs_path": tree_vs_path,
-               "dflash_chain_vs_path": chain, "siblings_dropped_vs_path": broken, "branching": branching(case)}
+               "dflash_chain_vs_path": chain, "branching": branching(case),
+               "commit": commit}
+        wrong_commits_caught = all(commit[w]["requests_with_another_node"] > 0 and commit[w]["continued_anyway"] == 0
+                                   for w in ("dflash_index", "deepest_node"))
         row["ok"] = (all(tree_vs_path[k] == 0 for k in ("conv", "window", "o", "state", "parent"))
-                     and (not row["branching"] or (chain["o"] > 0 and broken["o"] > 0 and broken["parent"] > 0)))
+                     and commit["accepted_conv"] and commit["accepted_o"]
+                     and (not row["branching"] or (chain["o"] > 0 and wrong_commits_caught)))
         report["ok"] &= row["ok"]
         report["cases"].append(row)
     return report
