@@ -294,7 +294,9 @@ def commit_check(case: Case, verified: dict[str, torch.Tensor]) -> dict[str, Any
     ref = case.continuation(choice)
     wrong = {"dflash_index": torch.tensor(dflash, device=case.device),
              "deepest_node": torch.tensor(deepest, device=case.device)}
-    close = lambda a, b: bool(torch.allclose(a.float(), b.float(), rtol=1e-3, atol=1e-3))  # noqa: E731
+    # A decode step sums the conv window oldest first, the tree path newest first: a few last bits apart.
+    tol = 1e-3 if case.conv_dtype == torch.float32 else 3e-2
+    close = lambda a, b: bool(torch.allclose(a.float(), b.float(), rtol=tol, atol=tol))  # noqa: E731
     row = {"paths": [len(p) - 1 for p in choice], "steps": steps.tolist(),
            "accepted_conv": close(got[0], ref[0]), "accepted_o": close(got[1], ref[1])}
     for name, idx in wrong.items():
