@@ -16,7 +16,8 @@
 #    with ~20 servers on GPU 0 (TP servers take the minimum over their ranks).
 # 4) the same greedy requests to each (sequentially: timings are not shared), then compare_ddtree.py.
 # Env: BUDGET_S (deadline, default 560), ONLY="tag tag" (subset), SGLANG_DDTREE_LOG_EVERY (default 8),
-#   COMMON_EXTRA (flags added to every server).
+#   COMMON_EXTRA (flags added to every server). HYBRID_KERNELS=1: first hybrid_kernels_check.py on the GPU (issue 25,
+#   G1; HYBRID_KERNELS_ONLY=1 stops after it).
 # MIX=1 (issue 12): the production-mix proof instead (production_mix.py): --context-length 1024,
 #   --schedule-policy fcfs; for the random (r_) and peaked (p_) sets plain | DFLASH | full 16, 64, 256;
 #   a retraction set (*_rt: --max-total-tokens 4096, SGLANG_TEST_RETRACT=1) plain | full 64, 256; and,
@@ -66,6 +67,12 @@ bad = [b for b in bad if b.startswith("sglang/") and not b.endswith(": missing")
 print("untouched upstream files differing from RECORD:", len(bad), bad[:5])
 EOF
 ts "site extracted + bundle installed"
+if [ "${HYBRID_KERNELS:-0}" = 1 ]; then  # issue 25, G1: SGLang's GDN verify kernels on DDTrees, compiled (HYBRID.md §4)
+  timeout 600 python3 $HERE/hybrid_kernels_check.py --device cuda --batch ${HYBRID_KERNELS_BATCH:-4} > "$OUT/hybrid_kernels.json" 2> "$OUT/hybrid_kernels.log"
+  ts "hybrid_kernels_check rc=$?"
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(c['case'], c['width'], c['tree_vs_path'], c['commit'], c['ok']) for c in d['cases']]; print('ok', d['ok'])" "$OUT/hybrid_kernels.json" || tail -20 "$OUT/hybrid_kernels.log"
+  [ "${HYBRID_KERNELS_ONLY:-0}" = 1 ] && exit 0
+fi
 TPC_PID=
 if [ "${TP2:-0}" = 1 ]; then  # on both GPUs, alongside the model making and the warm-up server
   python3 $HERE/tp_tree_check.py --nproc 2 --device cuda --require-installed --timeout 180 > "$OUT/tp_tree_check.log" 2>&1 &
