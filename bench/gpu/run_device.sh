@@ -70,7 +70,7 @@ ts "site extracted + bundle installed"
 if [ "${HYBRID_KERNELS:-0}" = 1 ]; then  # issue 25, G1: SGLang's GDN verify kernels on DDTrees, compiled (HYBRID.md §4)
   timeout 600 python3 $HERE/hybrid_kernels_check.py --device cuda --batch ${HYBRID_KERNELS_BATCH:-4} > "$OUT/hybrid_kernels.json" 2> "$OUT/hybrid_kernels.log"
   ts "hybrid_kernels_check rc=$?"
-  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(c['case'], c['width'], c['tree_vs_path'], c['commit'], c['ok']) for c in d['cases']]; print('ok', d['ok'])" "$OUT/hybrid_kernels.json" || tail -20 "$OUT/hybrid_kernels.log"
+  python3 -c "import json,sys; t=open(sys.argv[1]).read(); d=json.loads(t[t.index('{'):]); [print(c['case'], c['width'], c['tree_vs_path'], c['commit'], c['ok']) for c in d['cases']]; print('ok', d['ok'])" "$OUT/hybrid_kernels.json" || tail -20 "$OUT/hybrid_kernels.log"
   [ "${HYBRID_KERNELS_ONLY:-0}" = 1 ] && exit 0
 fi
 TPC_PID=
