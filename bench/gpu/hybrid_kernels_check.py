@@ -91,8 +91,8 @@ def chain_links(rows: int, length: int, device: torch.device) -> tuple[torch.Ten
 
 
 class Case:
-    """One batch of trees with random layer inputs and pool states; runs the kernels in tree mode, in
-    DFLASH's chain mode, and per path."""
+    """One batch of trees with random layer inputs and pool states; runs the kernels on the trees, as
+    DFLASH's chain, and per path."""
 
     def __init__(self, tree: Any, *, seed: int, device: torch.device, conv_dtype: torch.dtype,
                  dim: int = 32, width: int = 4, heads: int = 2, v_heads: int = 4, head_k: int = 16, head_v: int = 16):
@@ -138,19 +138,20 @@ class Case:
                                    retrieve_next_token=nxt, retrieve_next_sibling=sib, retrieve_parent_token=parent)
         return out, window, parent
 
-    def recurrence(self, sel: torch.Tensor, rows: int, length: int, pool: torch.Tensor, slots: torch.Tensor,
-                   parent: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The GDN verify over tokens `sel` (flat indices into this case's tokens), `rows` sequences of
-        `length`, each starting from `pool[slots[r]]`."""
+    def recurrence(self, tokens: tuple[torch.Tensor, ...], rows: int, length: int, pool: torch.Tensor,
+                   slots: torch.Tensor, parent: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The GDN verify over `tokens` (q, k, v, a, b of `rows` sequences of `length`), each sequence
+        starting from `pool[slots[r]]`."""
         from sglang.srt.layers.attention.fla.fused_sigmoid_gating_recurrent import (
             fused_sigmoid_gating_delta_rule_update,
         )
 
+        q, k, v, a, b = tokens
         cache = torch.zeros(int(slots.max()) + 1, length, self.hv, self.dk, self.dv, device=self.device)
         cu = torch.arange(0, rows + 1, device=self.device, dtype=torch.int32) * length
         o = fused_sigmoid_gating_delta_rule_update(
-            A_log=self.a_log, a=self.a[sel], dt_bias=self.dt_bias, softplus_beta=1.0, softplus_threshold=20.0,
-            q=self.q[:, sel], k=self.k[:, sel], v=self.v[:, sel], b=self.b[sel],
+            A_log=self.a_log, a=a, dt_bias=self.dt_bias, softplus_beta=1.0, softplus_threshold=20.0,
+            q=q, k=k, v=v, b=b,
             initial_state_source=pool.clone(), initial_state_indices=slots, cu_seqlens=cu,
             use_qk_l2norm_in_kernel=True, is_kda=False, disable_state_update=True,
             intermediate_states_buffer=cache, intermediate_state_indices=slots, cache_steps=length,
@@ -158,20 +159,16 @@ class Case:
         return o.reshape(rows, length, self.hv, self.dv), cache
 
     # ---------------------------------------------------------------- runs
-    def tree_mode(self) -> dict[str, torch.Tensor]:
-        nxt, sib = self.tree.retrive_next_token.to(self.device), self.tree.retrive_next_sibling.to(self.device)
+    def verify(self, *, tree: bool) -> dict[str, torch.Tensor]:
+        """The batch's verify, per request: with DDTree's arrays (`tree`), or as DFLASH verifies a block (no
+        arrays: node i after node i - 1)."""
+        nxt, sib = ((self.tree.retrive_next_token.to(self.device), self.tree.retrive_next_sibling.to(self.device))
+                    if tree else (None, None))
         out, window, parent = self.conv(self.x, self.conv_pool, self.slots, nxt, sib)
-        sel = torch.arange(self.bs * self.n, device=self.device)
-        o, cache = self.recurrence(sel, self.bs, self.n, self.ssm_pool, self.slots, parent)
-        return {"conv": out, "window": window[self.slots.long()], "parent": parent, "o": o,
-                "state": cache[self.slots.long()]}
-
-    def chain_mode(self) -> dict[str, torch.Tensor]:
-        """DFLASH's verify of the same tokens: no tree arrays, node i after node i - 1."""
-        out, window, _ = self.conv(self.x, self.conv_pool, self.slots, None, None)
-        sel = torch.arange(self.bs * self.n, device=self.device)
-        o, cache = self.recurrence(sel, self.bs, self.n, self.ssm_pool, self.slots, None)
-        return {"conv": out, "window": window[self.slots.long()], "o": o, "state": cache[self.slots.long()]}
+        tokens = (self.q, self.k, self.v, self.a, self.b)
+        o, cache = self.recurrence(tokens, self.bs, self.n, self.ssm_pool, self.slots, parent)
+        got = {"conv": out, "window": window[self.slots.long()], "o": o, "state": cache[self.slots.long()]}
+        return {**got, "parent": parent} if tree else got
 
     def continuation(self, chosen: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Per request, its chosen path followed by the new token, as one branch from its pool rows: the conv
@@ -195,13 +192,7 @@ class Case:
             a[last], b[last] = self.a_new[r], self.b_new[r]
             nxt[r, len(p)] = -1
         out, _, parent = self.conv(x, self.conv_pool, self.slots, nxt, sib)
-        saved = self.q, self.k, self.v, self.a, self.b
-        self.q, self.k, self.v, self.a, self.b = q, k, v, a, b
-        try:
-            o, _ = self.recurrence(torch.arange(self.bs * length, device=self.device), self.bs, length,
-                                   self.ssm_pool, self.slots, parent)
-        finally:
-            self.q, self.k, self.v, self.a, self.b = saved
+        o, _ = self.recurrence((q, k, v, a, b), self.bs, length, self.ssm_pool, self.slots, parent)
         ends = torch.tensor([len(p) for p in chosen], device=self.device)
         rows_idx = torch.arange(self.bs, device=self.device)
         return out[rows_idx, :, ends], o[rows_idx, ends]
@@ -226,7 +217,9 @@ class Case:
         for r, (_, _, p) in enumerate(flat):  # end each branch at its node: the repeated tail hangs off the root
             nxt[r, len(p) - 1] = -1
         out, window, parent = self.conv(x, conv_pool, slots, nxt, sib)
-        o, cache = self.recurrence(idx.reshape(-1), rows, length, ssm_pool, slots, parent)
+        sel = idx.reshape(-1)
+        tokens = (self.q[:, sel], self.k[:, sel], self.v[:, sel], self.a[sel], self.b[sel])
+        o, cache = self.recurrence(tokens, rows, length, ssm_pool, slots, parent)
         refs = {}
         for r, (b, v, p) in enumerate(flat):
             last = len(p) - 1
@@ -236,16 +229,17 @@ class Case:
 
 
 def commit_scatter(dst: torch.Tensor, src: torch.Tensor, slots: torch.Tensor, steps: torch.Tensor) -> None:
-    """`dst[slots[i]] = src[slots[i], steps[i]]`: what HybridLinearAttnBackend.update_mamba_state_after_mtp_verify
-    does with SGLang's fused scatter (one layer here); the kernel itself on CUDA, which it requires."""
+    """`dst[slots[i]] = src[i, steps[i]]` (src by request): what HybridLinearAttnBackend's
+    update_mamba_state_after_mtp_verify does with SGLang's fused scatter (one layer here); the kernel itself
+    on CUDA, which it requires."""
     if dst.is_cuda:
         from sglang.srt.layers.attention.mamba.mamba_state_scatter_triton import (
             fused_mamba_state_scatter_with_mask,
         )
 
-        fused_mamba_state_scatter_with_mask(dst[None], src[slots.long()][None], slots, steps)
+        fused_mamba_state_scatter_with_mask(dst[None], src[None], slots, steps)
     else:
-        dst[slots.long()] = src[slots.long(), steps.long()]
+        dst[slots.long()] = src[torch.arange(len(steps), device=src.device), steps.long()]
 
 
 def commit_then_decode(case: Case, pool_window: torch.Tensor, pool_state: torch.Tensor,
@@ -285,12 +279,7 @@ def commit_check(case: Case, verified: dict[str, torch.Tensor]) -> dict[str, Any
         others = [v for v in range(len(rows)) if v not in path] or [0]  # the deepest node off the accepted path
         deepest.append(max(others, key=lambda v: (len(rows[v]), v)))
     steps = torch.tensor([hs.commit_step(p, len(p)) for p in choice], dtype=torch.int64, device=case.device)
-    # The new token's inputs, and the reference: path + new token as one branch (tree mode), from the pool.
-    window_all = torch.zeros(case.bs + 1, case.n, case.dim, case.kw - 1, dtype=case.conv_dtype, device=case.device)
-    state_all = torch.zeros(case.bs + 1, case.n, case.hv, case.dk, case.dv, device=case.device)
-    window_all[case.slots.long()] = verified["window"]
-    state_all[case.slots.long()] = verified["state"]
-    got = commit_then_decode(case, window_all, state_all, steps)
+    got = commit_then_decode(case, verified["window"], verified["state"], steps)
     ref = case.continuation(choice)
     wrong = {"dflash_index": torch.tensor(dflash, device=case.device),
              "deepest_node": torch.tensor(deepest, device=case.device)}
@@ -301,7 +290,7 @@ def commit_check(case: Case, verified: dict[str, torch.Tensor]) -> dict[str, Any
            "accepted_conv": close(got[0], ref[0]), "accepted_o": close(got[1], ref[1])}
     for name, idx in wrong.items():
         differs = [i for i in range(case.bs) if int(idx[i]) != int(steps[i])]
-        bad = commit_then_decode(case, window_all, state_all, idx)
+        bad = commit_then_decode(case, verified["window"], verified["state"], idx)
         row[name] = {"requests_with_another_node": len(differs),
                      "continued_anyway": sum(close(bad[1][i], ref[1][i]) for i in differs)}
     return row
@@ -345,8 +334,8 @@ def run(device: str, *, batch: int = 3, budgets: tuple[str, ...] = ()) -> dict[s
         tree = random_trees(100 + i, batch, budget, keep_chain=keep_chain, shrink=shrink)
         case = Case(tree, seed=200 + i, device=dev, conv_dtype=conv_dtype)
         refs = case.per_path()
-        tree_vs_path = compare(case, verified := case.tree_mode(), refs, exact=True)
-        chain = compare(case, case.chain_mode(), refs, exact=False)
+        tree_vs_path = compare(case, verified := case.verify(tree=True), refs, exact=True)
+        chain = compare(case, case.verify(tree=False), refs, exact=False)
         commit = commit_check(case, verified)
         row = {"case": name, "batch": batch, "width": case.n, "tree_vs_path": tree_vs_path,
                "dflash_chain_vs_path": chain, "branching": branching(case),
