@@ -321,7 +321,7 @@ def test_a_rarely_stepped_cell_is_not_the_minimum_of_its_noise() -> None:
         auto.refresh()
     for c in (often, rare):
         assert 0.93 * 0.01 <= auto.step_seconds(c, 0) <= 1.07 * 0.01, (c, auto.step_seconds(c, 0))
-    # A spike (a graph's first replay) is clipped; an estimate that was a spike falls at once.
+    # A spike (a graph's first replay) moves the estimate by at most COST_SPIKE.
     auto.observe(ab.StepObservation(budget=often.budget, width=often.width, batch_size=4, seconds=0.2,
                                     accepted=[4.0, 4.0], chain=4.0, requests=4))
     auto.refresh()

@@ -29,7 +29,7 @@ kernel source runs in numpy. Prints one JSON document; exit 0 only if every chec
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -44,15 +44,17 @@ VOCAB = 24
 
 def payload_module(stem: str) -> Any:
     """A payload module (`ddtree_utils`, `ddtree_hybrid_state`): installed (a patched site on the GPU
-    machine) or from this checkout."""
+    machine) or, as tp_tree_check.import_payload does, this checkout's added to the package's path."""
+    name = f"sglang.srt.speculative.{stem}"
     try:
-        return importlib.import_module(f"sglang.srt.speculative.{stem}")
-    except ImportError:
-        spec = importlib.util.spec_from_file_location(f"{stem}_for_g1", PAYLOAD / f"{stem}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        return module
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name != name:
+            raise
+        import sglang.srt.speculative as spec_pkg
+
+        spec_pkg.__path__.append(str(PAYLOAD))
+        return importlib.import_module(name)
 
 
 def ddtree_utils() -> Any:
