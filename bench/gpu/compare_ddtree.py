@@ -133,6 +133,22 @@ for tag in ("h_next_full", "h_marker_full", "h_marker_shadow"):
     if tag.endswith("_full") and tag.startswith("h_marker") and not m:
         summary["ok"] = False
 
+# Issue 25: upstream DFLASH on the real hybrid targets (GDN + attention), reported when they were served.
+for h in ("h_next", "h_dense"):
+    if not any(os.path.exists(os.path.join(d, f"server_{h}_{v}.log")) for v in ("plain", "dflash")):
+        continue
+    P, j = seqs(load(f"{h}_plain")), load(f"{h}_dflash")
+    X, sp = seqs(j), spec(j)
+    text = log(f"{h}_dflash") + log(f"{h}_plain")
+    summary["hybrid"][f"{h}_dflash"] = {
+        "plain_served": P is not None, "dflash_served": X is not None,
+        "identical_to_plain": None if (P is None or X is None) else X == P,
+        "single_accept_len": sp[0][0] if sp else None,
+        "other_error": (re.findall(r"\n(\w+Error: [^\n]*)", text)[-1:] or [None])[0],
+    }
+    print(f"{h}_dflash: {json.dumps(summary['hybrid'][f'{h}_dflash'])[:400]}")
+
+
 TP2 = [("p_plain_tp2", "p_plain"), ("p_dflash_tp2", "p_dflash"), ("p_full64_tp2", "p_full64"),
        ("p_shadow_tp2", "p_shadow"), ("r_plain_tp2", "r_plain"), ("r_dflash_tp2", "r_dflash"),
        ("r_full64_tp2", "r_full64")]

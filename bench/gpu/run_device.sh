@@ -68,7 +68,7 @@ print("untouched upstream files differing from RECORD:", len(bad), bad[:5])
 EOF
 ts "site extracted + bundle installed"
 if [ "${HYBRID_KERNELS:-0}" = 1 ]; then  # issue 25, G1: SGLang's GDN verify kernels on DDTrees, compiled (HYBRID.md §4)
-  timeout 600 python3 $HERE/hybrid_kernels_check.py --device cuda --batch ${HYBRID_KERNELS_BATCH:-4} > "$OUT/hybrid_kernels.json" 2> "$OUT/hybrid_kernels.log"
+  timeout ${HYBRID_KERNELS_TIMEOUT:-600} python3 $HERE/hybrid_kernels_check.py --device cuda --batch ${HYBRID_KERNELS_BATCH:-4} > "$OUT/hybrid_kernels.json" 2> "$OUT/hybrid_kernels.log"
   ts "hybrid_kernels_check rc=$?"
   python3 -c "import json,sys; t=open(sys.argv[1]).read(); d=json.loads(t[t.index('{'):]); [print(c['case'], c['width'], c['tree_vs_path'], c['commit'], c['ok']) for c in d['cases']]; print('ok', d['ok'])" "$OUT/hybrid_kernels.json" || tail -20 "$OUT/hybrid_kernels.log"
   [ "${HYBRID_KERNELS_ONLY:-0}" = 1 ] && exit 0
@@ -118,6 +118,9 @@ VARIANTS=(
   "h_next_full|/tmp/tiny_h/next|DF --speculative-ddtree-mode full --speculative-ddtree-budget 64 --disable-radix-cache"
   "h_marker_full|/tmp/tiny_h/marker|DF --speculative-ddtree-mode full --speculative-ddtree-budget 64"
   "h_marker_shadow|/tmp/tiny_h/marker|DF --speculative-ddtree-mode shadow-linear"
+  # issue 25: upstream DFLASH on the real hybrids (GDN + attention, MoE and dense), against their plain decoding
+  "h_next_plain|/tmp/tiny_h/next|--disable-radix-cache" "h_next_dflash|/tmp/tiny_h/next|DF --disable-radix-cache"
+  "h_dense_plain|/tmp/tiny_h/dense|--disable-radix-cache" "h_dense_dflash|/tmp/tiny_h/dense|DF --disable-radix-cache"
 )
 if [ "${MIX:-0}" = 1 ]; then
   COMMON+=(--context-length 1024 --schedule-policy fcfs)
@@ -357,7 +360,9 @@ if [ "${AUTO:-0}" = 1 ]; then
   source $HERE/auto_phases.sh
   exit $?
 fi
-IFS='|' read -r tag model extra <<< "$first"; launch "$tag" "$model" $extra
+IFS='|' read -r tag model extra <<< "$first"
+[ -d "$model/target" ] || wait $MAKE_PID  # ONLY= may start with a model the background job makes
+launch "$tag" "$model" $extra
 client "$tag" 300
 ts "$tag (warm-up server) client rc=$?"
 kill -TERM -- "-${PID[$tag]}" 2>/dev/null
