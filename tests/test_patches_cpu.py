@@ -48,6 +48,24 @@ DRAFT_CONFIG = {
 }
 
 
+# A tiny Qwen3-Next (Gated DeltaNet + attention, bench/gpu/make_tiny_hybrid.py's shape) and a Jamba
+# (Mamba): full mode's hybrid table serves the first only under the proof's switch, refuses the second.
+GDN_CONFIG = {
+    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 256,
+    "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 64, "vocab_size": 4096, "max_position_embeddings": 4096, "full_attention_interval": 4,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "num_experts": 4, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128, "torch_dtype": "bfloat16",
+}
+# (Jamba: Mamba layers SGLang's argument checks let through to ours; its Nemotron-H is refused by SGLang
+# itself for the triton backend.)
+MAMBA2_CONFIG = {**QWEN3_CONFIG, "architectures": ["JambaForCausalLM"], "model_type": "jamba",
+                 "mamba_d_state": 16, "mamba_d_conv": 4, "attn_layer_period": 4, "attn_layer_offset": 1,
+                 "expert_layer_period": 2, "expert_layer_offset": 1}
+
+
 @pytest.fixture(scope="module")
 def patched(tmp_path_factory):
     root = tmp_path_factory.mktemp("patched")
@@ -55,7 +73,7 @@ def patched(tmp_path_factory):
     site = copy_sglang_tree(root / "site")
     manifest = B.install_bundle(built.bundle_path, site)
     models = root / "models"
-    for name, cfg in (("target", QWEN3_CONFIG), ("draft", DRAFT_CONFIG)):
+    for name, cfg in (("target", QWEN3_CONFIG), ("draft", DRAFT_CONFIG), ("gdn", GDN_CONFIG), ("mamba2", MAMBA2_CONFIG)):
         (models / name).mkdir(parents=True)
         (models / name / "config.json").write_text(json.dumps(cfg))
     return site, manifest, models
@@ -89,6 +107,8 @@ def _cases(models: Path) -> tuple[list[dict], dict[str, object]]:
     df = [*base, "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(models / "draft"),
           "--speculative-num-draft-tokens", "16"]
     full = [*df, "--attention-backend", "triton", "--speculative-ddtree-mode", "full"]
+    gdn_full = [*full, "--model-path", str(models / "gdn")]
+    mamba2_full = [*full, "--model-path", str(models / "mamba2")]
     good = {
         "plain": base,
         "dflash only": df,
@@ -138,10 +158,14 @@ def _cases(models: Path) -> tuple[list[dict], dict[str, object]]:
                              "--speculative-ddtree-topk-cap must be in 1..64"),
         "allow flag with shadow": ([*df, "--speculative-ddtree-mode", "shadow-linear",
                                     "--speculative-ddtree-allow-hybrid-unsafe"],
-                                   "--speculative-ddtree-allow-hybrid-unsafe is not supported yet"),
+                                   "--speculative-ddtree-allow-hybrid-unsafe is refused"),
         "allow flag with full": ([*full, "--speculative-ddtree-allow-hybrid-unsafe"],
-                                 "--speculative-ddtree-allow-hybrid-unsafe is not supported yet: full mode cannot "
-                                 "run on hybrid"),
+                                 "--speculative-ddtree-allow-hybrid-unsafe is refused: full mode on a hybrid"),
+        # hybrids at argument parsing, before any pool exists (bench/gpu/HYBRID.md §3.4)
+        "full on GDN, unproven": ([*gdn_full, "--disable-radix-cache"],
+                                  "layer type gated-deltanet: SGLang's GDN tree kernels follow DDTree's parents"),
+        "full on Mamba": ([*mamba2_full, "--disable-radix-cache"],
+                            "have no tree-verify support in DDTree"),
         "full on flashinfer": ([*df, "--speculative-ddtree-mode", "full", "--attention-backend", "flashinfer"],
                                "supported: triton; got --attention-backend flashinfer"),
         "full on paged KV": ([*full, "--page-size", "16"], "--speculative-ddtree-mode full needs --page-size 1"),
@@ -167,17 +191,37 @@ def _cases(models: Path) -> tuple[list[dict], dict[str, object]]:
                                    [*df, "--speculative-ddtree-mode", "shadow-linear"],
                                    "SGLANG_DDTREE_TEST_CYCLE_BUDGETS=1 is a test switch"),
     }
+    unproven = {"SGLANG_DDTREE_TEST_UNPROVEN_HYBRID": "1", "SGLANG_DDTREE_ALLOW_TEST_SWITCHES": "1"}
+    switched |= {
+        "unproven hybrid switch alone": ({"SGLANG_DDTREE_TEST_UNPROVEN_HYBRID": "1"}, [*gdn_full, "--disable-radix-cache"],
+                                         "SGLANG_DDTREE_TEST_UNPROVEN_HYBRID=1 is a test switch"),
+        "mamba commit fault alone": ({"SGLANG_DDTREE_TEST_MAMBA_COMMIT": "deepest"}, [*full],
+                                     "SGLANG_DDTREE_TEST_MAMBA_COMMIT=deepest is a test switch"),
+        "mamba commit fault unknown": ({**unproven, "SGLANG_DDTREE_TEST_MAMBA_COMMIT": "oldest"}, [*full],
+                                       "SGLANG_DDTREE_TEST_MAMBA_COMMIT must be one of deepest, chain, skip"),
+        # SGLang's own refusal comes first (DFLASH's verify on a hybrid needs the radix cache off)
+        "GDN with the radix cache": (unproven, gdn_full, "is not compatible with radix cache"),
+        "GDN with auto": (unproven, [*gdn_full, "--disable-radix-cache", "--speculative-ddtree-budget", "auto"],
+                          "--speculative-ddtree-budget auto is not available on hybrid targets yet"),
+        "GDN on flashinfer kernels": (unproven, [*gdn_full, "--disable-radix-cache", "--linear-attn-backend", "flashinfer"],
+                                      "needs SGLang's Triton linear-attention kernels"),
+        "Mamba under the switch": (unproven, [*mamba2_full, "--disable-radix-cache"],
+                                     "have no tree-verify support in DDTree"),
+    }
     allowed = {"biased walk allowed in a test": {"SGLANG_DDTREE_TEST_BIASED_WALK": "1",
                                                  "SGLANG_DDTREE_ALLOW_TEST_SWITCHES": "1"}}
     cases = [{"name": k, "argv": v} for k, v in good.items()]
     cases += [{"name": k, "argv": v} for k, (v, _) in bad.items()]
     cases += [{"name": k, "argv": v, "env": env} for k, (env, v, _) in switched.items()]
     cases += [{"name": k, "argv": full, "env": env} for k, env in allowed.items()]
+    cases.append({"name": "GDN full 64 under the proof's switch", "env": unproven,
+                  "argv": [*gdn_full, "--disable-radix-cache", "--speculative-ddtree-budget", "64"]})
     # ServerArgs built in Python (Engine kwargs) goes through the same checks.
     cases.append({"name": "kwargs bad mode", "kwargs": {"model_path": str(models / "target"), "device": "cpu",
                                                          "speculative_ddtree_mode": "fast"}})
     expect: dict[str, object] = {k: "ok" for k in good} | {k: msg for k, (_, msg) in bad.items()}
     expect |= {k: msg for k, (_, _, msg) in switched.items()} | {k: "ok" for k in allowed}
+    expect["GDN full 64 under the proof's switch"] = "ok"
     expect["kwargs bad mode"] = "--speculative-ddtree-mode must be one of off, shadow-linear, full; got 'fast'"
     cases.append({"name": "kwargs keep chain not a bool", "kwargs": {
         "model_path": str(models / "target"), "device": "cpu", "speculative_algorithm": "DFLASH",

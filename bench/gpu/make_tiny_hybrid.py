@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Tiny hybrid targets for the DDTree hybrid-guard check, plus the usual DFlash draft.
 
-Usage: python make_tiny_hybrid.py OUT_DIR
+Usage: [PEAKED=1] python make_tiny_hybrid.py OUT_DIR   (PEAKED as in make_tiny_models.py: drafts get accepted)
 Writes OUT_DIR/next/target  a tiny random Qwen3-Next (Gated DeltaNet + attention + MoE) that
                             SGLang loads as Qwen3NextForCausalLM (runtime hybrid_gdn_config);
        OUT_DIR/dense/target the same without MoE (every layer in `mlp_only_layers`: a dense MLP);
@@ -39,7 +39,14 @@ def make_next(out_dir, *, dense=False):
         mlp_only_layers=list(range(tm.TARGET_LAYERS)) if dense else [],
     )
     torch.manual_seed(tm.SEED)
-    model = Qwen3NextForCausalLM(cfg).to(torch.bfloat16)
+    model = Qwen3NextForCausalLM(cfg)
+    with torch.no_grad():  # make_tiny_models' recipe: clear greedy margins; PEAKED=1 biases towards its peak token
+        model.lm_head.weight.normal_(0.0, 0.5)
+        model.model.embed_tokens.weight.normal_(0.0, 1.0)
+        if tm.PEAKED:
+            model.model.embed_tokens.weight[:, 0] = 8.0
+            model.lm_head.weight[tm.PEAK_TOKEN, 0] = 3.0
+    model = model.to(torch.bfloat16)
     model.save_pretrained(out_dir, safe_serialization=True)
     # SGLang 0.5.13.post1's Qwen3-Next reads `full_attention_interval`, which transformers 5.x
     # no longer writes (it derives layer_types); without it the server fails before any DDTree code

@@ -92,7 +92,8 @@ else
 # The peaked set first (the warm-up server uses it); the others are made while it starts.
 PEAKED=1 python3 $HERE/make_tiny_models.py /tmp/tiny_p 2>&1 | grep -v -i "warn\|Writing model"
 ( PEAKED=0 python3 $HERE/make_tiny_models.py /tmp/tiny_r > "$OUT/make_r.log" 2>&1;
-  python3 $HERE/make_tiny_hybrid.py /tmp/tiny_h > "$OUT/make_h.log" 2>&1 ) &
+  python3 $HERE/make_tiny_hybrid.py /tmp/tiny_h > "$OUT/make_h.log" 2>&1
+  if [ "${MIX_SET:-}" = h ]; then PEAKED=1 python3 $HERE/make_tiny_hybrid.py /tmp/tiny_hp > "$OUT/make_hp.log" 2>&1; fi ) &
 MAKE_PID=$!
 ts "peaked models made"
 fi
@@ -136,6 +137,15 @@ if [ "${MIX:-0}" = 1 ]; then
   )
   # Served only when dist/old/ holds the older bundle; the p set queries last, so a tight deadline cuts it first.
   if [ -z "$OLD_BUNDLE" ]; then VARIANTS=("${VARIANTS[@]/*_old|*}"); fi
+  if [ "${MIX_SET:-}" = h ]; then
+    # Issue 25 (G0, G3, G7 of HYBRID.md): the peaked tiny Qwen3-Next (GDN + attention + MoE) and its dense
+    # twin; full mode under the proof's switch (HYB), radix cache off; a second plain server for the tie
+    # band; a deliberately wrong commit (the deepest node) that must fail.
+    H="--disable-radix-cache"; HM=/tmp/tiny_hp/next; HD=/tmp/tiny_hp/dense
+    VARIANTS=("h_plain|$HM|$H" "h_dflash|$HM|DF $H" "h_full15|$HM|$FULL 15 $H HYB" "h_full64|$HM|$FULL 64 $H HYB"
+              "h_full256|$HM|$FULL 256 $H HYB" "h_full64_deepest|$HM|$FULL 64 $H HYB DEEPEST" "h_twin|$HM|$H"
+              "d_plain|$HD|$H" "d_dflash|$HD|DF $H" "d_full64|$HD|$FULL 64 $H HYB")
+  fi
 fi
 if [ "${GRAPHS:-0}" = 1 ]; then
   # Issue 13: every server with CUDA graphs (target verify and draft), the production-mix flags.
@@ -274,7 +284,9 @@ launch() {  # TAG MODEL_DIR EXTRA...
       CAP) envs+=(SGLANG_DDTREE_MAX_VERIFY_TOKENS=1024) ;;  # steps must shrink their trees
       PRISTINE) envs+=(PYTHONPATH=/tmp/site_pristine) ;;  # upstream 0.5.13.post1, no payload
       BIAS) envs+=(SGLANG_DDTREE_TEST_BIASED_WALK=1 SGLANG_DDTREE_ALLOW_TEST_SWITCHES=1) ;;  # a deliberately wrong sampled walk
-      PROF) envs+=(SGLANG_DDTREE_PROFILE=1) ;;  # per-phase step times in /server_info (ddtree_profile)
+      PROF) envs+=(SGLANG_DDTREE_PROFILE=1) ;;
+      HYB) envs+=(SGLANG_DDTREE_TEST_UNPROVEN_HYBRID=1 SGLANG_DDTREE_ALLOW_TEST_SWITCHES=1) ;;  # full mode on an unproven hybrid layer type (the proof's own servers)
+      DEEPEST) envs+=(SGLANG_DDTREE_TEST_MAMBA_COMMIT=deepest) ;;  # commit the deepest node's recurrent state: must fail  # per-phase step times in /server_info (ddtree_profile)
       UNFUSED) envs+=(SGLANG_DDTREE_VERIFY_KERNELS=0) ;;  # the verify step on torch ops (ddtree_verify_step)
       CYCLE) envs+=(SGLANG_DDTREE_TEST_CYCLE_BUDGETS=1 SGLANG_DDTREE_ALLOW_TEST_SWITCHES=1) ;;  # step k takes the k-th ladder budget (0 included)
       CTX4K) args+=(--context-length 4096 --cuda-graph-max-bs 8) ;;  # LIMITS: the second context length (after COMMON's)
@@ -382,13 +394,19 @@ ts "queries done; GPU mem: $(nvidia-smi --query-gpu=memory.used --format=csv,noh
 stop_all; trap - EXIT
 if [ "${MIX:-0}" = 1 ]; then
   { MIXC=(python3 $HERE/production_mix.py compare "$OUT")
+    if [ "${MIX_SET:-}" = h ]; then
+    "${MIXC[@]}" h_plain --upstream h_dflash h_twin h_dflash h_full15 h_full64 h_full256; echo "rc=$?"
+    echo "--- the deliberately wrong commit (expected to fail):"; "${MIXC[@]}" h_plain --upstream h_dflash h_full64_deepest; echo "rc=$?"
+    "${MIXC[@]}" d_plain --upstream d_dflash d_dflash d_full64; echo "rc=$?"
+    else
     "${MIXC[@]}" r_plain --upstream r_dflash r_dflash r_full16 r_full64 r_full256 r_full256_cap; echo "rc=$?"
     "${MIXC[@]}" p_plain --upstream p_dflash p_dflash p_full16 p_full64 p_full256; echo "rc=$?"
     "${MIXC[@]}" r_plain_rt r_full64_rt r_full256_rt; echo "rc=$?"
     if [ -n "$OLD_BUNDLE" ]; then echo "--- the payload before the fix ($OLD_BUNDLE), same workload (expected to fail):"
       "${MIXC[@]}" r_plain --upstream r_dflash r_full64_old r_full256_old; echo "rc=$?"; fi
+    fi
   } 2>&1 | tee "$OUT/summary.txt"
-  for t in "${!PID[@]}"; do grep -hE "DDTree full: verify steps sized|Traceback|Error" "$OUT/server_$t.log" | head -3 | sed "s/^/[$t] /" | cut -c1-300; done
+  for t in "${!PID[@]}"; do grep -hE "DDTree full: verify steps sized|DDTree full \(hybrid|Traceback|Error" "$OUT/server_$t.log" | head -3 | sed "s/^/[$t] /" | cut -c1-300; done
 else
 python3 $HERE/compare_ddtree.py "$OUT" | tee "$OUT/summary.txt"
 fi

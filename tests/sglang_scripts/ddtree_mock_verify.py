@@ -8,8 +8,10 @@ prefix + ancestor mask in triton's row-major layout. Prints one JSON line; exit 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from types import SimpleNamespace
+from unittest import mock
 
 import sglang.srt.speculative.ddtree_worker as dw
 import torch
@@ -110,7 +112,8 @@ def main() -> int:
         seq_lens = torch.tensor(prefix, dtype=torch.int64)
         widths: list[int | None] = []
         controller = SimpleNamespace(stats=dw.DDTreeStats(), widths=widths, set_verify_width=widths.append,
-                                     mark_phase=lambda name: None, stash_acceptance=lambda tree, nodes, sampled: None)
+                                     mark_phase=lambda name: None, stash_acceptance=lambda tree, nodes, sampled: None,
+                                     hybrid=None)
         batch = SimpleNamespace(
             forward_mode=SimpleNamespace(is_idle=lambda: False),
             batch_size=lambda bs=bs: bs,
@@ -239,17 +242,40 @@ class FlashInferAttnBackend:
     num_draft_tokens = 16
 
 
+class GDNAttnBackend:  # SGLang's GDN backend as the worker sees it: its class name and tree flag
+    def __init__(self, topk: int) -> None:
+        self.topk = topk
+
+
+class Mamba2AttnBackend(GDNAttnBackend):
+    pass
+
+
+def _hybrid_backend(full, linear):
+    """SGLang's HybridLinearAttnBackend: the triton backend for attention layers, a linear one for the rest."""
+    return SimpleNamespace(full_attn_backend=full, linear_attn_backend=linear)
+
+
+def _mamba_pool(width, rows=49, layers=3):
+    ssm = torch.zeros((layers, rows, width, 2, 4, 4), dtype=torch.float32)
+    conv = [torch.zeros((layers, rows, width, 8, 3), dtype=torch.bfloat16)]
+    return SimpleNamespace(mamba_cache=SimpleNamespace(intermediate_ssm=ssm, intermediate_conv_window=conv))
+
+
 def _worker(mode="full", backend=TritonAttnBackend, hybrid_attr=None, hf=None, page_size=1, vocab=VOCAB,
-            window=None, verify_width=None, budget=64, budget_max=None):
+            window=None, verify_width=None, budget=64, budget_max=None, linear=None, state_width=None, radix=False):
     attn_backend = backend()
     attn_backend.num_draft_tokens = verify_width or (65 if mode == "full" else 16)
+    if linear is not None:
+        attn_backend = _hybrid_backend(attn_backend, linear)
     runner = SimpleNamespace(
         attn_backend=attn_backend,
         mambaish_config=None,
         hybrid_gdn_config=None,
         sliding_window_size=window,
         device="cpu",
-        req_to_token_pool=SimpleNamespace(size=48, max_context_len=256),
+        req_to_token_pool=SimpleNamespace(size=48, max_context_len=256,
+                                          mamba_pool=_mamba_pool(state_width or 65)),
         model_config=SimpleNamespace(
             hf_config=SimpleNamespace(to_dict=lambda: hf or {"model_type": "qwen3"}), vocab_size=vocab
         ),
@@ -262,8 +288,62 @@ def _worker(mode="full", backend=TritonAttnBackend, hybrid_attr=None, hf=None, p
         speculative_ddtree_budget_max=budget_max,
         speculative_ddtree_topk_cap=None,
         speculative_ddtree_allow_hybrid_unsafe=False,
+        disable_radix_cache=not radix,
+        tp_size=1,
     )
+    runner.server_args = args
     return SimpleNamespace(server_args=args, block_size=16, tp_rank=0, page_size=page_size, model_runner=runner)
+
+
+QWEN3_NEXT = {"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"]}
+
+
+def hybrid_checks(refused) -> list[str]:
+    """Full mode on a GDN hybrid under the proof's switch: started only where the backend patch took, the
+    per-node states are tree-wide and the radix cache is off; the commit maps DFLASH's chain offsets to
+    the accepted path's nodes (and the test faults do what they say)."""
+    out: list[str] = []
+    gdn = dict(hybrid_attr="hybrid_gdn_config", hf=QWEN3_NEXT)
+    with mock.patch.dict(os.environ, {"SGLANG_DDTREE_TEST_UNPROVEN_HYBRID": "1"}):
+        for name, (worker, needles) in {
+            "gdn without the backend patch": (_worker(**gdn, linear=GDNAttnBackend(0)), ("verifies chains", "Re-push")),
+            "gdn states for a block": (_worker(**gdn, linear=GDNAttnBackend(2), state_width=16),
+                                       ("recurrent states for 16 verify tokens", "1 + budget = 65")),
+            "gdn with the radix cache": (_worker(**gdn, linear=GDNAttnBackend(2), radix=True), ("--disable-radix-cache",)),
+            "mamba-2 under the switch": (_worker(hybrid_attr="mambaish_config", linear=Mamba2AttnBackend(2)),
+                                         ("Mamba2AttnBackend",)),
+        }.items():
+            problem = refused(worker, *needles)
+            if problem:
+                out.append(f"hybrid {name}: {problem}")
+        try:
+            ctl = dw.DDTreeController.maybe_create(_worker(**gdn, linear=GDNAttnBackend(2)))
+        except Exception as e:
+            return [*out, f"hybrid gdn under the switch: refused: {e!r}"]
+        if ctl.hybrid is None or ctl.hybrid.memory.width != 65 or ctl.internal_state()["hybrid"]["verify_width"] != 65:
+            out.append(f"hybrid gdn: state not attached: {ctl.internal_state().get('hybrid')}")
+        # accepted paths root-first, -1 padded; DFLASH's chain offsets: commit_len - 1, and a tracked offset
+        path = torch.tensor([[0, 3, 9, -1], [0, 1, 2, 5], [0, -1, -1, -1]])
+        vi = SimpleNamespace(accepted_nodes=path, tree=None)
+        chain = torch.tensor([2, 3, 0])
+        track = torch.tensor([1, -1, 0])
+        steps, tracked = ctl.mamba_commit_steps(vi, chain, track)
+        if steps.tolist() != [9, 5, 0] or tracked.tolist() != [3, -1, 0]:
+            out.append(f"hybrid commit: {steps.tolist()} / {tracked.tolist()}, want [9, 5, 0] / [3, -1, 0]")
+        linear_step = SimpleNamespace()  # DFLASH's own verify input: its chain is the block
+        if ctl.mamba_commit_steps(linear_step, chain, track)[0] is not chain:
+            out.append("hybrid commit: a linear step's chain indices were changed")
+    tree = SimpleNamespace(valid=torch.tensor([[True] * 4, [True, True, False, False]]),
+                           depths=torch.tensor([[0, 1, 2, 2], [0, 1, 3, 3]]))
+    for fault, want in (("deepest", [2, 1]), ("skip", [-1, -1]), ("chain", [1, 0])):
+        env = {"SGLANG_DDTREE_TEST_UNPROVEN_HYBRID": "1", "SGLANG_DDTREE_TEST_MAMBA_COMMIT": fault}
+        with mock.patch.dict(os.environ, env):
+            ctl = dw.DDTreeController.maybe_create(_worker(**gdn, linear=GDNAttnBackend(2)))
+        vi = SimpleNamespace(accepted_nodes=torch.tensor([[0, 3], [0, 2]]), tree=tree)
+        got = ctl.mamba_commit_steps(vi, torch.tensor([1, 0]), None)[0].tolist()
+        if got != want:
+            out.append(f"hybrid fault {fault}: committed {got}, want {want}")
+    return out
 
 
 def guard_checks() -> list[str]:
@@ -282,6 +362,11 @@ def guard_checks() -> list[str]:
     cases = {
         "gdn runtime": (_worker(hybrid_attr="hybrid_gdn_config"), ("hybrid", "hybrid_gdn_config", "shadow-linear")),
         "mamba runtime": (_worker(hybrid_attr="mambaish_config"), ("mambaish_config",)),
+        # GDN wired but not yet proven: refused unless the proof's switch is on
+        "gdn unproven": (_worker(hybrid_attr="hybrid_gdn_config", hf=QWEN3_NEXT, linear=GDNAttnBackend(2)),
+                         ("layer type gated-deltanet (GDNAttnBackend)", "not yet shown on a GPU", "shadow-linear")),
+        "mamba-2 backend": (_worker(hybrid_attr="mambaish_config", linear=Mamba2AttnBackend(2)),
+                            ("Mamba2AttnBackend", "only through GDNAttnBackend")),
         "config marker": (_worker(hf={"model_type": "qwen3_next"}), ("qwen3_next",)),
         "runtime window": (_worker(window=4096), ("sliding window of 4096", "shadow-linear")),
         "config window": (_worker(hf={"model_type": "mistral", "sliding_window": 4096}), ("windowed attention",
@@ -297,6 +382,7 @@ def guard_checks() -> list[str]:
         problem = refused(worker, *needles)
         if problem:
             out.append(f"guard {name}: {problem}")
+    out += hybrid_checks(refused)
     for name, worker in {
         "qwen3 unused window": _worker(hf={"model_type": "qwen3", "sliding_window": 4096, "use_sliding_window": False}),
         "shadow on hybrid": _worker(mode="shadow-linear", hybrid_attr="hybrid_gdn_config", backend=FlashInferAttnBackend),

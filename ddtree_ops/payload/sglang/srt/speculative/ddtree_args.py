@@ -41,7 +41,14 @@ FLAG_ALLOW_HYBRID = "--speculative-ddtree-allow-hybrid-unsafe"
 
 # Switches that make a server deliberately wrong or slow, for the proofs' power checks; a server
 # refuses to start with one unless ALLOW_TEST_SWITCHES=1 says it is a test.
-TEST_SWITCHES = ("SGLANG_DDTREE_TEST_BIASED_WALK", "SGLANG_DDTREE_TEST_CYCLE_BUDGETS")
+# TEST_UNPROVEN_HYBRID serves full mode on a hybrid layer type whose proof has not passed yet
+# (ddtree_utils.HYBRID_TREE_SUPPORT): the proof's own servers, nothing else.
+TEST_UNPROVEN_HYBRID = "SGLANG_DDTREE_TEST_UNPROVEN_HYBRID"
+TEST_SWITCHES = ("SGLANG_DDTREE_TEST_BIASED_WALK", "SGLANG_DDTREE_TEST_CYCLE_BUDGETS", TEST_UNPROVEN_HYBRID)
+# A deliberately wrong recurrent-state commit on hybrid targets (the hybrid proof's power check):
+# "deepest" commits each tree's deepest node, "chain" DFLASH's `commit_len - 1`, "skip" nothing.
+TEST_MAMBA_COMMIT = "SGLANG_DDTREE_TEST_MAMBA_COMMIT"
+MAMBA_COMMIT_FAULTS = ("deepest", "chain", "skip")
 ALLOW_TEST_SWITCHES = "SGLANG_DDTREE_ALLOW_TEST_SWITCHES"
 
 
@@ -52,6 +59,14 @@ def test_switch(name: str, environ: Any = None) -> bool:
 
 class DDTreeConfigError(ValueError):
     """A DDTree flag combination that the server refuses to start with."""
+
+
+def mamba_commit_fault(environ: Any = None) -> str:
+    """The TEST_MAMBA_COMMIT fault asked for ("" when none); an unknown value is refused."""
+    value = (os.environ if environ is None else environ).get(TEST_MAMBA_COMMIT, "").strip().lower()
+    if value and value not in MAMBA_COMMIT_FAULTS:
+        raise DDTreeConfigError(f"{TEST_MAMBA_COMMIT} must be one of {', '.join(MAMBA_COMMIT_FAULTS)}, got {value!r}.")
+    return value
 
 
 def add_ddtree_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -223,20 +238,23 @@ def handle_ddtree_server_args(server_args: Any) -> None:
             f"Raise {budget_flag} or drop {FLAG_KEEP_CHAIN}."
         )
 
-    on = [name for name in TEST_SWITCHES if test_switch(name)]
+    on = [f"{name}=1" for name in TEST_SWITCHES if test_switch(name)]
+    fault = mamba_commit_fault()
+    if fault:
+        on.append(f"{TEST_MAMBA_COMMIT}={fault}")
     if on and not test_switch(ALLOW_TEST_SWITCHES):
         raise DDTreeConfigError(
-            f"{', '.join(on)}=1 {'is a test switch' if len(on) == 1 else 'are test switches'} (deliberately "
+            f"{', '.join(on)} {'is a test switch' if len(on) == 1 else 'are test switches'} (deliberately "
             f"wrong or slow verification), refused on a server; a test that means it sets {ALLOW_TEST_SWITCHES}=1."
         )
 
     if server_args.speculative_ddtree_allow_hybrid_unsafe:
-        # Hybrid targets get SGLang's HybridLinearAttnBackend and an upstream linear Mamba-state
-        # commit: full mode there would be refused by the worker anyway, or be wrong.
+        # No unsafe escape: full mode runs on a hybrid where its layer type is wired and proven
+        # (ddtree_utils.HYBRID_TREE_SUPPORT), and nowhere else.
         raise DDTreeConfigError(
-            f"{FLAG_ALLOW_HYBRID} is not supported yet: full mode cannot run on hybrid "
-            f"(Mamba/GDN/linear-attention) targets. Drop the flag; use {FLAG_MODE} shadow-linear "
-            "on hybrid targets."
+            f"{FLAG_ALLOW_HYBRID} is refused: full mode on a hybrid (Mamba/GDN/linear-attention) target runs "
+            "only where DDTree commits the accepted node's recurrent state and a proof has shown it; there is "
+            f"no unsafe override. Drop the flag; use {FLAG_MODE} shadow-linear on other hybrid targets."
         )
 
     if mode == "full":
@@ -289,6 +307,15 @@ def _check_full_mode(server_args: Any) -> None:
             f"{FLAG_MODE} full cannot apply custom logit processors per tree node "
             f"(--enable-custom-logit-processor): use {FLAG_MODE} shadow-linear or drop the flag."
         )
+    config = _local_model_config(server_args)
+    if config is not None:
+        from sglang.srt.speculative.ddtree_utils import full_mode_refusal, is_hybrid_model
+
+        refusal = full_mode_refusal(config, allow_unproven_hybrid=test_switch(TEST_UNPROVEN_HYBRID))
+        if refusal:
+            raise DDTreeConfigError(refusal)
+        if is_hybrid_model(config)[0]:
+            check_hybrid_full_mode(server_args)
     # A tree verify writes 1 + budget KV slots per request, more than the block size the
     # req_to_token rows (context length + 4 + this value) and the scheduler's per-step
     # reservation are sized by; without this a request near the context limit writes its tree
@@ -297,6 +324,81 @@ def _check_full_mode(server_args: Any) -> None:
     current = getattr(server_args, "max_speculative_num_draft_tokens", None) or 0
     if verify_width > current:
         server_args.max_speculative_num_draft_tokens = verify_width
+
+
+# Linear-attention backends whose tree path DDTree drives (SGLang's `topk > 1` branch): their kernels take
+# the parents from DDTree's first-child / next-sibling arrays and keep one state per node.
+HYBRID_TREE_BACKENDS = ("GDNAttnBackend",)
+
+
+def hybrid_tree_verify(model_runner: Any, backend: Any) -> bool:
+    """Whether this linear-attention backend verifies trees: a DDTree full-mode target (not the draft) on a
+    backend in HYBRID_TREE_BACKENDS. Asked by `MambaAttnBackendBase.__init__` (payload patch), before the
+    target's CUDA graphs are captured with or without the tree kernels; DDTreeController refuses a start
+    where the answer and its own checks disagree."""
+    server_args = model_runner.server_args
+    return (
+        getattr(server_args, "speculative_ddtree_mode", "off") == "full"
+        and not getattr(model_runner, "is_draft_worker", False)
+        and type(backend).__name__ in HYBRID_TREE_BACKENDS
+    )
+
+
+def mamba_plan_width(server_args: Any) -> int:
+    """Verify tokens per request that SGLang's hybrid memory plan (`handle_max_mamba_cache`, payload
+    patch) counts intermediate recurrent states for: the allocated width, 1 + budget in full mode;
+    upstream's block size otherwise."""
+    block = int(server_args.speculative_num_draft_tokens)
+    if getattr(server_args, "speculative_ddtree_mode", "off") != "full":
+        return block
+    return max(block, int(getattr(server_args, "max_speculative_num_draft_tokens", None) or 0))
+
+
+def _local_model_config(server_args: Any) -> dict | None:
+    """The target's config.json when --model-path is a local directory (a hub id is checked by the
+    worker, from SGLang's runtime config); read here so a refused hybrid never allocates its pools."""
+    import json
+
+    path = getattr(server_args, "model_path", None)
+    if not path or not os.path.isdir(path):
+        return None
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def check_hybrid_full_mode(server_args: Any) -> None:
+    """What full mode on a hybrid target is wired and proven for (bench/gpu/HYBRID.md §3.4): SGLang's
+    Triton GDN kernels, one GPU, a fixed budget, no radix cache (its mamba tracking under DFLASH is
+    unproven upstream). Called at argument parsing and again by the worker on the runtime config."""
+    for flag, attr in (("--linear-attn-backend", "linear_attn_backend"),
+                       ("--linear-attn-decode-backend", "linear_attn_decode_backend"),
+                       ("--linear-attn-prefill-backend", "linear_attn_prefill_backend")):
+        value = getattr(server_args, attr, None)
+        if value not in (None, "triton"):
+            raise DDTreeConfigError(
+                f"{FLAG_MODE} full on a hybrid target needs SGLang's Triton linear-attention kernels (their tree "
+                f"path is the one DDTree's commit follows); got {flag} {value}. Use {flag} triton or {FLAG_MODE} "
+                "shadow-linear."
+            )
+    if not getattr(server_args, "disable_radix_cache", False):
+        raise DDTreeConfigError(
+            f"{FLAG_MODE} full on a hybrid target runs without the radix cache (its recurrent-state tracking "
+            f"under DFLASH is not proven): add --disable-radix-cache, or use {FLAG_MODE} shadow-linear."
+        )
+    if int(getattr(server_args, "tp_size", 1) or 1) != 1:
+        raise DDTreeConfigError(
+            f"{FLAG_MODE} full on a hybrid target runs on one GPU only (--tp-size 1) until a tensor-parallel "
+            f"proof; use {FLAG_MODE} shadow-linear with --tp-size {server_args.tp_size}."
+        )
+    if is_auto(getattr(server_args, "speculative_ddtree_budget", None)):
+        raise DDTreeConfigError(
+            f"{FLAG_BUDGET} {BUDGET_AUTO} is not available on hybrid targets yet (its verify graphs of several "
+            f"widths share the recurrent-state buffers); give a fixed {FLAG_BUDGET}."
+        )
 
 
 def is_auto(budget: Any) -> bool:

@@ -72,6 +72,8 @@ __all__ = [
     "build_ddtree",
     "follow_verified_tree",
     "full_mode_refusal",
+    "hybrid_layer_type",
+    "hybrid_refusal",
     "is_hybrid_model",
     "keep_top1_chain",
     "uses_windowed_attention",
@@ -845,20 +847,69 @@ class DDTreeRefused(RuntimeError):
     """DDTree full mode cannot run on this target / backend; the message says why and what to do."""
 
 
-def full_mode_refusal(config: dict) -> str | None:
+# Full DDTree on a hybrid target, by the recurrent layer type SGLang runs for it (bench/gpu/HYBRID.md):
+# the layer type's verify kernels must follow a tree's parents, the accepted node's state must be the
+# one committed, and a GPU proof must show plain decoding's tokens. `proven`: served. `unproven`: the
+# wiring exists, served only where the proof itself asks (test switch SGLANG_DDTREE_TEST_UNPROVEN_HYBRID).
+# Every other hybrid is refused, its layer type named.
+HYBRID_GDN_MODEL_TYPES = frozenset(
+    {"qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_6", "qwen3_6_moe"}
+)
+_GDN_ARCH_MARKERS = ("qwen3next", "qwen3_5", "qwen3_6")
+HYBRID_TREE_SUPPORT = {
+    "gated-deltanet": (
+        "unproven",
+        "SGLang's GDN tree kernels follow DDTree's parents and the accepted node's state is committed "
+        "(bench/gpu/HYBRID.md); token identity with plain decoding is not yet shown on a GPU",
+    ),
+}
+
+
+def hybrid_layer_type(config: dict) -> str | None:
+    """The recurrent layer type of a hybrid ``config.json`` where DDTree knows it ("gated-deltanet":
+    Qwen3-Next, Qwen3.5 / 3.6), else None (any other hybrid, or a dense model)."""
+    if not isinstance(config, dict):
+        return None
+    for _where, cfg in _sub_configs(config):
+        if str(cfg.get("model_type", "")).lower() in HYBRID_GDN_MODEL_TYPES:
+            return "gated-deltanet"
+        archs = [str(a).lower() for a in cfg.get("architectures") or []]
+        if any(marker in arch for arch in archs for marker in _GDN_ARCH_MARKERS):
+            return "gated-deltanet"
+    return None
+
+
+def hybrid_refusal(config: dict, *, allow_unproven: bool = False) -> str | None:
+    """Why full DDTree must not run on this hybrid target (None: it may, or the model is not hybrid)."""
+    hybrid, reason = is_hybrid_model(config)
+    if not hybrid:
+        return None
+    layer_type = hybrid_layer_type(config)
+    status, why = HYBRID_TREE_SUPPORT.get(layer_type or "", ("refused", ""))
+    if status == "proven" or (status == "unproven" and allow_unproven):
+        return None
+    if status == "unproven":
+        return (
+            f"DDTree full mode refused: the target model is hybrid ({reason}), layer type {layer_type}: {why}. "
+            f"Use {_FLAG_MODE} shadow-linear."
+        )
+    return (
+        f"DDTree full mode refused: the target model is hybrid ({reason}). Its recurrent "
+        "Mamba/linear-attention layers have no tree-verify support in DDTree (full mode runs only on "
+        f"{', '.join(t for t, (st, _) in HYBRID_TREE_SUPPORT.items() if st == 'proven') or 'no hybrid layer type yet'}). "
+        f"Use {_FLAG_MODE} shadow-linear."
+    )
+
+
+def full_mode_refusal(config: dict, *, allow_unproven_hybrid: bool = False) -> str | None:
     """Why full DDTree must not run on the target described by ``config`` (its config.json), or None.
 
     One place for the offline refusals, so the worker, the smoke test and the lab engine refuse the
-    same models with the same words. (Hybrid targets are refused without an escape hatch: the
-    allow flag is refused at argument parsing until tree-aware recurrent-state commits exist.)
+    same models with the same words; hybrids follow `HYBRID_TREE_SUPPORT`.
     """
-    hybrid, reason = is_hybrid_model(config)
-    if hybrid:
-        return (
-            f"DDTree full mode refused: the target model is hybrid ({reason}). Its recurrent "
-            "Mamba/GDN/linear-attention state cannot follow sibling tree branches in the DFLASH "
-            f"verify path. Use {_FLAG_MODE} shadow-linear."
-        )
+    refusal = hybrid_refusal(config, allow_unproven=allow_unproven_hybrid)
+    if refusal:
+        return refusal
     windowed, reason = uses_windowed_attention(config)
     if windowed:
         return (

@@ -46,6 +46,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.speculative.ddtree_args import (
     DDTREE_FULL_ATTENTION_BACKENDS,
     FLAG_MODE,
+    TEST_UNPROVEN_HYBRID,
     configured_budget,
     is_auto,
     sampling_rule,
@@ -58,6 +59,7 @@ from sglang.srt.speculative.ddtree_auto_budget import (
     auto_candidates,
     verify_widths,
 )
+from sglang.srt.speculative.ddtree_hybrid import HybridTree, runtime_refusal
 from sglang.srt.speculative.ddtree_metrics import AutoMetrics
 from sglang.srt.speculative.ddtree_penalties import (
     DEFAULT_ORDER,
@@ -143,14 +145,13 @@ def _hf_config_dict(model_runner: Any) -> dict:
 
 def full_mode_refusal_at_start(model_runner: Any) -> str | None:
     """The offline refusals of `ddtree_utils.full_mode_refusal` plus what only the running server
-    knows: SGLang's runtime hybrid markers and the sliding window it actually applies."""
+    knows: the hybrid layers SGLang built (`ddtree_hybrid.runtime_refusal`) and the sliding window it
+    actually applies."""
     hybrid, reason = target_is_hybrid(model_runner)
     if hybrid:
-        return (
-            f"DDTree full mode refused: the target model is hybrid ({reason}). Its recurrent "
-            "Mamba/GDN/linear-attention state cannot follow sibling tree branches in the DFLASH "
-            f"verify path. Use {FLAG_MODE} shadow-linear."
-        )
+        refusal = runtime_refusal(model_runner, reason)
+        if refusal:
+            return refusal
     window = getattr(model_runner, "sliding_window_size", None)
     if window not in (None, 0, -1):
         return (
@@ -158,7 +159,7 @@ def full_mode_refusal_at_start(model_runner: Any) -> str | None:
             "tokens, which its verify kernels apply by a node's index in the verify block, not by "
             f"its tree depth. Use {FLAG_MODE} shadow-linear."
         )
-    return full_mode_refusal(_hf_config_dict(model_runner))
+    return full_mode_refusal(_hf_config_dict(model_runner), allow_unproven_hybrid=test_switch(TEST_UNPROVEN_HYBRID))
 
 
 def sampled_rows(batch: ScheduleBatch) -> list[int]:
@@ -388,7 +389,9 @@ class DDTreeController:
         # (start, end) CUDA event pairs of builds not yet read; read at the next log line, so the
         # serving path never waits on the GPU for a metric.
         self._pending_build_events: list[tuple[Any, Any]] = []
-        self._attn_backend = worker.model_runner.attn_backend
+        # A hybrid target's HybridLinearAttnBackend wraps the triton backend that takes the tree mask.
+        self._attn_backend = getattr(worker.model_runner.attn_backend, "full_attn_backend", worker.model_runner.attn_backend)
+        self.hybrid: HybridTree | None = None
         self._backend_verify_width = getattr(self._attn_backend, "num_draft_tokens", None)
         graph_runner = getattr(worker.model_runner, "graph_runner", None)
         self.verify_graph_width = getattr(graph_runner, "num_tokens_per_bs", None)
@@ -409,6 +412,9 @@ class DDTreeController:
                 raise DDTreeRefused(
                     f"DDTree full mode refused: needs --page-size 1, got {worker.page_size}."
                 )
+            if target_is_hybrid(worker.model_runner)[0]:
+                self.hybrid = HybridTree(worker.model_runner, self.budget)
+                self.hybrid.log_start(self.tp_rank)
             self._check_verify_width()
             if self.budget_auto:
                 # Before the verify sizing: the graphs' memory is then not counted as free for steps.
@@ -816,6 +822,9 @@ class DDTreeController:
             tree=tree,
             controller=self,
         )
+        if self.hybrid is not None:  # the recurrent layers' tree path takes DDTree's own arrays
+            verify_input.retrieve_next_token = tree.retrive_next_token
+            verify_input.retrieve_next_sibling = tree.retrive_next_sibling
         verify_input.prepare_for_verify(batch, self.worker.page_size)
         self.stats.tree_steps += 1
         self.stats.add_nodes(tree.num_nodes)
@@ -829,6 +838,14 @@ class DDTreeController:
         metadata (eager or graph replay); every full-mode step sets its own before the forward."""
         if self.mode == "full" and self._backend_verify_width is not None:
             self._attn_backend.num_draft_tokens = int(width)
+
+    def mamba_commit_steps(
+        self, verify_input: Any, chain_steps: torch.Tensor, track_steps: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Called by DFLASH's recurrent-state commit (payload patch): its chain indices, as this step's nodes."""
+        if self.hybrid is None:
+            return chain_steps, track_steps
+        return self.hybrid.commit_steps(verify_input, chain_steps, track_steps)
 
     # ------------------------------------------------------------------ metrics
     def on_step_done(self, num_correct_drafts_per_req: list[int], *, linear: bool) -> None:
@@ -904,6 +921,7 @@ class DDTreeController:
             "verify_graph_max_bs": self.verify_graph_max_bs,
             "build_graph_bs": None if self._build_graphs is None else self._build_graphs.sizes,
             "verify_kernels": self.verify_kernels,  # the fused mask / walk / commit (ddtree_verify_step)
+            "hybrid": None if self.hybrid is None else self.hybrid.as_dict(),
             # SGLANG_DDTREE_PROFILE=1: per-phase medians since the last read (ddtree_profile)
             "profile": None if self.profile is None else self.profile.read_and_reset(),
             **stats,
@@ -922,6 +940,11 @@ class DDTreeVerifyInput(DFlashVerifyInput):
     # (a step padded to the verify graphs' width) write theirs to SGLang's dummy slot 0.
     kv_width: int = 0
     tree_cache_loc: Any = None  # those slots, request-major (set by prepare_for_verify)
+    # Hybrid targets: the tree for SGLang's linear-attention tree path, and the walk's accepted nodes for
+    # the recurrent-state commit (DDTreeController.mamba_commit_steps).
+    retrieve_next_token: Any = None
+    retrieve_next_sibling: Any = None
+    accepted_nodes: Any = None
 
     @property
     def tree_width(self) -> int:
@@ -1013,6 +1036,8 @@ class DDTreeVerifyInput(DFlashVerifyInput):
                 self.tree, candidates, torch.argmax(logits, dim=-1).view(bs, n), follow_verified_tree
             )
         self.controller.stash_acceptance(self.tree, accepted_nodes, sampled)
+        if self.controller.hybrid is not None:
+            self.accepted_nodes = accepted_nodes
         # [bs, depth + 1], root first, -1 pad; one D2H copy for everything the per-request loop needs
         max_path = int(accepted_nodes.shape[1])
         rows = packed.cpu().tolist()
