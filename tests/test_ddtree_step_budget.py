@@ -8,6 +8,8 @@ import random
 import sys
 from pathlib import Path
 
+from unittest import mock
+
 import pytest
 from ddtree_oracle import load_ddtree_utils
 
@@ -196,6 +198,36 @@ def test_plain_attention_models_are_not_refused(config: dict) -> None:
 def test_hybrid_models_are_refused_without_an_escape_hatch() -> None:
     refusal = du.full_mode_refusal({"model_type": "qwen3_next"})
     assert refusal and "hybrid" in refusal and "allow" not in refusal
+
+
+@pytest.mark.parametrize("config", [
+    {"model_type": "qwen3_next"},
+    {"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text"}},
+    {"model_type": "x", "architectures": ["Qwen3_5MoeForConditionalGeneration"]},
+    {"model_type": "qwen3_6_moe"},
+])
+def test_gated_deltanet_hybrids_follow_the_support_table(config: dict) -> None:
+    """GDN targets (Qwen3-Next, 3.5, 3.6) are wired but unproven: refused with the layer type named, served
+    only under the proof's switch; the table's status decides, nothing else."""
+    assert du.hybrid_layer_type(config) == "gated-deltanet"
+    refusal = du.full_mode_refusal(config)
+    assert refusal and "layer type gated-deltanet" in refusal and "shadow-linear" in refusal
+    assert du.full_mode_refusal(config, allow_unproven_hybrid=True) is None
+    proven = {"gated-deltanet": ("proven", "shown")}
+    with mock.patch.dict(du.HYBRID_TREE_SUPPORT, proven):
+        assert du.full_mode_refusal(config) is None
+
+
+@pytest.mark.parametrize("config", [
+    {"model_type": "nemotron_h"}, {"model_type": "jamba"}, {"model_type": "kimi_linear"},
+    {"model_type": "lfm2"}, {"model_type": "qwen3", "mamba_d_state": 16},
+    {"model_type": "x", "layer_types": ["linear_attention", "full_attention"]},
+])
+def test_other_hybrids_stay_refused_even_under_the_switch(config: dict) -> None:
+    assert du.hybrid_layer_type(config) is None
+    for allow in (False, True):
+        refusal = du.full_mode_refusal(config, allow_unproven_hybrid=allow)
+        assert refusal and "no tree-verify support in DDTree" in refusal and "shadow-linear" in refusal
 
 
 def test_padded_step_budget_randomised() -> None:
