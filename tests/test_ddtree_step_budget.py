@@ -7,7 +7,6 @@ import importlib.util
 import random
 import sys
 from pathlib import Path
-
 from unittest import mock
 
 import pytest
