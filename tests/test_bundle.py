@@ -83,7 +83,8 @@ def test_patched_files_carry_the_hooks(built):
     assert b"handle_ddtree_server_args(self)" in files["sglang/srt/server_args.py"]
     assert b"add_ddtree_cli_args(parser)" in files["sglang/srt/server_args.py"]
     worker = files["sglang/srt/speculative/dflash_worker.py"]
-    assert worker.count(b"self._ddtree") == 7  # init, step_start mark (2), on_draft (2), on_verified (2)
+    # init, step_start mark (2), on_draft (2), on_verified (2), the hybrid state commit (2)
+    assert worker.count(b"self._ddtree") == 9
     assert b'ret["ddtree"] = ddtree.internal_state()' in files["sglang/srt/managers/scheduler.py"]
 
 

@@ -344,14 +344,31 @@ def hybrid_tree_verify(model_runner: Any, backend: Any) -> bool:
     )
 
 
-def mamba_plan_width(server_args: Any) -> int:
-    """Verify tokens per request that SGLang's hybrid memory plan (`handle_max_mamba_cache`, payload
-    patch) counts intermediate recurrent states for: the allocated width, 1 + budget in full mode;
-    upstream's block size otherwise."""
-    block = int(server_args.speculative_num_draft_tokens)
-    if getattr(server_args, "speculative_ddtree_mode", "off") != "full":
-        return block
-    return max(block, int(getattr(server_args, "max_speculative_num_draft_tokens", None) or 0))
+class _MambaPlanArgs:
+    """ServerArgs as SGLang's hybrid memory plan reads them in full mode: `speculative_num_draft_tokens` is
+    the width the intermediate states are allocated at (1 + budget); every write goes to the real args."""
+
+    def __init__(self, args: Any, width: int) -> None:
+        object.__setattr__(self, "_args", args)
+        object.__setattr__(self, "speculative_num_draft_tokens", width)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._args, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._args, name, value)
+
+
+def mamba_plan_args(server_args: Any) -> Any:
+    """For `handle_max_mamba_cache` (payload patch): upstream plans the per-node recurrent states for
+    `speculative_num_draft_tokens` (the DFLASH block) but allocates `max_speculative_num_draft_tokens`; in
+    full mode that is the tree, so the plan counts the tree (a large budget then lowers the request count
+    instead of failing the allocation)."""
+    block = getattr(server_args, "speculative_num_draft_tokens", None)
+    width = int(getattr(server_args, "max_speculative_num_draft_tokens", None) or 0)
+    if getattr(server_args, "speculative_ddtree_mode", "off") != "full" or block is None or width <= int(block):
+        return server_args
+    return _MambaPlanArgs(server_args, width)
 
 
 def _local_model_config(server_args: Any) -> dict | None:
