@@ -67,8 +67,9 @@ BASES: tuple[PayloadBase, ...] = (
     PayloadBase("0.5.17", "v2", "bases/0.5.17/payload.json",
                 "0.5.17's ServerArgs is still the dataclass in server_args.py, and its field patch and the v2 "
                 "worker's tree step are not written (issue 26; bench/gpu/V2_WORKER.md §3)"),
+    # Server-args half only: the DDTree fields and their validation; full mode is refused (no v2 tree step yet).
     PayloadBase("0.5.23", "v2", "bases/0.5.23/payload.json",
-                "the field patch for arg_groups/fields/spec.py is not written (issue 26; bench/gpu/V2_WORKER.md §3)"),
+                "its descriptor bases/0.5.23/payload.json is missing from this payload"),
 )
 
 

@@ -187,6 +187,8 @@ def _build_all_bases(out: Path, payload: Path | None, sign_key: Path | None, bas
     if json_output:
         emit_document(command, code, bases=rows)
     else:
+        from rich.markup import escape
+
         from ddtree_ops.output import stdout_console
 
         console = stdout_console()
@@ -196,7 +198,7 @@ def _build_all_bases(out: Path, payload: Path | None, sign_key: Path | None, bas
                               f"(sha256 {r['bundle_sha256'][:16]}…){'' if r['signed'] else ', UNSIGNED'}", highlight=False)
             else:
                 console.print(f"{r['base']} ({r['worker']} worker): [{'red' if 'error' in r else 'yellow'}]not built"
-                              f"[/]: {r['reason']}", highlight=False)
+                              f"[/]: {escape(r['reason'])}", highlight=False)
     if code:
         raise typer.Exit(code)
 
