@@ -370,3 +370,12 @@ def test_push_cli_single_bundle_refuses_the_other_base_and_shows_the_choice(mixe
     flat = " ".join(text.stdout.split())
     assert f"SGLang 0.5.23 → {v2.path.name}" in flat and "SGLang 0.5.14: no bundle" in flat
     assert "odd: SGLang here is 0.5.14; no bundle given for it" in flat
+
+
+def test_status_json_and_table_show_each_hosts_base(mixed_fleet) -> None:
+    inv_path, _ = mixed_fleet
+    doc = json.loads(cli("status", "-i", str(inv_path), "--json").stdout)
+    labels = {r["host"]: r["data"]["payload_base"]["label"] for r in doc["results"]}
+    assert labels == {"old": "0.5.13.post1 v1", "new": "0.5.23 v2", "odd": "0.5.14 (unknown base)"}
+    table = cli("status", "-i", str(inv_path), env={"COLUMNS": "250"}).stdout
+    assert "SGLang base" in table and "0.5.23 v2" in table and "0.5.14 (unknown base)" in table
