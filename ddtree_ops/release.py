@@ -127,11 +127,16 @@ class BundleSet:
     def refusal(self, host: str, version: str | None) -> dict[str, Any]:
         """The refusal of a host whose SGLang no bundle here is built for (plan-refusal shaped)."""
         from ddtree_ops.bases import find_base, known_versions
+        from ddtree_ops.bundle import PAYLOAD_DIR
 
-        known = find_base(version) is not None
-        hint = (f"build it with `ddtree-ops build --base {version}` and push it with the others"
-                if known else f"SGLang {version} is not a base ddtree-ops knows (known: {', '.join(known_versions())}); "
-                              "upgrade or downgrade the host to one of them")
+        base = find_base(version)
+        if base is None:
+            hint = (f"SGLang {version} is not a base ddtree-ops knows (known: {', '.join(known_versions())}); "
+                    "upgrade or downgrade the host to one of them")
+        elif not base.has_payload(PAYLOAD_DIR):
+            hint = f"ddtree-ops has no payload for SGLang {version} yet ({base.pending})"
+        else:
+            hint = f"build it with `ddtree-ops build --base {version}` and push it with the others"
         return {"code": "wrong_version", "message": f"{host}: SGLang here is {version}; no bundle given for it "
                                                       f"(bundles given for: {', '.join(self.bases)})",
                 "hint": hint, "host_version": version, "bases": self.bases}

@@ -262,9 +262,11 @@ def test_bundle_set_picks_by_base_and_refuses_with_the_bases(tmp_path: Path) -> 
     assert s.bases == ["0.5.13.post1", "0.5.23"]
     assert s.for_base("0.5.23").path == v2.path and s.for_base("0.5.13.post1").path == v1.path
     assert s.for_base("0.5.17") is None
-    known = s.refusal("gpu-7", "0.5.17")
-    assert known["code"] == "wrong_version" and "gpu-7" in known["message"] and "0.5.17" in known["message"]
-    assert "0.5.13.post1, 0.5.23" in known["message"] and "build --base 0.5.17" in known["hint"]
+    pending = s.refusal("gpu-7", "0.5.17")
+    assert pending["code"] == "wrong_version" and "gpu-7" in pending["message"] and "0.5.17" in pending["message"]
+    assert "0.5.13.post1, 0.5.23" in pending["message"] and "no payload for SGLang 0.5.17 yet" in pending["hint"]
+    only_v1 = release.BundleSet.of([_local(v1.path)])
+    assert "build --base 0.5.23" in only_v1.refusal("gpu-9", "0.5.23")["hint"]
     unknown = s.refusal("gpu-8", "0.5.14")
     assert "not a base ddtree-ops knows" in unknown["hint"] and "0.5.23" in unknown["hint"]
 
