@@ -46,11 +46,24 @@ def built(wheel: Path, tmp_path_factory) -> B.BuildResult:
 
 
 @pytest.fixture(scope="module")
-def site(wheel: Path, built: B.BuildResult, tmp_path_factory) -> Path:
-    """The wheel's files unpacked (as pip would lay them out), then the bundle installed over them."""
-    site = tmp_path_factory.mktemp("site23")
+def unpacked(wheel: Path, tmp_path_factory) -> Path:
+    """The wheel's files unpacked as pip lays them out (pristine; copies are hard-linked from it, and both
+    installers replace a file by renaming a new one over it, so this tree is never written)."""
+    site = tmp_path_factory.mktemp("pristine23")
     with zipfile.ZipFile(wheel) as z:
         z.extractall(site)
+    return site
+
+
+def _copy(unpacked: Path, dest: Path) -> Path:
+    subprocess.run(["cp", "-al", str(unpacked), str(dest)], check=True)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def site(unpacked: Path, built: B.BuildResult, tmp_path_factory) -> Path:
+    """A copy of the unpacked wheel with the bundle installed over it."""
+    site = _copy(unpacked, tmp_path_factory.mktemp("site23") / "site-packages")
     B.install_bundle(built.bundle_path, site)
     return site
 
@@ -89,6 +102,32 @@ def test_the_field_patch_is_small_and_additive() -> None:
 def test_installed_tree_is_the_wheel_but_the_patched_file(site: Path, built: B.BuildResult) -> None:
     assert B.check_tree_against_record(site, "sglang", VERSION, ignore=[SPEC]) == []
     assert hashlib.sha256((site / SPEC).read_bytes()).hexdigest() == built.manifest.patched_files[0].sha256
+
+
+def test_agent_pushes_and_rolls_back_the_bundle_on_the_0523_tree(unpacked: Path, built: B.BuildResult,
+                                                                  tmp_path: Path) -> None:
+    """The host agent, as push drives it: plan (0.5.23 found, nothing refused), install, no-op re-plan,
+    rollback to pristine: the tree is the wheel's again, byte for byte."""
+    from tests.release_fixtures import run_agent
+
+    site = _copy(unpacked, tmp_path / "site-packages")
+    base = {"state_dir": str(tmp_path / "state"), "sys_path": [str(site)], "operator": "tester"}
+    manifest = json.loads(B.verify_bundle(built.bundle_path).model_dump_json())
+    plan = run_agent("plan", {**base, "manifest": manifest})
+    assert plan["ok"], plan
+    assert plan["result"]["base_version"] == VERSION and not plan["result"]["refusals"]
+    staged = run_agent("stage_begin", {**base, "name": built.bundle_path.name, "size": built.bundle_path.stat().st_size})
+    assert staged["ok"], staged
+    Path(staged["result"]["path"]).write_bytes(built.bundle_path.read_bytes())
+    done = run_agent("install", {**base, "bundle": built.bundle_path.name, "bundle_sha256": built.bundle_sha256})
+    assert done["ok"], done
+    for f in [*built.manifest.patched_files, *built.manifest.new_files]:
+        assert hashlib.sha256((site / f.path).read_bytes()).hexdigest() == f.sha256, f.path
+    assert run_agent("plan", {**base, "manifest": manifest})["result"]["noop"]
+    back = run_agent("rollback", {**base, "to": "pristine"})
+    assert back["ok"], back
+    assert B.check_tree_against_record(site, "sglang", VERSION) == []
+    assert not [f.path for f in built.manifest.new_files if (site / f.path).exists()]
 
 
 def _cases(site: Path, tmp_path: Path, cases: list[dict], extra: str | None = None) -> dict[str, dict]:
