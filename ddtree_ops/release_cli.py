@@ -123,9 +123,9 @@ def register(app: typer.Typer) -> None:
             for one in local.bundles:
                 signature = one.signature
                 assert signature is not None  # checked: the inventory's signers were given
-                sys.stderr.write(f"bundle {one.path.name} for SGLang {one.base_version} (sha256 {one.sha256[:16]}…): "
-                                 f"{signature.describe()}"
-                                 + ("" if signature.trusted else ", accepted because of --allow-unsigned") + "\n")
+                sys.stderr.write(f"bundle {one.path.name} (sha256 {one.sha256[:16]}…): {signature.describe()}"
+                                 + ("" if signature.trusted else ", accepted because of --allow-unsigned")
+                                 + f"; for SGLang {one.base_version}\n")
             progress = progress_for(hosts, "dry run" if dry_run else "push", json_mode=json_output)
             with terminate_like_ctrl_c(), progress or nullcontext():
                 results = do_push(inv, hosts, local, dry_run=dry_run, adopt=adopt,
