@@ -86,8 +86,10 @@ def test_every_algorithm_module_exists_once() -> None:
     """Shared modules live in the payload root only: no base directory carries a second copy."""
     names = [p.name for p in B.PAYLOAD_DIR.rglob("ddtree_*.py") if "__pycache__" not in p.parts]
     assert len(names) == len(set(names)), sorted(names)
+    version = B.load_payload()[1].version
     for b in bases.BASES:
         if b.has_payload(B.PAYLOAD_DIR):
+            assert B.load_payload(None, b.version)[1].version == version, b.version  # one algorithm version
             for rel, src in B.payload_sources(None, b.version).items():
                 if Path(rel).name in ("ddtree_utils.py", "ddtree_args.py"):
                     assert src == B.PAYLOAD_DIR / rel, (b.version, rel, src)

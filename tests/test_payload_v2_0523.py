@@ -197,7 +197,7 @@ def test_0523_parses_and_validates_the_ddtree_flags(site: Path, tmp_path: Path) 
                         "budget max without auto": ["--speculative-ddtree-budget-max", "auto"],
                         "bad mode": ["--speculative-ddtree-mode must be one of off, shadow-linear, full", "wide"],
                         "mode off with budget": ["no effect with --speculative-ddtree-mode off"],
-                        "hybrid flag": ["--speculative-ddtree-allow-hybrid-unsafe is not supported yet"],
+                        "hybrid flag": ["--speculative-ddtree-allow-hybrid-unsafe", "shadow-linear"],
                         "cap over budget": ["--speculative-ddtree-topk-cap must be in 1..7"]}.items():
         assert not r[name]["ok"], (name, r[name])
         assert all(w in r[name]["error"] for w in words), (name, r[name]["error"])
