@@ -118,7 +118,12 @@ class BundleManifest(BaseModel):
 
     @property
     def bundle_name(self) -> str:
-        return f"{self.payload_name}-{self.payload_version}.tar.gz"
+        """`<name>-<version>.tar.gz` for the default base (as before bases were added); other bases carry
+        theirs, `<name>-<version>-sglang<base>.tar.gz`, so one dist/ holds a bundle per base."""
+        from ddtree_ops.bases import DEFAULT_BASE
+
+        suffix = "" if self.base_version == DEFAULT_BASE else f"-{self.base_package}{self.base_version}"
+        return f"{self.payload_name}-{self.payload_version}{suffix}.tar.gz"
 
     def all_paths(self) -> list[str]:
         return sorted([f.path for f in self.patched_files] + [f.path for f in self.new_files])
@@ -136,7 +141,8 @@ class PatchSpec(BaseModel):
 
 
 class PayloadDescriptor(BaseModel):
-    """`payload/payload.json`."""
+    """A base's payload descriptor: `payload/payload.json` (the default base) or
+    `payload/bases/<version>/payload.json` (see bases.py)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -144,8 +150,10 @@ class PayloadDescriptor(BaseModel):
     version: str
     base_package: str
     base_version: str
-    patches: list[PatchSpec]
-    new_files: list[str]  # site-packages-relative; sources live at payload/<path>
+    patches: list[PatchSpec]  # files relative to the descriptor's directory
+    new_files: list[str]  # site-packages-relative; sources live at <descriptor dir>/<path> (this base's own)
+    # site-packages-relative; sources live at <payload root>/<path>: the modules every base shares (one copy)
+    shared: list[str] = Field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -468,31 +476,52 @@ def apply_file_patch(original: bytes, fp: FilePatch) -> bytes:
 
 
 # ----------------------------------------------------------------------------------- payload
-def load_payload(source: str | os.PathLike[str] | None = None) -> tuple[Path, PayloadDescriptor]:
+def load_payload(source: str | os.PathLike[str] | None = None, base: str | None = None) -> tuple[Path, PayloadDescriptor]:
+    """(descriptor directory, descriptor) of one base's payload. `source` is the payload root (None: the one
+    shipped in this package); `base` a version from bases.py (None: the root's own payload.json, the default
+    base's). A base without a descriptor yet, or an unknown one, is refused naming the known bases."""
     root = Path(source) if source is not None else PAYLOAD_DIR
-    desc_path = root / "payload.json"
+    if base is None:
+        desc_path = root / "payload.json"
+    else:
+        from ddtree_ops.bases import base_with_payload
+
+        desc_path = base_with_payload(base, root).descriptor_path(root)
     if not desc_path.is_file():
         raise BundleError(f"no payload descriptor at {desc_path}")
+    desc_dir = desc_path.parent
     try:
         desc = PayloadDescriptor.model_validate_json(desc_path.read_text())
     except ValueError as e:
         raise BundleError(f"{desc_path}: invalid payload descriptor: {e}") from None
+    if base is not None and desc.base_version != base:
+        raise BundleError(f"{desc_path} is for {desc.base_package} {desc.base_version}, not {base}",
+                          hint="fix base_version in the descriptor or its place in bases.py")
     listed = set()
     for rel in desc.new_files:
         _payload_path(rel, desc.base_package, "payload.json new_files")
-        if not (root / rel).is_file():
-            raise BundleError(f"payload.json lists new file {rel}, but {root / rel} does not exist")
+        if not (desc_dir / rel).is_file():
+            raise BundleError(f"payload.json lists new file {rel}, but {desc_dir / rel} does not exist")
         listed.add(rel)
-    # Every module under the payload's package tree must be listed: an unlisted file would be
+    for rel in desc.shared:
+        _payload_path(rel, desc.base_package, "payload.json shared")
+        if rel in listed:
+            raise BundleError(f"{desc_path}: {rel} is listed both in new_files and in shared")
+        if desc_dir != root and (desc_dir / rel).exists():
+            raise BundleError(f"{desc_path}: shared file {rel} also has a copy at {desc_dir / rel}",
+                              hint="a shared module exists once, in the payload root; delete the copy")
+        if not (root / rel).is_file():
+            raise BundleError(f"payload.json lists shared file {rel}, but {root / rel} does not exist")
+    # Every module under the descriptor's own package tree must be listed: an unlisted file would be
     # silently left off the hosts.
-    pkg_root = root / desc.base_package
+    pkg_root = desc_dir / desc.base_package
     if pkg_root.is_dir():
         on_disk = {
-            p.relative_to(root).as_posix()
+            p.relative_to(desc_dir).as_posix()
             for p in pkg_root.rglob("*")
             if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".pyc", ".pyo")
         }
-        unlisted = sorted(on_disk - listed)
+        unlisted = sorted(on_disk - listed - (set(desc.shared) if desc_dir == root else set()))
         if unlisted:
             raise BundleError(
                 f"payload files not listed in {desc_path.name} new_files: {', '.join(unlisted)}",
@@ -502,9 +531,18 @@ def load_payload(source: str | os.PathLike[str] | None = None) -> tuple[Path, Pa
         _safe_relpath(spec.file, "payload.json patches")
         for target in spec.targets:
             _payload_path(target, desc.base_package, f"payload.json targets of {spec.file}")
-        if not (root / spec.file).is_file():
-            raise BundleError(f"payload.json lists patch {spec.file}, but {root / spec.file} does not exist")
-    return root, desc
+        if not (desc_dir / spec.file).is_file():
+            raise BundleError(f"payload.json lists patch {spec.file}, but {desc_dir / spec.file} does not exist")
+    return desc_dir, desc
+
+
+def payload_sources(source: str | os.PathLike[str] | None = None, base: str | None = None) -> dict[str, Path]:
+    """{site-packages path: the file in the payload} of every file a base's payload adds (its own and the shared)."""
+    root = Path(source) if source is not None else PAYLOAD_DIR
+    desc_dir, desc = load_payload(source, base)
+    out = {rel: desc_dir / rel for rel in desc.new_files}
+    out.update({rel: root / rel for rel in desc.shared})
+    return out
 
 
 def _build_time(build_time: str | _dt.datetime | None) -> str:
@@ -543,10 +581,11 @@ def make_pristine_source(
 
 
 def build_files(
-    pristine: PristineSource, source: str | os.PathLike[str] | None = None
+    pristine: PristineSource, source: str | os.PathLike[str] | None = None, base: str | None = None
 ) -> tuple[PayloadDescriptor, list[tuple[PatchedFile, bytes]], list[tuple[NewFile, bytes]]]:
     """Apply the payload to the pristine files in memory (no I/O besides reading)."""
-    root, desc = load_payload(source)
+    root, desc = load_payload(source, base)
+    sources = payload_sources(source, base)
     patched: dict[str, tuple[str, bytes, bytes]] = {}  # path -> (patch file, pristine, current)
     for spec in desc.patches:
         text = (root / spec.file).read_text(encoding="utf-8")
@@ -566,10 +605,10 @@ def build_files(
         for p, (pf, a, b) in sorted(patched.items())
     ]
     new_out = []
-    for rel in sorted(desc.new_files):
+    for rel in sorted(sources):
         if pristine.has(rel):
             raise BundleError(f"new file {rel} collides with an upstream file of {pristine.description}")
-        data = (root / rel).read_bytes()
+        data = sources[rel].read_bytes()
         new_out.append((NewFile(path=rel, sha256=sha256_hex(data), size=len(data)), data))
     return desc, patched_out, new_out
 
@@ -602,18 +641,20 @@ def build_bundle(
     download: bool = False,
     cache_dir: str | os.PathLike[str] | None = None,
     build_time: str | _dt.datetime | None = None,
+    base: str | None = None,
 ) -> BuildResult:
     """Build `out_dir/ddtree-payload-<version>.tar.gz` from the payload at `source`
     (None: the payload shipped in this package) and pristine files from exactly one of
     wheel / python / site_dir / download. Returns the manifest, the bundle path, its sha256 and
-    where the pristine files came from (the manifest is also written beside the bundle as
-    `<bundle>.manifest.json` for humans and CI artifacts)."""
-    _, desc = load_payload(source)
+    where the pristine files came from; `base` picks a base's payload (bases.py; None: the default
+    descriptor). The manifest is also written beside the bundle as `<bundle>.manifest.json` for humans
+    and CI artifacts."""
+    _, desc = load_payload(source, base)
     pristine = make_pristine_source(
         wheel=wheel, python=python, site_dir=site_dir, download=download,
         package=desc.base_package, version=desc.base_version, cache_dir=cache_dir,
     )
-    desc, patched, new = build_files(pristine, source)
+    desc, patched, new = build_files(pristine, source, base)
     manifest = BundleManifest(
         payload_name=desc.name,
         payload_version=desc.version,

@@ -83,6 +83,12 @@ def register(app: typer.Typer) -> None:
                           help="Re-check an existing bundle instead of building: every file's sha256 "
                                "against its manifest, nothing extra, no links, and its signature by one of "
                                "the inventory's `signers:` (-i).")] = None,
+        base: Annotated[str | None, typer.Option("--base", metavar="VERSION",
+                        help="The SGLang version to build for (a base `ddtree-ops build --all-bases` lists; "
+                             "default 0.5.13.post1).")] = None,
+        all_bases: Annotated[bool, typer.Option("--all-bases",
+                             help="Build one bundle for every base that has a payload (pristine files "
+                                  "downloaded per base) and say which bases have none yet, and why.")] = False,
         inventory: InventoryOption = None,
         allow_unsigned: AllowUnsignedOption = False,
         json_output: JsonOption = False,
@@ -92,19 +98,22 @@ def register(app: typer.Typer) -> None:
 
         Pristine files of the pinned sglang come from one of --wheel, --from-python or --download
         (the default), each checked against the wheel's RECORD; patches apply strictly (no fuzz).
-        Writes OUT/ddtree-payload-<version>.tar.gz (and .sig with --sign-key); two builds of the same
-        source are identical apart from the manifest's build time (set SOURCE_DATE_EPOCH for
-        byte-identical output).
+        Writes OUT/ddtree-payload-<version>.tar.gz for 0.5.13.post1, OUT/ddtree-payload-<version>-sglang<base>.tar.gz
+        for another --base (and .sig with --sign-key); two builds of the same source are identical apart
+        from the manifest's build time (set SOURCE_DATE_EPOCH for byte-identical output).
         """
-        command = "build --verify" if verify is not None else "build"
+        command = "build --verify" if verify is not None else ("build --all-bases" if all_bases else "build")
+        if all_bases and verify is None:
+            _build_all_bases(out, payload, sign_key, base, wheel, from_python, json_output, command)
+            return
         with reported_errors(json_output, command):
             from ddtree_ops import bundle as bundle_lib
             from ddtree_ops import signing
 
             if verify is not None:
-                if wheel or from_python or download or payload or sign_key:
-                    raise UsageError("--verify re-checks a bundle; it takes no pristine source, payload or key",
-                                     hint="drop --wheel/--from-python/--download/--payload/--sign-key")
+                if wheel or from_python or download or payload or sign_key or base or all_bases:
+                    raise UsageError("--verify re-checks a bundle; it takes no pristine source, payload, base or key",
+                                     hint="drop --wheel/--from-python/--download/--payload/--base/--all-bases/--sign-key")
                 manifest = bundle_lib.verify_bundle(verify)
                 signers = _trusted_signers(inventory, allow_unsigned)
                 signature = signing.check_signature(verify, signers, allow_unsigned=allow_unsigned)
@@ -120,7 +129,10 @@ def register(app: typer.Typer) -> None:
                     signing.signing_key(sign_key)  # a missing key is found before the build, not after
                 # No source named: the registry's wheel (cached), the one that is checkable anywhere.
                 download = download or not sources
-                result = bundle_lib.build_bundle(payload, out, wheel=wheel, python=from_python, download=download)
+                if base is not None:
+                    _check_base(base, payload)
+                result = bundle_lib.build_bundle(payload, out, wheel=wheel, python=from_python, download=download,
+                                                 base=base)
                 signature = signing.sign_bundle(result.bundle_path, sign_key) if sign_key is not None else None
                 doc = _describe(result.manifest, result.bundle_path, result.bundle_sha256, result.source, signature)
                 verb = "built"
@@ -128,6 +140,67 @@ def register(app: typer.Typer) -> None:
             emit_document(command, 0, **doc)
         else:
             _render(doc, verb, signature)
+
+
+def _check_base(base: str, payload: Path | None) -> None:
+    """An unknown base, or a known one without a payload yet, is a usage error naming the known bases."""
+    from ddtree_ops.bases import base_with_payload
+    from ddtree_ops.bundle import PAYLOAD_DIR
+
+    base_with_payload(base, payload if payload is not None else PAYLOAD_DIR)
+
+
+def _build_all_bases(out: Path, payload: Path | None, sign_key: Path | None, base: str | None, wheel: Path | None,
+                     from_python: str | None, json_output: bool, command: str) -> None:
+    """`build --all-bases`: per base, built (bundle, sha256) or not, with the reason; exit 1 when a base that
+    has a payload failed to build (the others are still built), 0 when every payload built."""
+    from ddtree_ops import bundle as bundle_lib
+    from ddtree_ops import signing
+    from ddtree_ops.bases import BASES
+    from ddtree_ops.errors import OpsError
+
+    with reported_errors(json_output, command):
+        given = [name for name, v in (("--base", base), ("--wheel", wheel), ("--from-python", from_python)) if v]
+        if given:
+            raise UsageError(f"--all-bases builds every base from its own downloaded wheel; it takes no {', '.join(given)}",
+                             hint="drop " + "/".join(given) + ", or build one base with --base VERSION")
+        if sign_key is not None:
+            signing.signing_key(sign_key)
+    root = payload if payload is not None else bundle_lib.PAYLOAD_DIR
+    rows: list[dict[str, Any]] = []
+    for b in BASES:
+        row: dict[str, Any] = {"base": b.version, "worker": b.worker}
+        if not b.has_payload(root):
+            rows.append({**row, "built": False, "reason": f"no payload yet: {b.pending}"})
+            continue
+        try:
+            result = bundle_lib.build_bundle(payload, out, download=True, base=b.version)
+            signature = signing.sign_bundle(result.bundle_path, sign_key) if sign_key is not None else None
+        except OpsError as exc:
+            rows.append({**row, "built": False, "error": exc.info().to_dict(),
+                         "reason": f"build failed: {exc.message}"})
+            continue
+        rows.append({**row, "built": True, "bundle": str(result.bundle_path), "bundle_sha256": result.bundle_sha256,
+                     "payload_version": result.manifest.payload_version, "pristine_source": result.source,
+                     "signed": signature is not None})
+    code = 1 if any("error" in r for r in rows) else 0
+    if json_output:
+        emit_document(command, code, bases=rows)
+    else:
+        from rich.markup import escape
+
+        from ddtree_ops.output import stdout_console
+
+        console = stdout_console()
+        for r in rows:
+            if r["built"]:
+                console.print(f"{r['base']} ({r['worker']} worker): built → {r['bundle']} "
+                              f"(sha256 {r['bundle_sha256'][:16]}…){'' if r['signed'] else ', UNSIGNED'}", highlight=False)
+            else:
+                console.print(f"{r['base']} ({r['worker']} worker): [{'red' if 'error' in r else 'yellow'}]not built"
+                              f"[/]: {escape(r['reason'])}", highlight=False)
+    if code:
+        raise typer.Exit(code)
 
 
 def _trusted_signers(inventory: Path | None, allow_unsigned: bool) -> dict[str, Any]:

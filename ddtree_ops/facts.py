@@ -20,16 +20,32 @@ def facts_args(host: HostConfig, files: Sequence[str] = ()) -> dict[str, Any]:
 
 
 def payload_files() -> list[str]:
-    """Site-packages-relative paths the payload touches (patched and new files), so facts can hash
-    them; empty when the payload descriptor is unavailable (facts then hashes nothing)."""
-    try:
-        from ddtree_ops.bundle import load_payload
+    """Site-packages-relative paths the payloads touch (patched and new files of every base that has a
+    payload), so facts can hash them; a payload that cannot be read is left out (`build` reports it)."""
+    from ddtree_ops.bases import BASES
+    from ddtree_ops.bundle import PAYLOAD_DIR, load_payload
 
-        _, descriptor = load_payload()
-        paths = {t for patch in descriptor.patches for t in patch.targets} | set(descriptor.new_files)
-    except Exception:  # the payload is optional for facts; a broken one is reported by `build`
-        return []
+    paths: set[str] = set()
+    for base in BASES:
+        if not base.has_payload(PAYLOAD_DIR):
+            continue
+        try:
+            _, descriptor = load_payload(None, base.version)
+        except Exception:  # the payload is optional for facts; a broken one is reported by `build`
+            continue
+        paths |= {t for patch in descriptor.patches for t in patch.targets}
+        paths |= set(descriptor.new_files) | set(descriptor.shared)
     return sorted(paths)
+
+
+def with_payload_base(results: list[HostResult]) -> list[HostResult]:
+    """Each reachable host's facts gain `payload_base`: which base its installed SGLang is (bases.host_base)."""
+    from ddtree_ops.bases import host_base
+
+    for r in results:
+        if r.ok and isinstance(r.data, dict):
+            r.data["payload_base"] = host_base((r.data.get("sglang") or {}).get("version"))
+    return results
 
 
 def fetch_facts(ctx: HostContext, inventory: Inventory, files: Sequence[str] = (), *, retries: int | None = None) -> dict[str, Any]:
@@ -54,5 +70,5 @@ def collect_facts(
     retries: int | None = None,
 ) -> list[HostResult]:
     touched = payload_files() if files is None else list(files)
-    return run_on_hosts(hosts, lambda ctx: fetch_facts(ctx, inventory, touched, retries=retries),
-                        concurrency=concurrency, progress=progress)
+    return with_payload_base(run_on_hosts(hosts, lambda ctx: fetch_facts(ctx, inventory, touched, retries=retries),
+                                          concurrency=concurrency, progress=progress))

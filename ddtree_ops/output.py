@@ -178,7 +178,9 @@ def status_row(host: HostConfig, result: HostResult) -> dict[str, str]:
         "reachable": _reachable_cell(result),
         "os": " ".join(filter(None, [os_info.get("id"), os_info.get("version_id")])) or "-",
         "python": (facts.get("python") or {}).get("version", "-"),
-        "sglang": (sglang or {}).get("version") or ("absent" if result.ok else "-"),
+        # The installed version as a payload base: "0.5.23 v2", "0.5.17 v2 (no payload)", "0.5.14 (unknown base)".
+        "sglang": ((facts.get("payload_base") or {}).get("label") or (sglang or {}).get("version")
+                   or ("absent" if result.ok else "-")),
         "service": f"{service.get('active_state')}/{service.get('sub_state')}" if service else "-",
         # No state file: ddtree-ops never installed here. current null: everything rolled back.
         "release": "-" if not result.ok else ("none" if release is None else (release.get("current") or "pristine")),
@@ -209,7 +211,7 @@ def _promotion_cell(promotion: dict[str, Any] | None, in_flight: dict[str, Any] 
 # (key, title); the first STATUS_ESSENTIAL are always shown, the rest in this order while they fit.
 STATUS_COLUMNS = {
     "host": "Host", "reachable": "Reachable", "service": "Service", "release": "Release", "mode": "Mode",
-    "lock": "Lock", "sglang": "SGLang", "address": "Address", "last_promote": "Last promote", "free_disk": "Free disk",
+    "lock": "Lock", "sglang": "SGLang base", "address": "Address", "last_promote": "Last promote", "free_disk": "Free disk",
     "gpus": "GPUs", "python": "Python", "os": "OS",
 }
 STATUS_ESSENTIAL = 6

@@ -77,6 +77,10 @@ class LocalBundle:
         signature = None if signers is None else check_signature(p, signers, allow_unsigned=allow_unsigned)
         return cls(p, sha256_file(p), p.stat().st_size, manifest.model_dump(mode="json"), signature)
 
+    @property
+    def base_version(self) -> str:
+        return str(self.manifest["base_version"])
+
     def describe(self) -> dict[str, Any]:
         """For --json and the operator: which bundle, its hash and who signed it."""
         return {"path": str(self.path), "sha256": self.sha256,
@@ -84,12 +88,84 @@ class LocalBundle:
 
 
 def default_bundle(dist: Path = Path("dist")) -> Path:
-    """The newest dist/ddtree-payload-*.tar.gz, for `push` without --bundle."""
+    """The newest dist/ddtree-payload-*.tar.gz (of any base)."""
     found = sorted(dist.glob("ddtree-payload-*.tar.gz"), key=lambda p: p.stat().st_mtime)
     if not found:
         raise UsageError(f"no bundle given and none in {dist}/", hint="run `ddtree-ops build` or pass --bundle PATH",
                          code="bundle_missing")
     return found[-1]
+
+
+@dataclass(frozen=True)
+class BundleSet:
+    """The bundles a push may install, at most one per SGLang base; each host gets the one whose
+    `base_version` is its installed SGLang version (push_host)."""
+
+    bundles: tuple[LocalBundle, ...]
+
+    @classmethod
+    def of(cls, bundles: Sequence[LocalBundle]) -> BundleSet:
+        if not bundles:
+            raise UsageError("no bundle to push", hint="run `ddtree-ops build` or pass --bundle PATH",
+                             code="bundle_missing")
+        seen: dict[str, LocalBundle] = {}
+        for b in bundles:
+            base = b.base_version
+            if base in seen and seen[base].path != b.path:
+                raise UsageError(f"two bundles for SGLang {base}: {seen[base].path} and {b.path}",
+                                 hint="pass one bundle per base", code="bundle_base_twice")
+            seen.setdefault(base, b)
+        return cls(tuple(sorted(seen.values(), key=lambda b: b.base_version)))
+
+    @property
+    def bases(self) -> list[str]:
+        return [b.base_version for b in self.bundles]
+
+    def for_base(self, version: str | None) -> LocalBundle | None:
+        return next((b for b in self.bundles if b.base_version == version), None)
+
+    def refusal(self, host: str, version: str | None) -> dict[str, Any]:
+        """The refusal of a host whose SGLang no bundle here is built for (plan-refusal shaped)."""
+        from ddtree_ops.bases import find_base, known_versions
+        from ddtree_ops.bundle import PAYLOAD_DIR
+
+        base = find_base(version)
+        if base is None:
+            hint = (f"SGLang {version} is not a base ddtree-ops knows (known: {', '.join(known_versions())}); "
+                    "upgrade or downgrade the host to one of them")
+        elif not base.has_payload(PAYLOAD_DIR):
+            hint = f"ddtree-ops has no payload for SGLang {version} yet ({base.pending})"
+        else:
+            hint = f"build it with `ddtree-ops build --base {version}` and push it with the others"
+        return {"code": "wrong_version", "message": f"{host}: SGLang here is {version}; no bundle given for it "
+                                                      f"(bundles given for: {', '.join(self.bases)})",
+                "hint": hint, "host_version": version, "bases": self.bases}
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [{**b.describe(), "base_version": b.base_version} for b in self.bundles]
+
+
+def load_bundles(paths: Sequence[str | os.PathLike[str]] = (), *, signers: Mapping[str, PublicKey] | None = None,
+                 allow_unsigned: bool = False, dist: Path = Path("dist")) -> BundleSet:
+    """The bundles named on the command line: each a bundle file, or a directory whose newest
+    ddtree-payload-*.tar.gz of each base is taken; none named: `dist` as such a directory. Every bundle is
+    verified (and its signature checked, given `signers`) before any host is contacted."""
+    from ddtree_ops.bundle import verify_bundle
+
+    chosen: list[Path] = []
+    for given in [Path(p) for p in paths] or [dist]:
+        if not given.is_dir():
+            chosen.append(given)  # LocalBundle.load says what is wrong with a missing or bad file
+            continue
+        found = sorted(given.glob("ddtree-payload-*.tar.gz"), key=lambda p: p.stat().st_mtime, reverse=True)
+        if not found:
+            raise UsageError(f"no bundle given and none in {given}/" if not paths else f"no bundle in {given}/",
+                             hint="run `ddtree-ops build` or pass --bundle PATH", code="bundle_missing")
+        newest: dict[str, Path] = {}
+        for p in found:
+            newest.setdefault(verify_bundle(p).base_version, p)
+        chosen.extend(newest.values())
+    return BundleSet.of([LocalBundle.load(p, signers=signers, allow_unsigned=allow_unsigned) for p in chosen])
 
 
 # ----------------------------------------------------------------------------- per-host plumbing
@@ -212,42 +288,73 @@ def _refusal(host: HostConfig, plan: dict[str, Any]) -> ReleaseError:
 # ----------------------------------------------------------------------------- push
 
 
-def push_host(ctx: HostContext, inventory: Inventory, bundle: LocalBundle, *, dry_run: bool = False,
+def _bundle_choice(bundle: LocalBundle, host_version: str | None) -> dict[str, Any]:
+    return {"host_version": host_version, "base_version": bundle.base_version, "path": str(bundle.path),
+            "sha256": bundle.sha256}
+
+
+def push_host(ctx: HostContext, inventory: Inventory, bundle: LocalBundle | BundleSet, *, dry_run: bool = False,
               adopt: bool = False, lock_wait_s: float = 0.0, operator: str | None = None,
               test_kill_after_files: int | None = None) -> dict[str, Any]:
+    """Push to one host the bundle whose base is its installed SGLang: the first plan (with the first bundle)
+    tells the host's version; another bundle's plan follows only when that one is not the match. A host no
+    bundle matches is refused (`wrong_version`, naming its version and the bases given)."""
     operator = operator or operator_name()
+    bundles = bundle if isinstance(bundle, BundleSet) else BundleSet.of([bundle])
     with _session(ctx, inventory) as session:
         ctx.step("preflight")
-        plan = _call(session, "plan", {**_base_args(ctx.host, operator), "manifest": bundle.manifest, "adopt": adopt})
+        chosen = bundles.bundles[0]
+        plan = _call(session, "plan", {**_base_args(ctx.host, operator), "manifest": chosen.manifest, "adopt": adopt})
+        host_version = plan.get("base_version")
+        match = bundles.for_base(host_version)
+        if match is None:
+            refusal = bundles.refusal(ctx.host.name, host_version)
+            if dry_run:
+                return {"dry_run": True, "bundle": None, "base_version": host_version, "release": None,
+                        "site_packages": plan.get("site_packages"), "current": plan.get("current"), "files": [],
+                        "changes": 0, "noop": False, "refusals": [refusal], "interrupted": plan.get("interrupted")}
+            raise ReleaseError(refusal["message"], code=refusal["code"], hint=refusal["hint"],
+                               detail={"refusals": [refusal]})
+        if match is not chosen:
+            chosen = match
+            plan = _call(session, "plan", {**_base_args(ctx.host, operator), "manifest": chosen.manifest,
+                                           "adopt": adopt})
+        choice = _bundle_choice(chosen, host_version)
         if dry_run:
-            return {"dry_run": True, **plan}
+            return {"dry_run": True, **plan, "bundle": choice}
         if plan["refusals"]:
             raise _refusal(ctx.host, plan)
         if plan["noop"]:
-            return {"release": plan["release"], "noop": True,
+            return {"release": plan["release"], "noop": True, "bundle": choice,
                     "message": f"{plan['release']} is already current; nothing to do", "files": plan["files"]}
         with _host_lock(ctx, session, command="push", operator=operator, wait_s=lock_wait_s) as lease:
             ctx.checkpoint()  # Ctrl-C while locking: stop here, the lock is released on the way out
-            name = _upload(ctx, session, bundle, operator)
+            name = _upload(ctx, session, chosen, operator)
             ctx.checkpoint()  # nothing but the staging dir has changed yet
             ctx.step("installing")
             args = {**_base_args(ctx.host, operator), "lock_id": lease.lock_id, "bundle": name,
-                    "bundle_sha256": bundle.sha256, "adopt": adopt}
-            if bundle.signature is not None:
-                args["signer"] = bundle.signature.describe()  # the host's audit log says who signed what it runs
+                    "bundle_sha256": chosen.sha256, "adopt": adopt}
+            if chosen.signature is not None:
+                args["signer"] = chosen.signature.describe()  # the host's audit log says who signed what it runs
             if test_kill_after_files is not None:
                 args["test_kill_after_files"] = test_kill_after_files
-            return _call(session, "install", args)
+            return {**_call(session, "install", args), "bundle": choice}
 
 
-def push(inventory: Inventory, hosts: Sequence[HostConfig], bundle: str | os.PathLike[str] | LocalBundle, *,
+def push(inventory: Inventory, hosts: Sequence[HostConfig],
+         bundle: str | os.PathLike[str] | LocalBundle | BundleSet, *,
          dry_run: bool = False, adopt: bool = False, lock_wait_s: float = 0.0, operator: str | None = None,
          concurrency: int = DEFAULT_CONCURRENCY, progress: FleetProgress | None = None) -> list[HostResult]:
-    """Push a bundle to hosts (or, with dry_run, say per host what would change). A bundle given as a path
-    must be signed by one of the inventory's `signers`; a LocalBundle is pushed as its caller loaded it (the
-    CLI loads it with LocalBundle.load, --allow-unsigned included). Raises BundleError / SignatureError
-    before contacting any host when the bundle is bad."""
-    local = bundle if isinstance(bundle, LocalBundle) else LocalBundle.load(bundle, signers=inventory.signers)
+    """Push bundles to hosts (or, with dry_run, say per host which bundle and what would change): each host
+    gets the bundle built for its installed SGLang (a BundleSet holds one per base; a single bundle is a set
+    of one), and a host none matches is refused on its own while the others proceed. A bundle given as a path
+    must be signed by one of the inventory's `signers`; a LocalBundle / BundleSet is pushed as its caller
+    loaded it (the CLI loads with --allow-unsigned included). Raises BundleError / SignatureError before
+    contacting any host when a bundle is bad."""
+    if isinstance(bundle, BundleSet | LocalBundle):
+        local: LocalBundle | BundleSet = bundle
+    else:
+        local = LocalBundle.load(bundle, signers=inventory.signers)
     who = operator or operator_name()
     return run_on_hosts(hosts, lambda ctx: push_host(ctx, inventory, local, dry_run=dry_run, adopt=adopt,
                                                      lock_wait_s=lock_wait_s, operator=who),

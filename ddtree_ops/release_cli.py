@@ -49,25 +49,32 @@ def _short(h: str | None) -> str:
 def _render_push(hosts: list[HostConfig], results: list[HostResult]) -> None:
     from ddtree_ops.output import stdout_console
 
-    t = table(["host", "status", "release", "result", "files", "time"])
+    t = table(["host", "status", "sglang", "release", "result", "files", "time"])
     for r in results:
         d = r.data or {}
         if not r.ok:
-            t.add_row(r.host, r.status, "-", r.error.code if r.error else "-", "-", f"{r.elapsed_s:.1f}s", style="red")
+            refused = ((r.error.detail or {}).get("refusals") or [{}])[0] if r.error else {}
+            t.add_row(r.host, r.status, str(refused.get("host_version") or "-"), "-",
+                      r.error.code if r.error else "-", "-", f"{r.elapsed_s:.1f}s", style="red")
             continue
+        base = (d.get("bundle") or {}).get("base_version") or d.get("base_version") or "-"
         if d.get("dry_run"):
             result = "would refuse" if d.get("refusals") else ("no change" if d.get("noop") else "would install")
-            t.add_row(r.host, "dry-run", d.get("release", "-"), result, str(d.get("changes", 0)), f"{r.elapsed_s:.1f}s")
+            t.add_row(r.host, "dry-run", base, d.get("release") or "-", result, str(d.get("changes", 0)),
+                      f"{r.elapsed_s:.1f}s")
             continue
         changed = "0" if d.get("noop") else str(len(d.get("changed", [])))
-        t.add_row(r.host, r.status, d.get("release", "-"), "already current" if d.get("noop") else "installed",
+        t.add_row(r.host, r.status, base, d.get("release", "-"), "already current" if d.get("noop") else "installed",
                       changed, f"{r.elapsed_s:.1f}s")
     console = stdout_console()
     console.print(t)
     for r in results:
         d = r.data or {}
         if r.ok and d.get("dry_run"):
-            console.print(f"[bold]{r.host}[/bold] ({d.get('site_packages')}):")
+            chosen = d.get("bundle")
+            which = (f"SGLang {chosen['host_version']} → {Path(chosen['path']).name}" if chosen
+                     else f"SGLang {d.get('base_version')}: no bundle")
+            console.print(f"[bold]{r.host}[/bold] ({d.get('site_packages')}; {which}):", highlight=False)
             for f in d.get("files", []):
                 console.print(f"  {f['action']:<9} {f['path']}  {_short(f['now'])} → {_short(f['target'])}")
             for ref in d.get("refusals", []):
@@ -83,7 +90,10 @@ def register(app: typer.Typer) -> None:
     def push(
         inventory: InventoryOption = None,
         limit: LimitOption = None,
-        bundle: Annotated[Path | None, typer.Option("--bundle", "-b", help="Bundle to push (default: newest in dist/).")] = None,
+        bundle: Annotated[list[Path] | None, typer.Option(
+            "--bundle", "-b", metavar="BUNDLE|DIR",
+            help="Bundle to push, or a directory (its newest bundle of each SGLang base); repeat it for a fleet of "
+                 "several SGLang versions: each host gets the bundle built for its version (default: dist/).")] = None,
         dry_run: Annotated[bool, typer.Option("--dry-run", help="Show per host which files would change "
                                                                   "(hash now → hash after); change nothing.")] = False,
         adopt: AdoptOption = False,
@@ -97,27 +107,33 @@ def register(app: typer.Typer) -> None:
 
         The bundle must be signed (BUNDLE.sig, `build --sign-key`) by one of the inventory's `signers:`
         unless --allow-unsigned; it is checked before any host is contacted, and each host's audit log
-        records who signed it. Refuses a host whose SGLang version is not the bundle's base, or whose
-        files hash to neither pristine nor patched (unless --adopt). Re-pushing the current bundle is a
+        records who signed it. Each host gets the bundle whose base is its installed SGLang version; a host
+        no bundle matches is refused (the others go on), as is one whose files hash to neither pristine nor
+        patched (unless --adopt). Re-pushing the current bundle is a
         no-op. An interrupted install is completed by the next push or rollback.
         """
         command = "push --dry-run" if dry_run else "push"
         with reported_errors(json_output, command):
             inv, hosts = load_selection(inventory, limit)
             from ddtree_ops.output import progress_for
-            from ddtree_ops.release import LocalBundle, default_bundle
+            from ddtree_ops.release import load_bundles
             from ddtree_ops.release import push as do_push
 
-            local = LocalBundle.load(bundle or default_bundle(), signers=inv.signers, allow_unsigned=allow_unsigned)
-            signature = local.signature
-            assert signature is not None  # checked: the inventory's signers were given
-            sys.stderr.write(f"bundle {local.path.name} (sha256 {local.sha256[:16]}…): {signature.describe()}"
-                             + ("" if signature.trusted else ", accepted because of --allow-unsigned") + "\n")
+            local = load_bundles(bundle or (), signers=inv.signers, allow_unsigned=allow_unsigned)
+            for one in local.bundles:
+                signature = one.signature
+                assert signature is not None  # checked: the inventory's signers were given
+                sys.stderr.write(f"bundle {one.path.name} (sha256 {one.sha256[:16]}…): {signature.describe()}"
+                                 + ("" if signature.trusted else ", accepted because of --allow-unsigned")
+                                 + f"; for SGLang {one.base_version}\n")
             progress = progress_for(hosts, "dry run" if dry_run else "push", json_mode=json_output)
             with terminate_like_ctrl_c(), progress or nullcontext():
                 results = do_push(inv, hosts, local, dry_run=dry_run, adopt=adopt,
                                   lock_wait_s=lock_wait, concurrency=concurrency, progress=progress)
-        finish(command, hosts, results, json_output, _render_push, {"bundle": local.describe()})
+        extra = {"bundles": local.describe()}
+        if len(local.bundles) == 1:
+            extra["bundle"] = local.bundles[0].describe()  # the single-bundle document, as before bases
+        finish(command, hosts, results, json_output, _render_push, extra)
 
     @app.command()
     def smoke(

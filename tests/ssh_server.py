@@ -1,13 +1,14 @@
 """A tiny in-process SSH server (paramiko) for unit tests of ssh.py and the agent round trip.
 
 It accepts one public key, runs each exec request with `sh -c` as the current user (in `env` when
-given) and records every command it was asked to run, so tests can assert that a refused connection
-ran nothing.
+given), serves SFTP on the local files (enough for push's upload) and records every command it was
+asked to run, so tests can assert that a refused connection ran nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import threading
@@ -81,6 +82,41 @@ def _execute(channel: paramiko.Channel, command: str, env: dict[str, str] | None
     channel.close()
 
 
+class _LocalSFTPHandle(paramiko.SFTPHandle):
+    def stat(self):
+        return paramiko.SFTPAttributes.from_stat(os.fstat(self.readfile.fileno()))
+
+
+class _LocalSFTP(paramiko.SFTPServerInterface):
+    """The SFTP subsystem on this machine's own files, as the current user: enough for `sftp.put` (push's upload)."""
+
+    def open(self, path, flags, attr):
+        try:
+            fd = os.open(path, flags, 0o644)
+        except OSError as exc:
+            return paramiko.SFTPServer.convert_errno(exc.errno)
+        mode = "r+b" if flags & (os.O_WRONLY | os.O_RDWR) else "rb"
+        f = os.fdopen(fd, mode if not flags & os.O_APPEND else "ab")
+        handle = _LocalSFTPHandle(flags)
+        handle.readfile = handle.writefile = f
+        return handle
+
+    def stat(self, path):
+        try:
+            return paramiko.SFTPAttributes.from_stat(os.stat(path))
+        except OSError as exc:
+            return paramiko.SFTPServer.convert_errno(exc.errno)
+
+    lstat = stat
+
+    def remove(self, path):
+        try:
+            os.remove(path)
+        except OSError as exc:
+            return paramiko.SFTPServer.convert_errno(exc.errno)
+        return paramiko.SFTP_OK
+
+
 def _serve_channels(transport: paramiko.Transport, handler: _Handler) -> None:
     while transport.is_active():
         chan = transport.accept(1)
@@ -143,6 +179,7 @@ class LocalSSHServer:
             self.connections += 1
             transport = paramiko.Transport(client)
             transport.add_server_key(self.host_key)
+            transport.set_subsystem_handler("sftp", paramiko.SFTPServer, _LocalSFTP)
             handler = _Handler(self)
             try:
                 transport.start_server(server=handler)

@@ -1,0 +1,129 @@
+"""DDTree server flags on SGLang 0.5.23 (the v2 DFLASH worker): glue only (installed as
+`sglang/srt/speculative/ddtree_v2_args.py` by the ddtree-ops payload for 0.5.23).
+
+The flags' meaning, help and checks live in the shared `ddtree_args.py`, as on every base. What differs
+here is how 0.5.23 takes them:
+- fields: `arg_groups/fields/spec.py` declares the six `speculative_ddtree_*` fields of the `Spec`
+  namespace (the payload's one patch); `arg(field)` gives each its CLI metadata, read from the shared
+  `add_ddtree_cli_args`, so the flags' help is written once;
+- validation: `ServerArgs` is a sealed msgspec record resolved by `resolve_once`; a step writes through
+  `declare_resolution`, never by assignment. `register()` (called by the same patch) wraps two resolution
+  steps through SGLang's own plugin route (`resolution_hooks.register_resolution_hook`):
+  `handle_hardware_runtime_validation` (before the dummy-model return) refuses full mode, and
+  `handle_speculative_decoding` (after DFLASH's block size is resolved) runs the shared
+  `handle_ddtree_server_args` on a view that reads the values in effect and declares its normalised values.
+
+Full mode is refused on this base: the v2 worker's tree verify step is not written yet (ddtree-ops issue
+26), so nothing here could verify a tree. Shadow-linear and off are accepted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from typing import Any
+
+from sglang.srt.speculative import ddtree_args as _shared
+
+BASE_VERSION = "0.5.23"
+FIELDS = (
+    "speculative_ddtree_mode",
+    "speculative_ddtree_budget",
+    "speculative_ddtree_budget_max",
+    "speculative_ddtree_topk_cap",
+    "speculative_ddtree_keep_chain",
+    "speculative_ddtree_allow_hybrid_unsafe",
+)
+SOURCE = "ddtree_v2_args"
+
+
+@functools.lru_cache(maxsize=1)
+def _cli_actions() -> dict[str, argparse.Action]:
+    parser = argparse.ArgumentParser(add_help=False)
+    _shared.add_ddtree_cli_args(parser)
+    return {a.dest: a for a in parser._actions if a.dest in FIELDS}
+
+
+def arg(field: str) -> Any:
+    """The `Arg` of a DDTree field in 0.5.23's `Spec` namespace, from the shared CLI definition."""
+    from sglang.srt.arg_groups.arg_utils import Arg
+
+    action = _cli_actions()[field]
+    if action.nargs == 0:  # store_true: arg_utils makes a bool field one by itself
+        return Arg(help=action.help)
+    return Arg(help=action.help, type_parser=action.type)
+
+
+class DDTreeV2NotAvailable(_shared.DDTreeConfigError):
+    """A DDTree mode this base cannot serve yet."""
+
+
+def refuse_unavailable(mode: Any) -> None:
+    if str(mode or "off").strip().lower() == "full":
+        raise DDTreeV2NotAvailable(
+            f"{_shared.FLAG_MODE} full is not available yet on SGLang {BASE_VERSION}: the v2 DFLASH worker's "
+            "tree verify step is not written (ddtree-ops issue 26), so nothing here could verify a tree. "
+            f"Use {_shared.FLAG_MODE} shadow-linear or off."
+        )
+
+
+class _InEffect:
+    """What the shared checks read and write: reads give the value in effect (the last declaration, else
+    the raw input); writes are collected for `declare_resolution`."""
+
+    def __init__(self, server_args: Any) -> None:
+        object.__setattr__(self, "_server_args", server_args)
+        object.__setattr__(self, "_writes", {})
+
+    def __getattr__(self, name: str) -> Any:
+        writes = object.__getattribute__(self, "_writes")
+        if name in writes:
+            return writes[name]
+        from sglang.srt.arg_groups.overrides import resolution_result
+
+        return resolution_result(object.__getattribute__(self, "_server_args"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__getattribute__(self, "_writes")[name] = value
+
+
+def validate(server_args: Any) -> dict[str, Any]:
+    """Check the DDTree fields of a ServerArgs being resolved and declare their normalised values;
+    returns what was declared. Raises `DDTreeConfigError` (a ValueError) naming the flag."""
+    from sglang.srt.arg_groups.overrides import declare_resolution, resolution_result
+
+    view = _InEffect(server_args)
+    refuse_unavailable(view.speculative_ddtree_mode)
+    _shared.handle_ddtree_server_args(view)
+    writes = object.__getattribute__(view, "_writes")
+    changed = {k: v for k, v in writes.items() if resolution_result(server_args, k) != v}
+    if changed:
+        declare_resolution(server_args, SOURCE, **changed)
+    return changed
+
+
+def _early(server_args: Any, previous: Any) -> None:
+    previous(server_args)
+    from sglang.srt.arg_groups.overrides import resolution_result
+
+    refuse_unavailable(resolution_result(server_args, "speculative_ddtree_mode"))
+
+
+def _after_speculative(server_args: Any, previous: Any) -> None:
+    previous(server_args)
+    validate(server_args)
+
+
+_registered = False
+
+
+def register() -> None:
+    """Wrap the two resolution steps (once per process)."""
+    global _registered
+    if _registered:
+        return
+    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
+
+    register_resolution_hook("handle_hardware_runtime_validation")(_early)
+    register_resolution_hook("handle_speculative_decoding")(_after_speculative)
+    _registered = True
