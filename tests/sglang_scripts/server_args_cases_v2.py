@@ -22,17 +22,9 @@ from pathlib import Path
 from sglang.srt.arg_groups.overrides import declare_resolution, resolution_result
 from sglang.srt.arg_groups.resolution_hooks import run_hook
 from sglang.srt.server_args import prepare_server_args
+from sglang.srt.speculative.ddtree_v2_args import FIELDS as DDTREE_FIELDS
 
-FIELDS = (
-    "speculative_algorithm",
-    "speculative_num_draft_tokens",
-    "speculative_ddtree_mode",
-    "speculative_ddtree_budget",
-    "speculative_ddtree_budget_max",
-    "speculative_ddtree_topk_cap",
-    "speculative_ddtree_keep_chain",
-    "speculative_ddtree_allow_hybrid_unsafe",
-)
+FIELDS = ("speculative_algorithm", "speculative_num_draft_tokens", *DDTREE_FIELDS)
 
 
 def handle_speculative_decoding(server_args) -> None:
