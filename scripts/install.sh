@@ -41,6 +41,12 @@ then
   "${VPIP[@]}" -r "$REQS"
   "${VPIP[@]}" --no-deps sglang==0.5.13.post1
 fi
+# SGLang 0.5.23's argument resolution imports tvm_ffi (tests/test_payload_v2_0523.py puts this directory on
+# that test's path): beside the venv, not in it, so the 0.5.13.post1 stack stays the lab hosts'.
+if [ ! -d .venv/sglang23-extra/tvm_ffi ]; then
+  log "installing apache-tvm-ffi==0.1.11 for the SGLang 0.5.23 tests (.venv/sglang23-extra)"
+  "${VPIP[@]}" --no-deps --target .venv/sglang23-extra apache-tvm-ffi==0.1.11
+fi
 log "installing ddtree-ops (editable) with dev extras"
 "${VPIP[@]}" -e ".[dev]"
 log "done: $(.venv/bin/ddtree-ops --version)"

@@ -8,4 +8,5 @@ bash scripts/install.sh
 echo "[test] ruff" >&2
 .venv/bin/ruff check ddtree_ops tests bench
 echo "[test] pytest" >&2
+export DDTREE_TEST_SGLANG23_EXTRA=${DDTREE_TEST_SGLANG23_EXTRA:-$PWD/.venv/sglang23-extra}
 exec .venv/bin/python -m pytest -q "$@" tests
