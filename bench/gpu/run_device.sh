@@ -142,6 +142,10 @@ if [ "${MIX:-0}" = 1 ]; then
     # twin; full mode under the proof's switch (HYB), radix cache off; a second plain server for the tie
     # band; a deliberately wrong commit (the deepest node) that must fail.
     H="--disable-radix-cache"; HM=/tmp/tiny_hp/next; HD=/tmp/tiny_hp/dense
+    if [ "${MIX_GRAPHS:-0}" = 1 ]; then  # G4: the same with CUDA graphs (batches above 8 run eagerly)
+      KEEP=(); for c in "${COMMON[@]}"; do [ "$c" = --disable-cuda-graph ] || KEEP+=("$c"); done
+      COMMON=("${KEEP[@]}" --cuda-graph-max-bs 8)
+    fi
     VARIANTS=("h_plain|$HM|$H" "h_dflash|$HM|DF $H" "h_full15|$HM|$FULL 15 $H HYB" "h_full64|$HM|$FULL 64 $H HYB"
               "h_full256|$HM|$FULL 256 $H HYB" "h_full64_deepest|$HM|$FULL 64 $H HYB DEEPEST" "h_twin|$HM|$H"
               "d_plain|$HD|$H" "d_dflash|$HD|DF $H" "d_full64|$HD|$FULL 64 $H HYB")
