@@ -307,3 +307,12 @@ def test_tp_ranks_agree_on_every_step_shape(patched):
     agreed, control = result["agreed"], result["control"]
     assert agreed["limits"][0] == agreed["limits"][1] and agreed["differing_steps"] == 0
     assert control["limits"][0] != control["limits"][1] and control["differing_steps"] > 0
+
+
+def test_hybrid_patches_in_sglangs_own_code(patched):
+    """The hybrid backend's tree path and memory plan as the payload patches them (issue 25): SGLang's own
+    methods on the CPU, the arrays and plan checked against what a DDTree step and its width need."""
+    site, _, _ = patched
+    proc = _run(site, str(SCRIPTS / "hybrid_backend_checks.py"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"failures": []}

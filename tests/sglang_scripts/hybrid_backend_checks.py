@@ -1,0 +1,132 @@
+"""Run inside a patched sglang tree (PYTHONPATH): the payload's hybrid patches in SGLang's own code, on the CPU.
+
+- `MambaAttnBackendBase` (hybrid_linear_attn_backend.patch): which backends take the tree path; a DDTree step's
+  first-child / next-sibling arrays reach the eager metadata and the graph buffers; a linear DFLASH step runs
+  the chain (eager: no arrays; a graph of the same width: a chain written into its arrays).
+- `handle_max_mamba_cache` (model_runner_kv_cache_mixin.patch): SGLang's own plan counts the per-node states at
+  the tree's width in full mode, at the block elsewhere.
+Prints one JSON object: {"failures": [...]}.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import torch
+from sglang.srt.layers.attention.hybrid_linear_attn_backend import Mamba2AttnBackend, MambaAttnBackendBase
+from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.model_executor.model_runner_kv_cache_mixin import ModelRunnerKVCacheMixin
+from sglang.srt.speculative.ddtree_args import hybrid_tree_verify
+from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+
+W, MAX_BS = 9, 4
+
+
+class Pool:
+    def get_mamba_indices(self, req_pool_indices: torch.Tensor) -> torch.Tensor:
+        return req_pool_indices.to(torch.int32) + 10
+
+
+def backend() -> MambaAttnBackendBase:
+    b = object.__new__(GDNAttnBackend)
+    b.device, b.topk, b.pad_slot_id = torch.device("cpu"), 2, -1
+    b.req_to_token_pool = Pool()
+    b.state_indices_list, b.query_start_loc_list = [], []
+    b.retrieve_next_token_list, b.retrieve_next_sibling_list, b.retrieve_parent_token_list = [], [], []
+    MambaAttnBackendBase.init_cuda_graph_state(b, MAX_BS, MAX_BS * W)
+    return b
+
+
+def tree_arrays(bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # root 0 -> 1, 2 (siblings); 1 -> 3; the rest unlinked padding
+    nxt = torch.full((bs, W), -1, dtype=torch.int64)
+    sib = torch.full((bs, W), -1, dtype=torch.int64)
+    nxt[:, 0], sib[:, 1], nxt[:, 1] = 1, 2, 3
+    return nxt, sib
+
+
+def linear_input(bs: int) -> DFlashVerifyInput:
+    return DFlashVerifyInput(draft_token=torch.zeros(bs * W, dtype=torch.int64),
+                             positions=torch.zeros(bs * W, dtype=torch.int64), draft_token_num=W)
+
+
+def backend_checks() -> list[str]:
+    out: list[str] = []
+    chain = list(range(1, W)) + [-1]
+    bs = 3
+    reqs = torch.arange(1, bs + 1)
+    nxt, sib = tree_arrays(bs)
+    b = backend()
+    tree = SimpleNamespace(retrieve_next_token=nxt, retrieve_next_sibling=sib, draft_token_num=W)
+    md = b._replay_metadata(bs, reqs.clone(), ForwardMode.TARGET_VERIFY, tree, None)
+    if md.retrieve_next_token[:bs].tolist() != nxt.tolist() or md.retrieve_next_sibling[:bs].tolist() != sib.tolist():
+        out.append("graph replay: the tree's arrays did not reach the buffers")
+    md = b._replay_metadata(bs, reqs.clone(), ForwardMode.TARGET_VERIFY, linear_input(bs), None)
+    if md.retrieve_next_token.tolist() != [chain] * bs or md.retrieve_next_sibling.unique().tolist() != [-1]:
+        out.append(f"graph replay of a linear step: {md.retrieve_next_token.tolist()} is not a chain")
+
+    def eager(spec):
+        batch = SimpleNamespace(batch_size=bs, forward_mode=ForwardMode.TARGET_VERIFY, req_pool_indices=reqs,
+                                input_ids=torch.zeros(bs * W, dtype=torch.int64), spec_info=spec,
+                                mamba_track_mask=None)
+        return b._forward_metadata(batch)
+
+    md = eager(linear_input(bs))
+    if md.retrieve_next_token is not None or md.retrieve_parent_token is not None:
+        out.append("eager linear step: tree arrays where the chain kernels should run")
+    md = eager(tree)
+    if md.retrieve_next_token is not nxt or md.retrieve_parent_token is None:
+        out.append("eager tree step: the tree's arrays are not the metadata's")
+    if md.query_start_loc.tolist() != [0, W, 2 * W, 3 * W]:
+        out.append(f"eager tree step: query_start_loc {md.query_start_loc.tolist()}")
+
+    def runner(mode: str, draft: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(server_args=SimpleNamespace(speculative_ddtree_mode=mode), is_draft_worker=draft)
+
+    gdn, mamba2 = object.__new__(GDNAttnBackend), object.__new__(Mamba2AttnBackend)
+    for name, (r, be, want) in {
+        "GDN full target": (runner("full"), gdn, True),
+        "GDN draft": (runner("full", draft=True), gdn, False),
+        "GDN shadow": (runner("shadow-linear"), gdn, False),
+        "GDN off": (runner("off"), gdn, False),
+        "Mamba-2 full target": (runner("full"), mamba2, False),
+    }.items():
+        if hybrid_tree_verify(r, be) is not want:
+            out.append(f"tree path for {name}: want {want}")
+    return out
+
+
+def plan_checks() -> list[str]:
+    """SGLang's joint solve for the mamba pool, on the patched method."""
+    out: list[str] = []
+    per_req = 1 << 20
+
+    def plan(mode: str, width: int) -> tuple[int, float]:
+        args = SimpleNamespace(
+            speculative_num_draft_tokens=16, max_speculative_num_draft_tokens=width, speculative_ddtree_mode=mode,
+            max_running_requests=64, max_mamba_cache_size=None, disable_radix_cache=False,
+            mamba_full_memory_ratio=0.9, enable_dp_attention=False, dp_size=1,
+        )
+        fake = SimpleNamespace(
+            mambaish_config=SimpleNamespace(mamba2_cache_params=SimpleNamespace(mamba_cache_per_req=per_req)),
+            server_args=args, spec_algorithm=SimpleNamespace(is_none=lambda: False), dp_size=1,
+            _calculate_mamba_ratio=lambda: 1,
+        )
+        rest = ModelRunnerKVCacheMixin.handle_max_mamba_cache(fake, 100.0)
+        return args.max_mamba_cache_size, rest
+
+    budget = 100.0 * 0.9 / 1.9 * (1 << 30)
+    for mode, width, d in (("off", 16, 16), ("shadow-linear", 65, 16), ("full", 65, 65), ("full", 257, 257)):
+        size, rest = plan(mode, width)
+        want = int(budget // (per_req * (1 + d)))
+        if size != want:
+            out.append(f"plan {mode} width {width}: {size} requests' states, want {want} (intermediate at {d} tokens)")
+        if not 0 < rest < 100.0:
+            out.append(f"plan {mode} width {width}: rest {rest}")
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps({"failures": backend_checks() + plan_checks()}))
