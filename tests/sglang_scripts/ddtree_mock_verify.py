@@ -552,7 +552,9 @@ def auto_checks(batch_for, head, draft_hidden, bonus) -> list[str]:
     ctl = dw.DDTreeController.maybe_create(_worker(budget="auto", budget_max=63, verify_width=64))
     if ctl.auto is None or ctl.budget != 63 or [c.name for c in ctl.auto.candidates] != ["chain", "15", "31", "63"]:
         return [f"auto: controller {ctl.budget}, {None if ctl.auto is None else ctl.auto.candidates}"]
-    widths = []
+    widths, built = [], []
+    eager = ctl._build_eagerly
+    ctl._build_eagerly = lambda tail, lm_head, budget: (built.append(budget), eager(tail, lm_head, budget))[1]
     g = torch.Generator().manual_seed(5)
     for step in range(64):
         batch, alloc = batch_for(2)
@@ -574,6 +576,8 @@ def auto_checks(batch_for, head, draft_hidden, bonus) -> list[str]:
             ctl.on_verified(object(), [1, 0])
     if widths[:16] != [64] * 16:
         out.append(f"auto warm-up widths {widths[:16]}")
+    if built != [w - 1 for w in widths if w] or ctl.build_budgets != [15, 31, 63]:
+        out.append(f"auto builds at {built} for widths {widths} (budgets {ctl.build_budgets}): each step must build its pick")
     # Exploration steps 16, 32, 48: candidates other than the plan of their batch (the chain among them:
     # before its first step its cost here is a guess).
     if 0 not in widths[16:] or len(set(widths[16:])) < 2:
@@ -625,9 +629,9 @@ def build_graph_checks(batch_for, head, draft_hidden, bonus) -> list[str]:
         if ctl._build_graphs is not None:
             out.append("build graphs captured on CPU")
         if use_graphs:
-            ctl._build_graphs = DDTreeBuildGraphs(ctl.full_budget_build(head), [1, 4], depth=ctl.depth,
-                                                  hidden=draft_hidden.shape[-1], dtype=draft_hidden.dtype,
-                                                  device="cpu", new_graph=RerunGraph)
+            ctl._build_graphs = {ctl.budget: DDTreeBuildGraphs(ctl.budget_build(head, ctl.budget), [1, 4], depth=ctl.depth,
+                                                               hidden=draft_hidden.shape[-1], dtype=draft_hidden.dtype,
+                                                               device="cpu", new_graph=RerunGraph)}
         batch, alloc = batch_for(2)
         dw.alloc_token_slots = lambda cache, k, alloc=alloc: alloc.alloc(k)
         ctl.on_draft(batch, bonus_tokens=bonus, target_prefix_lens=batch.seq_lens, draft_hidden=draft_hidden,

@@ -62,7 +62,8 @@ def contract(model_dir: str) -> dict:
     controller.mode, controller.budget, controller.topk_cap, controller.stats = "full", 15, None, DDTreeStats()
     controller.verify_graph_width, controller.verify_graph_max_bs = 16, 48
     controller.keep_chain = controller.verify_kernels = False
-    controller._build_graphs = controller.profile = controller.auto = None
+    controller._build_graphs = controller.profile = controller.auto = controller.hybrid = None
+    controller.build_budgets = [15]
     controller.budget_auto = False
     reporter = SimpleNamespace(last_gen_throughput=1.0, spec_total_num_forward_ct=2, spec_total_num_accept_tokens=5)
     fake = SimpleNamespace(

@@ -1,7 +1,7 @@
 """DDTree tree builds replayed from CUDA graphs (installed as
 `sglang/srt/speculative/ddtree_build_graphs.py` by the ddtree-ops payload).
 
-A full-budget build (draft logits from the LM head, top-k, best-first selection, keep-chain, mask
+A tree build (draft logits from the LM head, top-k, best-first selection, keep-chain, mask
 and SGLang's retrive_* arrays) is a few hundred small kernels with no host-device sync. Launched
 eagerly at batch 1, their CPU launch cost, not their GPU time, is most of what DDTree adds to a
 DFLASH step. So the builds are captured once per batch-size bucket, the buckets being the target
@@ -14,7 +14,9 @@ first). Their trees are built and ignored: every tree row depends on its own inp
 Outputs live in the graphs' memory pool and are overwritten by the next replay of any bucket. The
 worker uses a step's tree within that step, before the next build.
 
-A step that affords fewer nodes keeps the first ones of this build (`ddtree_utils.shrink_tree`).
+A step that affords fewer nodes keeps the first ones of this build (`ddtree_utils.shrink_tree`). With
+`--speculative-ddtree-budget auto` one set is captured per candidate budget, so a step builds the tree of
+the budget it picked.
 
 Not captured, eager as before:
 - batches above the largest bucket;
@@ -86,7 +88,7 @@ def slice_tree(tree: Any, rows: int) -> Any:
 
 
 class DDTreeBuildGraphs:
-    """Captured full-budget builds, one per bucket; `run` returns None where a step must build eagerly."""
+    """Captured builds of one budget, one per bucket; `run` returns None where a step must build eagerly."""
 
     def __init__(
         self,
@@ -99,7 +101,7 @@ class DDTreeBuildGraphs:
         device: torch.device | str,
         new_graph: Callable[[], BuildGraph],
     ) -> None:
-        """`build(hidden [bs, depth, hidden]) -> DDTree` is the eager full-budget build; `new_graph`
+        """`build(hidden [bs, depth, hidden]) -> DDTree` is the eager build; `new_graph`
         makes one capture (`CudaBuildGraph` with a shared pool on CUDA)."""
         self.sizes = sorted({int(b) for b in buckets if int(b) > 0})
         if not self.sizes:
@@ -120,7 +122,7 @@ class DDTreeBuildGraphs:
 
     def run(self, draft_tail: torch.Tensor) -> Any:
         """`draft_tail` [bs, depth, hidden] (the draft hidden states after the bonus position): the
-        full-budget tree of these rows, or None when bs is above the largest bucket."""
+        tree of these rows, or None when bs is above the largest bucket."""
         bs = int(draft_tail.shape[0])
         if tuple(draft_tail.shape[1:]) != (self.depth, self.hidden):
             raise ValueError(
@@ -144,9 +146,11 @@ def capture_build_graphs(
     hidden: int,
     dtype: torch.dtype,
     device: torch.device,
+    pool: Any = None,
 ) -> DDTreeBuildGraphs:
-    """The CUDA capture: every bucket in one graph memory pool."""
-    pool = torch.cuda.graph_pool_handle()
+    """The CUDA capture: every bucket in one graph memory pool (`pool`, shared with other budgets' builds,
+    or a new one)."""
+    pool = torch.cuda.graph_pool_handle() if pool is None else pool
     return DDTreeBuildGraphs(
         build, buckets, depth=depth, hidden=hidden, dtype=dtype, device=device,
         new_graph=lambda: CudaBuildGraph(pool),

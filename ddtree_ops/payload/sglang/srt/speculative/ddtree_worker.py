@@ -420,6 +420,12 @@ class DDTreeController:
                 # Before the verify sizing: the graphs' memory is then not counted as free for steps.
                 self._verify_ladder = self._capture_verify_ladder(worker)
             self.max_verify_tokens, self.max_mask_bytes = self._size_verify_memory(worker)
+        # The budgets a step builds at: auto's candidates (a pick builds its own tree, the larger trees'
+        # prefix, and pays only its own selection), else the configured budget.
+        self.build_budgets = (
+            [c.budget for c in auto_candidates(self.budget, self.block_size) if c.budget > 0]
+            if mode == "full" and self.budget_auto else [self.budget]
+        )
         self._warm_up_build(worker)
         self._build_graphs = self._capture_build_graphs(worker, graph_runner)
         self.verify_kernels = mode == "full" and self._check_verify_kernels(worker)
@@ -495,7 +501,7 @@ class DDTreeController:
         return ladder
 
     def _warm_up_build(self, worker: Any) -> None:
-        """Compile the tree builder's Triton kernels at start for the configured budget (the first
+        """Compile the tree builder's Triton kernels at start for every budget a step builds at (the first
         build in a process JIT-compiles for tens of seconds; a serving step should not)."""
         device = worker.model_runner.device
         if not str(device).startswith("cuda"):
@@ -505,7 +511,8 @@ class DDTreeController:
         for bs in (1, 2):
             # The draft logits' dtype is the target LM head's (model dtype): kernels specialise on it.
             logits = torch.randn((bs, self.depth, vocab), device=device).to(worker.model_runner.model_config.dtype)
-            build_ddtree(logits, self.budget, topk_cap=self.topk_cap, keep_chain=self.keep_chain)
+            for budget in self.build_budgets:
+                build_ddtree(logits, budget, topk_cap=self.topk_cap, keep_chain=self.keep_chain)
         torch.cuda.synchronize(device)
         if self.tp_rank == 0:
             logger.info("DDTree builder warmed up in %.1f s", time.perf_counter() - t0)
@@ -523,10 +530,11 @@ class DDTreeController:
             logger.warning("DDTree: verify kernels off (%s); the verify step runs on torch ops", error)
         return kernels_in_use(torch.device(device))
 
-    def _capture_build_graphs(self, worker: Any, graph_runner: Any) -> Any:
-        """Full-budget builds captured at the verify graphs' batch sizes (`ddtree_build_graphs`);
-        None (every build eager) without verify graphs, off CUDA, with TP > 1 (the vocab gather is
-        a collective), or when the capture fails: a slower build, never a server that does not start."""
+    def _capture_build_graphs(self, worker: Any, graph_runner: Any) -> dict[int, Any] | None:
+        """Builds captured at the verify graphs' batch sizes (`ddtree_build_graphs`), one set per budget a
+        step builds at, in one memory pool; None (every build eager) without verify graphs, off CUDA, with
+        TP > 1 (the vocab gather is a collective), or when a capture fails: a slower build, never a server
+        that does not start."""
         runner = worker.model_runner
         buckets = list(getattr(graph_runner, "capture_bs", None) or [])
         lm_head = getattr(getattr(runner, "model", None), "lm_head", None)
@@ -541,29 +549,35 @@ class DDTreeController:
         from sglang.srt.speculative.ddtree_build_graphs import capture_build_graphs
 
         t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
         try:
-            graphs = capture_build_graphs(
-                self.full_budget_build(lm_head), buckets, depth=self.depth, hidden=int(lm_head.weight.shape[1]),
-                dtype=runner.model_config.dtype, device=runner.device,
-            )
+            graphs = {
+                budget: capture_build_graphs(
+                    self.budget_build(lm_head, budget), buckets, depth=self.depth,
+                    hidden=int(lm_head.weight.shape[1]), dtype=runner.model_config.dtype, device=runner.device,
+                    pool=pool,
+                )
+                for budget in sorted(self.build_budgets, reverse=True)  # largest first: the others reuse its pool
+            }
         except Exception as e:  # noqa: BLE001 - any capture failure leaves the eager build
             logger.warning("DDTree: tree-build CUDA graphs not captured (%s: %s); builds run eagerly",
                            type(e).__name__, e)
             return None
         if self.tp_rank == 0:
-            logger.info("DDTree build graphs captured for bs %s in %.2f s", graphs.sizes, time.perf_counter() - t0)
+            logger.info("DDTree build graphs captured for budgets %s at bs %s in %.2f s", sorted(graphs),
+                        next(iter(graphs.values())).sizes, time.perf_counter() - t0)
         return graphs
 
-    def full_budget_build(self, lm_head: Any) -> Any:
-        """The build a graph captures: draft hidden states after the bonus [bs, depth, hidden] ->
-        the configured budget's tree (what `build_tree` runs eagerly where no graph is captured)."""
-        return lambda tail: self._build_eagerly(tail, lm_head)
+    def budget_build(self, lm_head: Any, budget: int) -> Any:
+        """The build a graph captures: draft hidden states after the bonus [bs, depth, hidden] -> the
+        budget's tree (what `build_tree` runs eagerly where no graph is captured)."""
+        return lambda tail: self._build_eagerly(tail, lm_head, budget)
 
-    def _build_eagerly(self, tail: torch.Tensor, lm_head: Any) -> Any:
-        """Draft hidden states after the bonus [bs, depth, hidden] -> the configured budget's tree."""
+    def _build_eagerly(self, tail: torch.Tensor, lm_head: Any, budget: int) -> Any:
+        """Draft hidden states after the bonus [bs, depth, hidden] -> the budget's tree."""
         bs = int(tail.shape[0])
         logits = self.draft_logits(tail.reshape(-1, tail.shape[-1]), lm_head).view(bs, self.depth, -1)
-        return build_ddtree(logits, self.budget, topk_cap=self.topk_cap, keep_chain=self.keep_chain)
+        return build_ddtree(logits, budget, topk_cap=self.topk_cap, keep_chain=self.keep_chain)
 
     def _size_verify_memory(self, worker: Any) -> tuple[int, int]:
         """Verify tokens and mask bytes a step may use, sized once at start and reserved.
@@ -636,10 +650,11 @@ class DDTreeController:
         vocab = int(self.worker.model_runner.model_config.vocab_size)
         return gathered[:, :vocab]
 
-    def build_tree(self, draft_hidden: torch.Tensor, lm_head: Any) -> Any:
-        """The configured budget's tree. draft_hidden: [bs, block_size, hidden]; positions 1.. predict
-        the block's tokens. A step that affords less keeps its first nodes (`shrink_tree`): one build,
-        and no Triton kernel compiled for another budget mid-serving."""
+    def build_tree(self, draft_hidden: torch.Tensor, lm_head: Any, budget: int | None = None) -> Any:
+        """The tree of `budget` (one of `build_budgets`; default the configured one). draft_hidden:
+        [bs, block_size, hidden]; positions 1.. predict the block's tokens. A step that affords less keeps
+        its first nodes (`shrink_tree`): no Triton kernel compiled for another budget mid-serving."""
+        budget = self.budget if budget is None else int(budget)
         tail = draft_hidden[:, 1:, :]
         use_events = tail.is_cuda and len(self._pending_build_events) < 4 * LOG_EVERY
         if use_events:
@@ -647,11 +662,12 @@ class DDTreeController:
             start.record()
         t0 = time.perf_counter()
         tree = None
-        if self._build_graphs is not None:
-            tree = self._build_graphs.run(tail)
+        graphs = None if self._build_graphs is None else self._build_graphs.get(budget)
+        if graphs is not None:
+            tree = graphs.run(tail)
             self.stats.build_graph_steps += tree is not None
         if tree is None:
-            tree = self._build_eagerly(tail, lm_head)
+            tree = self._build_eagerly(tail, lm_head, budget)
         if use_events:
             end.record()
             # Read lazily at the next log line: no host sync in the serving path.
@@ -804,9 +820,10 @@ class DDTreeController:
     ) -> None:
         """Replace DFlash's linear verify input by the tree's (called instead of the argmax)."""
         bs = batch.batch_size()
-        tree = self.build_tree(draft_hidden, lm_head)
+        built = self.budget if self._pick is None else self._pick.budget
+        tree = self.build_tree(draft_hidden, lm_head, built)
         n = shape.width
-        if shape.budget < self.budget:
+        if shape.budget < built:
             tree = shrink_tree(tree, shape.budget, pad=n > shape.budget + 1, pad_to=n)
         tokens = torch.empty((bs, n), dtype=torch.long, device=bonus_tokens.device)
         tokens[:, 0] = bonus_tokens.to(torch.long)
@@ -919,7 +936,8 @@ class DDTreeController:
             "keep_chain": self.keep_chain,
             "verify_graph_width": self.verify_graph_width,
             "verify_graph_max_bs": self.verify_graph_max_bs,
-            "build_graph_bs": None if self._build_graphs is None else self._build_graphs.sizes,
+            "build_graph_bs": None if not self._build_graphs else next(iter(self._build_graphs.values())).sizes,
+            "build_budgets": self.build_budgets,
             "verify_kernels": self.verify_kernels,  # the fused mask / walk / commit (ddtree_verify_step)
             "hybrid": None if self.hybrid is None else self.hybrid.as_dict(),
             # SGLANG_DDTREE_PROFILE=1: per-phase medians since the last read (ddtree_profile)
