@@ -141,7 +141,7 @@ if [ "${MIX:-0}" = 1 ]; then
     # Issue 25 (G0, G3, G7 of HYBRID.md): the peaked tiny Qwen3-Next (GDN + attention + MoE) and its dense
     # twin; full mode under the proof's switch (HYB), radix cache off; a second plain server for the tie
     # band; a deliberately wrong commit (the deepest node) that must fail.
-    H="--disable-radix-cache"; HM=/tmp/tiny_hp/next; HD=/tmp/tiny_hp/dense
+    H="--disable-radix-cache"; HM=${HYB_MODELS:-/tmp/tiny_hp}/next; HD=${HYB_MODELS:-/tmp/tiny_hp}/dense
     if [ "${MIX_GRAPHS:-0}" = 1 ]; then  # G4: the same with CUDA graphs (batches above 8 run eagerly)
       KEEP=(); for c in "${COMMON[@]}"; do [ "$c" = --disable-cuda-graph ] || KEEP+=("$c"); done
       COMMON=("${KEEP[@]}" --cuda-graph-max-bs 8)
