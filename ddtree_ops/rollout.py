@@ -748,6 +748,9 @@ def rollback_host(ctx: HostContext, inventory: Inventory, *, to: str = "previous
             _host_lock(ctx, session, command=f"rollback --to {to}", operator=operator, wait_s=lock_wait_s) as lease:
         base = {"state_dir": host.state_dir, "operator": operator, "lock_id": lease.lock_id}
         out: dict[str, Any] = {}
+        ctx.step("checking the release base")
+        # SGLang changed under the release: refused before the unit or any file is touched (agent stale.py).
+        _call(session, "stale_check", base)  # the agent client names the host
         ctx.step("restoring the unit")
         # previous/pristine restore promoted units; a release id only undoes a stage left in flight
         # (and says whether ddtree-ops manages the service). pristine restarts once, after the files.

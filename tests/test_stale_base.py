@@ -1,0 +1,139 @@
+"""SGLang upgraded under an installed release (0.5.13.post1 -> 0.5.23): the release's backups and pristine
+copies are 0.5.13.post1 files, so push and rollback must refuse the host (naming it, the installed SGLang and
+the release's base, and the repair) with nothing changed, and `status` must show it stale, never healthy.
+
+Real control side, real SSH (the in-process server) and the real agent; the host is a venv whose
+site-packages is a fake SGLang tree, upgraded in place the way pip does it.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import paramiko
+import pytest
+import yaml
+from ssh_server import LocalSSHServer, write_private_key
+from test_bases import _host_python
+from test_cli import cli
+
+from ddtree_ops import release, rollout
+from ddtree_ops.inventory import load_inventory
+from tests.release_fixtures import PRISTINE, make_bundle, sha
+
+NEW = "0.5.23"
+UPSTREAM_23 = {  # 0.5.23's own files: server_args.py changed, dflash_worker.py gone (the v1 worker)
+    "sglang/__init__.py": PRISTINE["sglang/__init__.py"],
+    "sglang/srt/server_args.py": b"# 0.5.23 server_args\nY = 2\n",
+    "sglang/srt/speculative/dflash_info.py": PRISTINE["sglang/srt/speculative/dflash_info.py"],
+    "sglang/srt/untouched.py": PRISTINE["sglang/srt/untouched.py"],
+}
+
+
+def _upgrade(site: Path, version: str = NEW) -> None:
+    """pip install sglang==0.5.23 over 0.5.13.post1: its files replaced or removed, a new dist-info; the
+    modules a release added (not in any RECORD) stay."""
+    for info in site.glob("sglang-*.dist-info"):
+        shutil.rmtree(info)
+    (site / "sglang/srt/speculative/dflash_worker.py").unlink()
+    for rel, data in UPSTREAM_23.items():
+        (site / rel).write_bytes(data)
+    dist = site / f"sglang-{version}.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sglang\nVersion: {version}\n")
+    rows = [f"{rel},sha256={base64.urlsafe_b64encode(hashlib.sha256(d).digest()).decode().rstrip('=')},{len(d)}"
+            for rel, d in UPSTREAM_23.items()]
+    (dist / "RECORD").write_text("\n".join(rows + [f"{dist.name}/RECORD,,"]) + "\n")
+
+
+def _tree(site: Path) -> dict[str, str]:
+    """Every file under sglang/ with its sha256 (what must not change)."""
+    return {p.relative_to(site).as_posix(): sha(p.read_bytes()) for p in sorted((site / "sglang").rglob("*"))
+            if p.is_file()}
+
+
+@pytest.fixture
+def upgraded(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """Host `gpu1`: v1 bundle pushed on 0.5.13.post1, then SGLang upgraded to 0.5.23 under it."""
+    client_key = paramiko.ECDSAKey.generate()
+    server = LocalSSHServer(host_key=paramiko.ECDSAKey.generate(), authorized_key=client_key).start()
+    write_private_key(client_key, tmp_path / "id_ecdsa")
+    (tmp_path / "known_hosts").write_text(server.known_hosts_line())
+    python, site = _host_python(tmp_path / "venv", "0.5.13.post1")
+    inventory = {"all": {"vars": {"identity_file": "id_ecdsa", "known_hosts": "known_hosts", "connect_timeout": 5}},
+                 "hosts": {"gpu1": {"address": "127.0.0.1", "port": server.port, "python": str(python),
+                                    "state_dir": str(tmp_path / "state")}}}
+    (tmp_path / "inv.yaml").write_text(yaml.safe_dump(inventory))
+    inv = load_inventory(tmp_path / "inv.yaml")
+    v1 = make_bundle(tmp_path / "dist1", "1.0.0", tag="v1")
+    [done] = release.push(inv, inv.select(None), release.load_bundles([v1.path]))
+    assert done.ok, done.to_dict()
+    _upgrade(site)
+    yield tmp_path / "inv.yaml", site
+    server.stop()
+
+
+def _v2_bundle(tmp_path: Path):
+    # A 0.5.23 bundle that no longer patches server_args.py / dflash_worker.py (the v1 release did): before the
+    # fix its plan "reverted" them to 0.5.13.post1's pristine bytes.
+    return make_bundle(tmp_path / "dist23", "1.0.0", tag="v23", base_version=NEW,
+                       patched_paths=("sglang/srt/speculative/dflash_info.py",))
+
+
+def _assert_stale(err, host: str = "gpu1") -> None:
+    assert err.code == "stale_base", (err.code, err.message)
+    assert err.message.startswith(f"{host}: ")
+    assert f"sglang here is {NEW}" in err.message and "0.5.13.post1" in err.message
+    assert "pip install --force-reinstall --no-deps sglang==0.5.23" in err.hint
+    assert "rollback --forget-stale" in err.hint
+
+
+def test_push_of_the_new_bases_bundle_is_refused_and_changes_nothing(upgraded, tmp_path: Path) -> None:
+    inv_path, site = upgraded
+    inv = load_inventory(inv_path)
+    before, state_before = _tree(site), (tmp_path / "state" / "state.json").read_bytes()
+    bundles = release.load_bundles([_v2_bundle(tmp_path).path])
+    [dry] = release.push(inv, inv.select(None), bundles, dry_run=True)
+    assert dry.ok, dry.to_dict()
+    assert dry.data["refusals"][0]["code"] == "stale_base"
+    assert not [f for f in dry.data["files"] if f["action"] == "revert"], dry.data["files"]
+    [done] = release.push(inv, inv.select(None), bundles)
+    assert done.status == "failed"
+    _assert_stale(done.error)
+    assert _tree(site) == before
+    assert "sglang/srt/speculative/dflash_worker.py" not in _tree(site)  # no 0.5.13.post1 file written into 0.5.23
+    assert (tmp_path / "state" / "state.json").read_bytes() == state_before
+
+
+@pytest.mark.parametrize("to,adopt", [("previous", False), ("previous", True), ("pristine", False),
+                                      ("pristine", True)])
+def test_rollback_is_refused_and_changes_nothing(upgraded, tmp_path: Path, to: str, adopt: bool) -> None:
+    inv_path, site = upgraded
+    inv = load_inventory(inv_path)
+    before, state_before = _tree(site), (tmp_path / "state" / "state.json").read_bytes()
+    [r] = release.rollback(inv, inv.select(None), to=to, adopt=adopt)
+    assert r.status == "failed"
+    _assert_stale(r.error)
+    [r2] = rollout.rollback(inv, inv.select(None), to=to, adopt=adopt)  # the CLI's: unit first, then files
+    assert r2.status == "failed"
+    _assert_stale(r2.error)
+    assert _tree(site) == before
+    assert (tmp_path / "state" / "state.json").read_bytes() == state_before
+
+
+def test_status_shows_the_host_stale_with_the_repair(upgraded) -> None:
+    inv_path, _ = upgraded
+    doc = json.loads(cli("status", "-i", str(inv_path), "--json").stdout)
+    [res] = doc["results"]
+    stale = res["data"]["release"]["stale"]
+    assert stale["installed_version"] == NEW and set(stale["release_bases"].values()) == {"0.5.13.post1"}
+    assert "rollback --forget-stale" in stale["repair"] and "--force-reinstall" in stale["repair"]
+    table = cli("status", "-i", str(inv_path), env={"COLUMNS": "250"})
+    flat = " ".join(table.stdout.split())
+    assert "STALE" in flat and "0.5.13.post1" in flat
+    assert "gpu1: STALE release" in table.stderr and "repair:" in table.stderr
