@@ -738,12 +738,20 @@ def promote(inventory: Inventory, hosts: Sequence[HostConfig], opts: PromoteOpti
 
 
 def rollback_host(ctx: HostContext, inventory: Inventory, *, to: str = "previous", adopt: bool = False,
-                  lock_wait_s: float = 0.0, operator: str | None = None) -> dict[str, Any]:
+                  lock_wait_s: float = 0.0, operator: str | None = None, forget_stale: bool = False) -> dict[str, Any]:
     """Units first, then release files. previous: undo the last promote stage if there is one (else the
     last release); pristine: every stage (the unit as before ddtree-ops) and every release; then the
-    service restarts on what was restored and must answer /health_generate again."""
+    service restarts on what was restored and must answer /health_generate again. forget_stale: the repair
+    of a host whose SGLang was changed under its releases (agent forget.py); the unit is not touched."""
     operator = operator or operator_name()
     host = ctx.host
+    if forget_stale:
+        with _session(ctx, inventory) as session, \
+                _host_lock(ctx, session, command="rollback --forget-stale", operator=operator,
+                           wait_s=lock_wait_s) as lease:
+            ctx.step("forgetting stale releases")
+            return _call(session, "forget_stale", {"state_dir": host.state_dir, "operator": operator,
+                                                   "lock_id": lease.lock_id})
     with _session(ctx, inventory) as session, \
             _host_lock(ctx, session, command=f"rollback --to {to}", operator=operator, wait_s=lock_wait_s) as lease:
         base = {"state_dir": host.state_dir, "operator": operator, "lock_id": lease.lock_id}
@@ -788,10 +796,14 @@ def rollback_host(ctx: HostContext, inventory: Inventory, *, to: str = "previous
 
 def rollback(inventory: Inventory, hosts: Sequence[HostConfig], *, to: str = "previous", adopt: bool = False,
              lock_wait_s: float = 0.0, operator: str | None = None, concurrency: int = DEFAULT_CONCURRENCY,
-             progress: FleetProgress | None = None) -> list[HostResult]:
+             progress: FleetProgress | None = None, forget_stale: bool = False) -> list[HostResult]:
     if not to:
         raise UsageError("--to needs previous, pristine or a release id", code="bad_rollback_target")
+    if forget_stale and (to != "previous" or adopt):
+        raise UsageError("--forget-stale takes neither --to nor --adopt", code="bad_rollback_target",
+                         hint="it forgets every release made for another SGLang than the installed one")
     who = operator or operator_name()
     return run_on_hosts(hosts, lambda ctx: rollback_host(ctx, inventory, to=to, adopt=adopt,
-                                                         lock_wait_s=lock_wait_s, operator=who),
+                                                         lock_wait_s=lock_wait_s, operator=who,
+                                                         forget_stale=forget_stale),
                         concurrency=concurrency, progress=progress)

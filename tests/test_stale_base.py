@@ -137,3 +137,50 @@ def test_status_shows_the_host_stale_with_the_repair(upgraded) -> None:
     flat = " ".join(table.stdout.split())
     assert "STALE" in flat and "0.5.13.post1" in flat
     assert "gpu1: STALE release" in table.stderr and "repair:" in table.stderr
+
+
+# ------------------------------------------------------------------------------------- the repair
+def test_forget_stale_refuses_until_sglangs_own_files_are_the_wheels(upgraded, tmp_path: Path) -> None:
+    inv_path, site = upgraded
+    inv = load_inventory(inv_path)
+    (site / "sglang/srt/server_args.py").write_bytes(b"# half an upgrade\n")
+    before, state_before = _tree(site), (tmp_path / "state" / "state.json").read_bytes()
+    [r] = rollout.rollback(inv, inv.select(None), forget_stale=True)
+    assert r.status == "failed" and r.error.code == "not_reinstalled", r.to_dict()
+    assert "sglang/srt/server_args.py" in r.error.message and "--force-reinstall" in r.error.hint
+    assert _tree(site) == before and (tmp_path / "state" / "state.json").read_bytes() == state_before
+    assert not (tmp_path / "state" / "forgotten").exists()
+
+
+def test_forget_stale_then_push_and_rollback_on_the_new_base(upgraded, tmp_path: Path) -> None:
+    inv_path, site = upgraded
+    inv = load_inventory(inv_path)
+    out = cli("rollback", "-i", str(inv_path), "--forget-stale", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    [res] = json.loads(out.stdout)["results"]
+    assert set(res["data"]["forgotten"].values()) == {"0.5.13.post1"}
+    assert sorted(res["data"]["removed"]) == ["sglang/srt/speculative/ddtree_args.py",
+                                               "sglang/srt/speculative/ddtree_utils.py"]
+    wheel = {rel: sha(d) for rel, d in UPSTREAM_23.items()}
+    assert _tree(site) == wheel  # exactly the 0.5.23 wheel: the old release's modules gone, nothing written
+    kept = Path(res["data"]["kept_as"])
+    assert (kept / "releases").is_dir() and (kept / "pristine").is_dir() and (kept / "site").is_dir()
+    assert not (tmp_path / "state" / "releases").exists() and not (tmp_path / "state" / "pristine").exists()
+    status = json.loads(cli("status", "-i", str(inv_path), "--json").stdout)["results"][0]["data"]["release"]
+    assert status["stale"] is None and status["current"] is None
+    again = rollout.rollback(inv, inv.select(None), forget_stale=True)[0]
+    assert again.status == "failed" and again.error.code == "not_stale"
+
+    v2 = _v2_bundle(tmp_path)
+    [pushed] = release.push(inv, inv.select(None), release.load_bundles([v2.path]))
+    assert pushed.ok, pushed.to_dict()
+    assert all(_tree(site)[rel] == sha(v2.patched[rel]) for rel in v2.paths)
+    [back] = release.rollback(inv, inv.select(None), to="pristine")
+    assert back.ok, back.to_dict()
+    assert _tree(site) == wheel  # pristine is 0.5.23's own bytes
+
+
+def test_forget_stale_takes_no_target(upgraded) -> None:
+    inv_path, _ = upgraded
+    bad = cli("rollback", "-i", str(inv_path), "--forget-stale", "--to", "pristine", "--json")
+    assert bad.returncode == 2 and "--forget-stale" in bad.stdout + bad.stderr
