@@ -239,6 +239,9 @@ def _refusals(host: HostConfig, opts: PromoteOptions, info: dict[str, Any],
               ctx_notes: list[str]) -> list[dict[str, str]]:
     """Why this host must not be promoted, found before any change (notes: what could not be checked)."""
     out = []
+    stale = info["release"].get("stale")
+    if stale:  # SGLang was changed under the release (agent stale.py): its files are another version's
+        out.append({"code": "stale_base", "message": stale["message"], "hint": stale["hint"]})
     if not info["release"]["ddtree_payload"]:
         out.append({"code": "not_ddtree_payload",
                     "message": f"the installed release ({info['release']['current'] or 'pristine sglang'}) is not "

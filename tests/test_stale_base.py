@@ -184,3 +184,31 @@ def test_forget_stale_takes_no_target(upgraded) -> None:
     inv_path, _ = upgraded
     bad = cli("rollback", "-i", str(inv_path), "--forget-stale", "--to", "pristine", "--json")
     assert bad.returncode == 2 and "--forget-stale" in bad.stdout + bad.stderr
+
+
+def test_promote_refuses_a_stale_host_before_any_change(upgraded, tmp_path: Path) -> None:
+    """unit_inspect's release info says the host is stale; promote's refusals (checked before any change) name it."""
+    from ddtree_ops.agent.remote import units
+    from ddtree_ops.inventory import HostConfig
+
+    _, site = upgraded
+    info = {"release": units._release_info(tmp_path / "state", [str(site)]), "promotion": {}}
+    assert info["release"]["stale"]["code"] == "stale_base"
+    refusals = rollout._refusals(HostConfig(name="gpu1", address="127.0.0.1"),
+                                 rollout.PromoteOptions(mode="shadow-linear"), info, [])
+    assert refusals[0]["code"] == "stale_base" and "0.5.13.post1" in refusals[0]["message"]
+    assert "rollback --forget-stale" in refusals[0]["hint"]
+
+
+def test_push_of_the_old_bases_bundle_says_stale_first(upgraded, tmp_path: Path) -> None:
+    """Only a bundle for the old base given: the host is refused as stale (not merely 'no bundle for 0.5.23')."""
+    inv_path, site = upgraded
+    inv = load_inventory(inv_path)
+    before = _tree(site)
+    v1 = make_bundle(tmp_path / "dist1b", "1.0.1", tag="v1b")
+    [done] = release.push(inv, inv.select(None), release.load_bundles([v1.path]))
+    assert done.status == "failed"
+    _assert_stale(done.error)
+    [dry] = release.push(inv, inv.select(None), release.load_bundles([v1.path]), dry_run=True)
+    assert dry.data["refusals"][0]["code"] == "stale_base"
+    assert _tree(site) == before
