@@ -212,3 +212,14 @@ def test_push_of_the_old_bases_bundle_says_stale_first(upgraded, tmp_path: Path)
     [dry] = release.push(inv, inv.select(None), release.load_bundles([v1.path]), dry_run=True)
     assert dry.data["refusals"][0]["code"] == "stale_base"
     assert _tree(site) == before
+
+
+def test_smoke_says_the_host_is_stale(upgraded) -> None:
+    from ddtree_ops import smoke
+
+    inv_path, _ = upgraded
+    inv = load_inventory(inv_path)
+    [r] = smoke.smoke(inv, inv.select(None))
+    assert r.status == "failed" and r.error.code == "smoke_failed"
+    assert "step release failed" in r.error.message and "sglang here is 0.5.23" in r.error.message
+    assert "rollback --forget-stale" in r.error.message

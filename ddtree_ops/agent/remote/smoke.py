@@ -317,6 +317,17 @@ def op_smoke(request: dict) -> dict:
     wanted = request.get("steps") or ["import", "server_args", "tree"]
     version = _installed_version(sys_path)
     worker = worker_of(version)
+    sd = request.get("state_dir")
+    if isinstance(sd, str) and sd.startswith("/") and version is not None:
+        from . import stale
+
+        old = stale.stale_releases(Path(sd), version)
+        if old:  # SGLang changed under the release: its modules are another version's payload
+            d = stale.describe(version, old)
+            step = {"name": "release", "passed": False, "seconds": 0.0, "detail": f"{d['message']}; {d['hint']}",
+                    "output": ""}
+            return {"passed": False, "failed_steps": ["release"], "steps": [step], "warnings": [],
+                    "python": sys.executable, "sglang_version": version, "worker": worker, "stale": d}
     steps = []
     with tempfile.TemporaryDirectory(prefix="ddtree-smoke-") as tmp:
         model = Path(tmp) / "tiny-qwen3"
