@@ -246,3 +246,27 @@ def test_agent_smoke_runs_the_v2_checks_on_the_0523_tree(site: Path, built: B.Bu
     assert full["ok"] and "full is not available yet on SGLang 0.5.23" in full["detail"], full
     assert all(c["ok"] for c in cases.values()), cases
     assert all(c["ok"] for c in steps["tree"]["detail"])
+
+
+def test_ddtree_args_reads_the_servers_args_through_0523s_runtime_context(site: Path, tmp_path: Path) -> None:
+    """0.5.23 retired get_global_server_args (RuntimeError, set or not): the shared ddtree_args reads the
+    runtime context instead, None before a server set it."""
+    code = r"""
+import json
+from sglang.srt.speculative import ddtree_args as a
+out = {"unset": a.running_server_args() is None, "rule_unset": a.sampling_rule()}
+from sglang.srt.server_args import prepare_server_args
+from sglang.srt import runtime_context
+sa = prepare_server_args(["--model-path", "dummy", "--sampling-backend", "flashinfer"])
+runtime_context._CONTEXT.set_server_args(sa)
+out["set"] = a.running_server_args() is sa
+out["rule_set"] = a.sampling_rule()
+print(json.dumps(out))
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "SGLANG", "DDTREE"))}
+    env["PYTHONPATH"] = str(site)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"unset": True, "rule_unset": "pytorch", "set": True, "rule_set": "flashinfer"}, out
