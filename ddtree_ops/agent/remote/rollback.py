@@ -57,8 +57,8 @@ def _steps_for_pop(sd: Path, site: Path, rid: str, *, adopt: bool, check_drift: 
 
 def rollback(sd: Path, to: str, *, operator: str, sys_path: list | None = None, adopt: bool = False,
              package: str = "sglang") -> dict:
-    version, _ = find_base(package, sys_path)
-    stale.refuse_if_stale(sd, version, package)  # before anything, the journal's recovery included
+    # Before anything, the journal's recovery included.
+    stale.refuse_if_stale(sd, stale.installed_version(package, sys_path), package)
     if to == "pristine":
         return to_pristine(sd, operator=operator, sys_path=sys_path, adopt=adopt, package=package)
     recovered = journal.recover(sd)

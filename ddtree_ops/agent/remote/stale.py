@@ -49,7 +49,21 @@ def describe(version: str | None, stale: dict[str, str], package: str = "sglang"
             "release_bases": stale}
 
 
+def installed_version(package: str, sys_path: list | None) -> str | None:
+    """The installed version, None when the package is not installed (the op's own lookup then says so)."""
+    from .layout import find_base
+
+    try:
+        return find_base(package, sys_path)[0]
+    except AgentError as exc:
+        if exc.code != "base_missing":
+            raise
+        return None
+
+
 def refuse_if_stale(sd: Path, version: str | None, package: str = "sglang") -> None:
+    if version is None:  # not installed: nothing can be restored into it either; the op's lookup refuses
+        return
     stale = stale_releases(sd, version)
     if stale:
         d = describe(version, stale, package)
@@ -60,10 +74,9 @@ def op_stale_check(request: dict) -> dict:
     """Refuse (stale_base) a host whose kept releases were made for another SGLang than the installed one;
     rollback asks this before it touches the unit, so a stale host is refused with nothing changed."""
     from . import statefs
-    from .layout import find_base
 
     sd = statefs.state_dir(request, create=False)
     package = str(request.get("package") or "sglang")
-    version, _ = find_base(package, request.get("sys_path"))
+    version = installed_version(package, request.get("sys_path"))
     refuse_if_stale(sd, version, package)
     return {"installed_version": version, "stale": False}

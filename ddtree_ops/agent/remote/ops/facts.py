@@ -254,6 +254,8 @@ def stale_facts(state_dir: str, version: str | None, package: str, warnings: lis
 
     from .. import stale
 
+    if version is None:  # SGLang not installed: status says "absent"
+        return None
     try:
         old = stale.stale_releases(Path(state_dir), version)
     except OSError as exc:
