@@ -223,3 +223,23 @@ def test_smoke_says_the_host_is_stale(upgraded) -> None:
     assert r.status == "failed" and r.error.code == "smoke_failed"
     assert "step release failed" in r.error.message and "sglang here is 0.5.23" in r.error.message
     assert "rollback --forget-stale" in r.error.message
+
+
+def test_forget_stale_supersedes_a_damaged_state_and_an_old_journal(upgraded, tmp_path: Path) -> None:
+    """state.json damaged and a journal of the old release left behind: refused as stale by rollback --to pristine
+    (whose hint names forget), and forget sets both aside (never deleted) and finishes."""
+    inv_path, site = upgraded
+    inv = load_inventory(inv_path)
+    sd = tmp_path / "state"
+    (sd / "state.json").write_text("{not json")
+    (sd / "journal.json").write_text(json.dumps({"action": "push", "release": "x", "operator": "o",
+                                                 "site_packages": str(site), "stack_before": [], "stack_after": [],
+                                                 "steps": []}))
+    [r] = release.rollback(inv, inv.select(None), to="pristine")
+    assert r.status == "failed" and r.error.code == "stale_base"
+    [f] = rollout.rollback(inv, inv.select(None), forget_stale=True)
+    assert f.ok, f.to_dict()
+    assert _tree(site) == {rel: sha(d) for rel, d in UPSTREAM_23.items()}
+    assert sorted(p.name.split(".damaged-")[0] for p in sd.glob("*.damaged-*")) == ["journal.json", "state.json"]
+    assert json.loads((sd / "state.json").read_text())["stack"] == []
+    assert not (sd / "journal.json").exists()

@@ -19,9 +19,9 @@ import os
 import time
 from pathlib import Path
 
-from . import journal, lock, pristine, stale, state, statefs
+from . import journal, lock, pristine, repair, stale, state, statefs, units
 from .atomic import AgentError, copy_file_atomic, fsync_dir, sha256_file
-from .layout import PRISTINE, RELEASES, find_base
+from .layout import JOURNAL, PRISTINE, RELEASES, find_base
 
 FORGOTTEN = "forgotten"
 
@@ -37,7 +37,12 @@ def forget_stale(sd: Path, *, operator: str, sys_path: list | None = None, packa
         raise AgentError("no_record", f"the installed {package} {version} has no RECORD: its own files cannot be "
                          "checked", f"reinstall it (pip install --force-reinstall --no-deps {package}=={version}), "
                          "then repeat; nothing was changed")
-    st = state.load(sd)
+    try:
+        st, damaged = state.load(sd), None
+    except AgentError as exc:  # a damaged state.json is superseded below, like rollback --to pristine does
+        if exc.code != "state_damaged":
+            raise
+        st, damaged = state.empty(), exc
     known = pristine.Known(sd)
     not_wheel, foreign, ours = [], [], []
     for rel in sorted(known.touched):
@@ -64,6 +69,14 @@ def forget_stale(sd: Path, *, operator: str, sys_path: list | None = None, packa
             raise AgentError("backup_failed", f"the copy of {rel} does not verify", "nothing was changed; repeat")
         steps.append({"rel": rel, "before": now, "before_src": str(keep), "after": None, "after_src": None,
                       "mode": None})
+    # What this supersedes is set aside, never deleted: a journal of the old release (its steps would write
+    # the old version's bytes; every file was just shown to be the wheel's or ours) and a damaged state.json.
+    set_aside = [str(repair.set_aside(sd / name)) for name in (JOURNAL, state.STATE)
+                 if (sd / name).exists() and (name == JOURNAL or damaged is not None)]
+    if damaged is not None:
+        promotion = units.rebuild_promotion(sd)
+        state.save(sd, {**state.empty(), "promotion": promotion, "mode": promotion["mode"]})
+        st = state.load(sd)
     stack = list(st.get("stack") or [])
     jr = {"op": "forget_stale", "action": "forget-stale", "release": "forget-stale", "operator": operator,
           "started": state.now_iso(), "steps": steps, "stack_before": stack, "stack_after": []}
@@ -83,7 +96,7 @@ def forget_stale(sd: Path, *, operator: str, sys_path: list | None = None, packa
         warnings.append(f"the service's unit was promoted to {mode} and still names the DDTree flags: "
                         "`ddtree-ops rollback --to pristine` restores the unit, then push and promote again")
     return {"noop": False, "to": "forget-stale", "current": None, "forgotten": old, "removed": changed,
-            "kept_as": str(dest), "set_aside": moved,
+            "kept_as": str(dest), "set_aside": moved + set_aside,
             "message": f"forgot {', '.join(sorted(old))} (made for {package} "
                        f"{', '.join(sorted(set(old.values())))}; {package} here is {version}); removed "
                        f"{len(changed)} DDTree module(s) of theirs; kept in {dest}",
