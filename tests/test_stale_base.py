@@ -243,3 +243,23 @@ def test_forget_stale_supersedes_a_damaged_state_and_an_old_journal(upgraded, tm
     assert sorted(p.name.split(".damaged-")[0] for p in sd.glob("*.damaged-*")) == ["journal.json", "state.json"]
     assert json.loads((sd / "state.json").read_text())["stack"] == []
     assert not (sd / "journal.json").exists()
+
+
+def test_unlock_does_not_finish_an_old_releases_journal_on_a_stale_host(upgraded, tmp_path: Path) -> None:
+    """An interrupted change of the old release (its steps write 0.5.13.post1 bytes): unlock breaks the lock but
+    refuses to roll it forward, naming the repair; nothing is written."""
+    inv_path, site = upgraded
+    inv = load_inventory(inv_path)
+    sd = tmp_path / "state"
+    [rid] = json.loads((sd / "state.json").read_text())["stack"]
+    rdir = sd / "releases" / rid
+    jr = {"op": "rollback", "action": "rollback", "release": rid, "operator": "o", "site_packages": str(site),
+          "stack_before": [rid], "stack_after": [],
+          "steps": [{"rel": "sglang/srt/speculative/dflash_worker.py", "before": None, "before_src": None,
+                     "after": sha(PRISTINE["sglang/srt/speculative/dflash_worker.py"]),
+                     "after_src": str(rdir / "backup/sglang/srt/speculative/dflash_worker.py"), "mode": None}]}
+    (sd / "journal.json").write_text(json.dumps(jr))
+    before = _tree(site)
+    [r] = release.unlock(inv, inv.select(None))
+    assert r.status == "failed" and r.error.code == "stale_base", r.to_dict()
+    assert _tree(site) == before and (sd / "journal.json").exists()
