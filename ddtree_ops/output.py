@@ -183,7 +183,7 @@ def status_row(host: HostConfig, result: HostResult) -> dict[str, str]:
                    or ("absent" if result.ok else "-")),
         "service": f"{service.get('active_state')}/{service.get('sub_state')}" if service else "-",
         # No state file: ddtree-ops never installed here. current null: everything rolled back.
-        "release": "-" if not result.ok else ("none" if release is None else (release.get("current") or "pristine")),
+        "release": "-" if not result.ok else ("none" if release is None else _release_cell(release)),
         "mode": (release or {}).get("mode") or "-",
         "last_promote": _promotion_cell((release or {}).get("promotion"), (release or {}).get("in_flight")),
         "lock": (str(lock.get("who") or lock.get("owner") or "held") if lock else ("free" if result.ok else "-")),
@@ -191,6 +191,16 @@ def status_row(host: HostConfig, result: HostResult) -> dict[str, str]:
         "free_disk": human_bytes((facts.get("disk") or {}).get("free_bytes")),
         "status": result.status,
     }
+
+
+def _release_cell(release: dict[str, Any]) -> str:
+    """The current release; a stale one (made for another SGLang than the installed one) says so, with the bases."""
+    now = release.get("current") or "pristine"
+    stale = release.get("stale")
+    if not stale:
+        return now
+    bases = ", ".join(sorted(set((stale.get("release_bases") or {}).values())))
+    return f"STALE {now} (for SGLang {bases}, host has {stale.get('installed_version')}; see --json repair)"
 
 
 def _promotion_cell(promotion: dict[str, Any] | None, in_flight: dict[str, Any] | None = None) -> str:
@@ -256,7 +266,12 @@ def print_table(columns: dict[str, str], rows: Sequence[dict[str, str]], *, esse
 def print_status_table(hosts: Sequence[HostConfig], results: Sequence[HostResult]) -> None:
     style = {"ok": "", "failed": "yellow", "unreachable": "red", "interrupted": "yellow"}
     rows = [status_row(h, r) for h, r in zip(hosts, results, strict=True)]
-    print_table(STATUS_COLUMNS, rows, essential=STATUS_ESSENTIAL, styles=[style[r.status] for r in results])
+    stale = [((r.data or {}).get("release") or {}).get("stale") if r.ok else None for r in results]
+    print_table(STATUS_COLUMNS, rows, essential=STATUS_ESSENTIAL,
+                styles=["red" if s else style[r.status] for s, r in zip(stale, results, strict=True)])
+    for h, s in zip(hosts, stale, strict=True):
+        if s:
+            sys.stderr.write(f"{h.name}: STALE release: {s['message']}\n  repair: {s['repair']}\n")
 
 
 HOSTS_COLUMNS = {"host": "Host", "address": "Address", "user": "User", "jump": "Jump", "groups": "Groups",

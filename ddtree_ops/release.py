@@ -307,8 +307,11 @@ def push_host(ctx: HostContext, inventory: Inventory, bundle: LocalBundle | Bund
         plan = _call(session, "plan", {**_base_args(ctx.host, operator), "manifest": chosen.manifest, "adopt": adopt})
         host_version = plan.get("base_version")
         match = bundles.for_base(host_version)
+        stale = next((r for r in plan.get("refusals") or [] if r.get("code") == "stale_base"), None)
         if match is None:
-            refusal = bundles.refusal(ctx.host.name, host_version)
+            # SGLang changed under the installed release: that is what the operator must hear first.
+            refusal = {**stale, "message": f"{ctx.host.name}: {stale['message']}"} if stale else \
+                bundles.refusal(ctx.host.name, host_version)
             if dry_run:
                 return {"dry_run": True, "bundle": None, "base_version": host_version, "release": None,
                         "site_packages": plan.get("site_packages"), "current": plan.get("current"), "files": [],

@@ -179,6 +179,11 @@ def register(app: typer.Typer) -> None:
                                              "RELEASE: a release id from `history`.")] = "previous",
         adopt: Annotated[bool, typer.Option("--adopt", help="Overwrite files changed by someone since the push "
                                                             "(their bytes are kept in the state dir).")] = False,
+        forget_stale: Annotated[bool, typer.Option(
+            "--forget-stale", help="Repair a host whose SGLang was upgraded or downgraded under its releases "
+                                   "(status: STALE): after `pip install --force-reinstall --no-deps sglang==VERSION`, "
+                                   "check every file is the wheel's, remove the DDTree modules the old release "
+                                   "added and set its state aside.")] = False,
         lock_wait: LockWaitOption = 0.0,
         json_output: JsonOption = False,
         debug: DebugOption = False,
@@ -201,7 +206,7 @@ def register(app: typer.Typer) -> None:
             progress = progress_for(hosts, "rollback", json_mode=json_output)
             with terminate_like_ctrl_c(), progress or nullcontext():
                 results = do_rollback(inv, hosts, to=to, adopt=adopt, lock_wait_s=lock_wait,
-                                      concurrency=concurrency, progress=progress)
+                                      concurrency=concurrency, progress=progress, forget_stale=forget_stale)
 
         def render(hosts: list[HostConfig], results: list[HostResult]) -> None:
             t = table(["host", "status", "now", "result", "time"])

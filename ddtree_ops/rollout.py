@@ -239,6 +239,9 @@ def _refusals(host: HostConfig, opts: PromoteOptions, info: dict[str, Any],
               ctx_notes: list[str]) -> list[dict[str, str]]:
     """Why this host must not be promoted, found before any change (notes: what could not be checked)."""
     out = []
+    stale = info["release"].get("stale")
+    if stale:  # SGLang was changed under the release (agent stale.py): its files are another version's
+        out.append({"code": "stale_base", "message": stale["message"], "hint": stale["hint"]})
     if not info["release"]["ddtree_payload"]:
         out.append({"code": "not_ddtree_payload",
                     "message": f"the installed release ({info['release']['current'] or 'pristine sglang'}) is not "
@@ -738,16 +741,27 @@ def promote(inventory: Inventory, hosts: Sequence[HostConfig], opts: PromoteOpti
 
 
 def rollback_host(ctx: HostContext, inventory: Inventory, *, to: str = "previous", adopt: bool = False,
-                  lock_wait_s: float = 0.0, operator: str | None = None) -> dict[str, Any]:
+                  lock_wait_s: float = 0.0, operator: str | None = None, forget_stale: bool = False) -> dict[str, Any]:
     """Units first, then release files. previous: undo the last promote stage if there is one (else the
     last release); pristine: every stage (the unit as before ddtree-ops) and every release; then the
-    service restarts on what was restored and must answer /health_generate again."""
+    service restarts on what was restored and must answer /health_generate again. forget_stale: the repair
+    of a host whose SGLang was changed under its releases (agent forget.py); the unit is not touched."""
     operator = operator or operator_name()
     host = ctx.host
+    if forget_stale:
+        with _session(ctx, inventory) as session, \
+                _host_lock(ctx, session, command="rollback --forget-stale", operator=operator,
+                           wait_s=lock_wait_s) as lease:
+            ctx.step("forgetting stale releases")
+            return _call(session, "forget_stale", {"state_dir": host.state_dir, "operator": operator,
+                                                   "lock_id": lease.lock_id})
     with _session(ctx, inventory) as session, \
             _host_lock(ctx, session, command=f"rollback --to {to}", operator=operator, wait_s=lock_wait_s) as lease:
         base = {"state_dir": host.state_dir, "operator": operator, "lock_id": lease.lock_id}
         out: dict[str, Any] = {}
+        ctx.step("checking the release base")
+        # SGLang changed under the release: refused before the unit or any file is touched (agent stale.py).
+        _call(session, "stale_check", base)  # the agent client names the host
         ctx.step("restoring the unit")
         # previous/pristine restore promoted units; a release id only undoes a stage left in flight
         # (and says whether ddtree-ops manages the service). pristine restarts once, after the files.
@@ -785,10 +799,14 @@ def rollback_host(ctx: HostContext, inventory: Inventory, *, to: str = "previous
 
 def rollback(inventory: Inventory, hosts: Sequence[HostConfig], *, to: str = "previous", adopt: bool = False,
              lock_wait_s: float = 0.0, operator: str | None = None, concurrency: int = DEFAULT_CONCURRENCY,
-             progress: FleetProgress | None = None) -> list[HostResult]:
+             progress: FleetProgress | None = None, forget_stale: bool = False) -> list[HostResult]:
     if not to:
         raise UsageError("--to needs previous, pristine or a release id", code="bad_rollback_target")
+    if forget_stale and (to != "previous" or adopt):
+        raise UsageError("--forget-stale takes neither --to nor --adopt", code="bad_rollback_target",
+                         hint="it forgets every release made for another SGLang than the installed one")
     who = operator or operator_name()
     return run_on_hosts(hosts, lambda ctx: rollback_host(ctx, inventory, to=to, adopt=adopt,
-                                                         lock_wait_s=lock_wait_s, operator=who),
+                                                         lock_wait_s=lock_wait_s, operator=who,
+                                                         forget_stale=forget_stale),
                         concurrency=concurrency, progress=progress)

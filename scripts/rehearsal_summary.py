@@ -67,12 +67,24 @@ def describe(name: str, doc: object, wall: float) -> list[str]:
                 out.append(f"    {r['host']:<8} {d.get('message') or r['status']}")
         if name.startswith("status"):
             out += status_lines(doc["results"])
-        if name == "push" and (doc.get("bundle") or {}).get("signature"):
-            sig = doc["bundle"]["signature"]
-            out.append(f"    bundle signed by {sig.get('signer') or 'an untrusted key'} ({sig.get('key')})"
-                       if sig.get("signed") else "    bundle UNSIGNED (--allow-unsigned)")
+        if name == "push":
+            out += bundle_lines(doc)
         return out
     return ["ok"]
+
+
+def bundle_lines(doc: dict) -> list[str]:
+    """Who signed the pushed bundles: `bundles` (one per SGLang base) when push had several, else `bundle`."""
+    bundles = doc.get("bundles") or ([doc["bundle"]] if isinstance(doc.get("bundle"), dict) else [])
+    out = []
+    for b in bundles:
+        sig = b.get("signature")
+        if not sig:
+            continue
+        base = f" for SGLang {b['base_version']}" if len(bundles) > 1 and b.get("base_version") else ""
+        out.append(f"    bundle{base} signed by {sig.get('signer') or 'an untrusted key'} ({sig.get('key')})"
+                   if sig.get("signed") else f"    bundle{base} UNSIGNED (--allow-unsigned)")
+    return out
 
 
 def status_lines(results: list[dict]) -> list[str]:

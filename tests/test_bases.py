@@ -383,3 +383,11 @@ def test_status_json_and_table_show_each_hosts_base(mixed_fleet) -> None:
     assert labels == {"old": "0.5.13.post1 v1", "new": "0.5.23 v2", "odd": "0.5.14 (unknown base)"}
     table = cli("status", "-i", str(inv_path), env={"COLUMNS": "250"}).stdout
     assert "SGLang base" in table and "0.5.23 v2" in table and "0.5.14 (unknown base)" in table
+
+
+def test_smoke_picks_the_checks_of_the_installed_sglangs_worker() -> None:
+    from ddtree_ops.agent.remote.smoke import worker_of
+
+    assert worker_of("0.5.13.post1") == "v1" and worker_of("0.5.9") == "v1" and worker_of(None) == "v1"
+    assert worker_of("0.5.14") == "v2" and worker_of("0.5.17") == "v2" and worker_of("0.5.23") == "v2"
+    assert worker_of("0.6.0rc1") == "v2" and worker_of("0.5.23+cu128") == "v2"

@@ -218,3 +218,55 @@ def test_0523_resolve_once_refuses_full_mode(site: Path, tmp_path: Path) -> None
     ], extra)
     assert not r["full"]["ok"] and "full is not available yet on SGLang 0.5.23" in r["full"]["error"]
     assert r["shadow"]["ok"] and r["shadow"]["speculative_ddtree_mode"] == "shadow-linear", r["shadow"]
+
+
+def test_agent_smoke_runs_the_v2_checks_on_the_0523_tree(site: Path, built: B.BuildResult, tmp_path: Path) -> None:
+    """`smoke` on a 0.5.23 host: every installed DDTree module imports, the flags are parsed by 0.5.23's own
+    parser and validated through its resolution hook (shadow-linear accepted, full refused with the payload's
+    "not available yet", bad values refused naming their flag), and the CPU self-test of the tree builder."""
+    from tests.release_fixtures import run_agent
+
+    modules = sorted(f.path[:-3].replace("/", ".") for f in [*built.manifest.patched_files, *built.manifest.new_files]
+                     if f.path.endswith(".py"))
+    answer = run_agent("smoke", {"state_dir": str(tmp_path / "state"), "sys_path": [str(site)], "modules": modules,
+                                 "timeout_s": 500}, timeout=1600)
+    assert answer["ok"], answer
+    r = answer["result"]
+    steps = {s["name"]: s for s in r["steps"]}
+    assert r["passed"], {n: (s["detail"], s["output"][-1500:]) for n, s in steps.items() if not s["passed"]}
+    assert (r["sglang_version"], r["worker"]) == (VERSION, "v2")
+    imported = steps["import"]["detail"]
+    assert set(imported) >= {*modules, "sglang.srt.speculative.ddtree_v2_args"}
+    missing = {m: v["missing_dependency"] for m, v in imported.items() if not v.get("ok") or v.get("missing_dependency")}
+    print("missing dependencies (not the payload):", missing)
+    assert not [m for m in missing if missing[m] is None], missing
+    cases = {c["case"]: c for c in steps["server_args"]["detail"]}
+    assert cases["shadow-linear, defaults"]["ok"] and cases["shadow-linear, budget auto, maximum 63"]["ok"]
+    full = cases["full (not available yet on this base)"]
+    assert full["ok"] and "full is not available yet on SGLang 0.5.23" in full["detail"], full
+    assert all(c["ok"] for c in cases.values()), cases
+    assert all(c["ok"] for c in steps["tree"]["detail"])
+
+
+def test_ddtree_args_reads_the_servers_args_through_0523s_runtime_context(site: Path, tmp_path: Path) -> None:
+    """0.5.23 retired get_global_server_args (RuntimeError, set or not): the shared ddtree_args reads the
+    runtime context instead, None before a server set it."""
+    code = r"""
+import json
+from sglang.srt.speculative import ddtree_args as a
+out = {"unset": a.running_server_args() is None, "rule_unset": a.sampling_rule()}
+from sglang.srt.server_args import prepare_server_args
+from sglang.srt import runtime_context
+sa = prepare_server_args(["--model-path", "dummy", "--sampling-backend", "flashinfer"])
+runtime_context._CONTEXT.set_server_args(sa)
+out["set"] = a.running_server_args() is sa
+out["rule_set"] = a.sampling_rule()
+print(json.dumps(out))
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "SGLANG", "DDTREE"))}
+    env["PYTHONPATH"] = str(site)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"unset": True, "rule_unset": "pytorch", "set": True, "rule_set": "flashinfer"}, out

@@ -14,7 +14,7 @@ import shutil
 import stat
 from pathlib import Path
 
-from . import backup, journal, lock, pristine, state, statefs
+from . import backup, journal, lock, pristine, stale, state, statefs
 from .atomic import (
     AgentError,
     copy_file_atomic,
@@ -128,6 +128,13 @@ def plan(sd: Path, man: dict, *, sys_path: list | None = None, adopt: bool = Fal
         for rel, f in (rec.get("files") or {}).items():
             ours[rel] = f.get("after")
     refusals: list[dict] = []
+    old = stale.stale_releases(sd, version)
+    if old:
+        # SGLang changed under a release: its records describe another version's files (stale.py).
+        d = stale.describe(version, old, man["package"])
+        refusals.append({k: d[k] for k in ("code", "message", "hint", "installed_version", "release_bases")})
+        ours = {}  # never "revert" a file to another version's bytes, not even in a dry run's plan
+        stack, records = [], []
     if version != man["version"]:
         refusals.append({"code": "wrong_version",
                          "message": f"{man['package']} here is {version}, the bundle is built for {man['version']}",
@@ -229,8 +236,10 @@ def _space_needed(bundle: Path, man: dict, site: Path, pl: dict) -> int:
 def install(sd: Path, bundle: Path, *, operator: str, sys_path: list | None = None, adopt: bool = False,
             kill_after: int | None = None, skip_space_check: bool = False, signer: str | None = None) -> dict:
     """Install a staged, hash-verified bundle; the caller holds the lock. Returns the result dict."""
-    recovered = journal.recover(sd)
     man = read_bundle(bundle)
+    # SGLang changed under a release: refused before even an interrupted change is finished (stale.py).
+    stale.refuse_if_stale(sd, find_base(man["package"], sys_path)[0], man["package"])
+    recovered = journal.recover(sd)
     pl = plan(sd, man, sys_path=sys_path, adopt=adopt)
     rid = pl["release"]
     if pl["refusals"]:

@@ -215,10 +215,13 @@ def recover(state_dir: Path) -> dict | None:
 def op_recover(request: dict) -> dict:
     """Finish an interrupted change; with repair (the `unlock` command) clear a damaged journal
     too, once every file is shown to be where state.json says (repair.py)."""
-    from . import lock, repair
+    from . import lock, repair, stale
 
     sd = statefs.state_dir(request)
     with lock.held(sd, request.get("lock_id"), who=str(request.get("operator", "?")), command="recover"):
+        if os.path.lexists(sd / JOURNAL):
+            # SGLang changed under the release: its interrupted change would write another version's bytes.
+            stale.refuse_if_stale(sd, stale.installed_version("sglang", request.get("sys_path")))
         if request.get("repair"):
             try:
                 pending(sd)

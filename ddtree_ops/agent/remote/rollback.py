@@ -21,7 +21,7 @@ import os
 import time
 from pathlib import Path
 
-from . import backup, install, journal, lock, pristine, repair, state, statefs, units
+from . import backup, install, journal, lock, pristine, repair, stale, state, statefs, units
 from .atomic import AgentError, copy_file_atomic, sha256_file
 from .bundle import read_bundle, release_id
 from .layout import JOURNAL, RELEASES, REPLACED, find_base, release_dir, safe_name
@@ -57,6 +57,8 @@ def _steps_for_pop(sd: Path, site: Path, rid: str, *, adopt: bool, check_drift: 
 
 def rollback(sd: Path, to: str, *, operator: str, sys_path: list | None = None, adopt: bool = False,
              package: str = "sglang") -> dict:
+    # Before anything, the journal's recovery included.
+    stale.refuse_if_stale(sd, stale.installed_version(package, sys_path), package)
     if to == "pristine":
         return to_pristine(sd, operator=operator, sys_path=sys_path, adopt=adopt, package=package)
     recovered = journal.recover(sd)

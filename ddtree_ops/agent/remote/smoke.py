@@ -5,9 +5,11 @@ hanging import or a crashing extension cannot take the agent down and every step
 is captured on its own:
   import       the DDTree modules and every patched SGLang module of the current release
   server_args  prepare_server_args accepts valid DDTree flags and refuses each bad combination
-               with a message naming the flag
+               with a message naming the flag; the cases are those of the installed SGLang's worker
+               generation (worker_of): on a v2 base (0.5.14 on) shadow-linear is accepted and full is
+               refused with the payload's "not available yet", validated through 0.5.23's resolution hook
   tree         build_ddtree on a tiny CPU case whose answer is worked out by hand below
-Answer: {"passed": bool, "steps": [{name, passed, seconds, detail, output}]}.
+Answer: {"passed": bool, "steps": [{name, passed, seconds, detail, output}], "sglang_version", "worker"}.
 """
 
 from __future__ import annotations
@@ -100,9 +102,9 @@ invalid = [
     ("budget with mode off", dflash + ["--speculative-ddtree-budget", "8"], "--speculative-ddtree-mode"),
     ("budget maximum without auto", dflash + ["--speculative-ddtree-mode", "shadow-linear", "--speculative-ddtree-budget",
      "8", "--speculative-ddtree-budget-max", "8"], "--speculative-ddtree-budget-max"),
-    ("allow-hybrid-unsafe (not supported yet)", dflash + ["--speculative-ddtree-mode", "full",
+    ("allow-hybrid-unsafe (refused)", dflash + ["--speculative-ddtree-mode", "full",
      "--attention-backend", "triton", "--page-size", "1", "--speculative-ddtree-allow-hybrid-unsafe"],
-     "not supported yet"),
+     "--speculative-ddtree-allow-hybrid-unsafe"),
     ("full on flashinfer", dflash + ["--speculative-ddtree-mode", "full", "--attention-backend", "flashinfer"],
      "--attention-backend"),
     ("keep-chain with budget below the depth", dflash + ["--speculative-ddtree-mode", "shadow-linear",
@@ -113,6 +115,77 @@ for name, extra, want in valid:
     sa, err = parse(extra)
     bad = err or ", ".join(f"{k}={getattr(sa, k, None)!r} (want {v!r})" for k, v in want.items()
                            if getattr(sa, k, None) != v)
+    cases.append({"case": name, "expect": "accepted", "ok": not bad, "detail": bad or "accepted"})
+    ok = ok and not bad
+for name, extra, flag in invalid:
+    sa, err = parse(extra)
+    good = err is not None and flag in err
+    cases.append({"case": name, "expect": f"refused naming {flag}", "ok": good,
+                  "detail": err or "ACCEPTED (should have been refused)"})
+    ok = ok and good
+print("DDTREE-SMOKE-RESULT " + json.dumps(cases))
+sys.exit(0 if ok else 1)
+"""
+
+# The same checks on a v2 base (SGLang 0.5.14 on; the payload's glue is ddtree_v2_args). ServerArgs is parsed by
+# that SGLang's own prepare_server_args; it validates in resolve_once, whose DFLASH step refuses a CPU device, so
+# the DDTree check is reached the way resolve_once reaches it: SGLang's run_hook on the step the payload wraps
+# (`handle_speculative_decoding`), here a stand-in that declares DFLASH's block size as the real step does on a
+# GPU. Full mode is refused on this base with the payload's own "not available yet" message.
+SERVER_ARGS_V2_CODE = PRELUDE + r"""
+import contextlib, io
+from sglang.srt.arg_groups.overrides import declare_resolution, resolution_result
+from sglang.srt.arg_groups.resolution_hooks import run_hook
+from sglang.srt.server_args import prepare_server_args
+import sglang.srt.speculative.ddtree_v2_args  # the payload's glue: the hooks are registered by its patch
+base = SPEC["base"]
+dflash = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", SPEC["draft"],
+          "--speculative-num-draft-tokens", "16"]
+def handle_speculative_decoding(server_args):
+    if (resolution_result(server_args, "speculative_algorithm") or "").upper() == "DFLASH":
+        block = resolution_result(server_args, "speculative_num_draft_tokens") or 16
+        declare_resolution(server_args, "smoke: DFLASH block size", speculative_num_draft_tokens=int(block))
+def parse(extra):
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            sa = prepare_server_args(base + extra)
+            run_hook(handle_speculative_decoding, sa)
+        return sa, None
+    except SystemExit as exc:
+        return None, f"argparse exit {exc.code}: {err.getvalue().strip()[-400:]}"
+    except Exception as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+valid = [
+    ("shadow-linear, defaults", dflash + ["--speculative-ddtree-mode", "shadow-linear"],
+     {"speculative_ddtree_mode": "shadow-linear", "speculative_ddtree_budget": 15}),
+    ("shadow-linear, budget 31, topk-cap 4", dflash + ["--speculative-ddtree-mode", "shadow-linear",
+     "--speculative-ddtree-budget", "31", "--speculative-ddtree-topk-cap", "4"],
+     {"speculative_ddtree_mode": "shadow-linear", "speculative_ddtree_budget": 31, "speculative_ddtree_topk_cap": 4}),
+    ("shadow-linear, budget auto, maximum 63", dflash + ["--speculative-ddtree-mode", "shadow-linear",
+     "--speculative-ddtree-budget", "auto", "--speculative-ddtree-budget-max", "63"],
+     {"speculative_ddtree_mode": "shadow-linear", "speculative_ddtree_budget": "auto",
+      "speculative_ddtree_budget_max": 63}),
+]
+invalid = [
+    ("full (not available yet on this base)", dflash + ["--speculative-ddtree-mode", "full"], "not available yet"),
+    ("ddtree without DFLASH", ["--speculative-ddtree-mode", "shadow-linear"], "--speculative-algorithm DFLASH"),
+    ("unknown mode", dflash + ["--speculative-ddtree-mode", "bushy"], "--speculative-ddtree-mode"),
+    ("budget 513", dflash + ["--speculative-ddtree-mode", "shadow-linear", "--speculative-ddtree-budget", "513"],
+     "--speculative-ddtree-budget"),
+    ("topk-cap above budget", dflash + ["--speculative-ddtree-mode", "shadow-linear", "--speculative-ddtree-budget",
+     "8", "--speculative-ddtree-topk-cap", "9"], "--speculative-ddtree-topk-cap"),
+    ("budget with mode off", dflash + ["--speculative-ddtree-budget", "8"], "--speculative-ddtree-mode"),
+    ("budget maximum without auto", dflash + ["--speculative-ddtree-mode", "shadow-linear", "--speculative-ddtree-budget",
+     "8", "--speculative-ddtree-budget-max", "8"], "--speculative-ddtree-budget-max"),
+    ("allow-hybrid-unsafe", dflash + ["--speculative-ddtree-mode", "shadow-linear",
+     "--speculative-ddtree-allow-hybrid-unsafe"], "--speculative-ddtree-allow-hybrid-unsafe"),
+]
+cases, ok = [], True
+for name, extra, want in valid:
+    sa, err = parse(extra)
+    bad = err or ", ".join(f"{k}={resolution_result(sa, k)!r} (want {v!r})" for k, v in want.items()
+                           if resolution_result(sa, k) != v)
     cases.append({"case": name, "expect": "accepted", "ok": not bad, "detail": bad or "accepted"})
     ok = ok and not bad
 for name, extra, flag in invalid:
@@ -219,10 +292,42 @@ def _patched_modules(request: dict) -> list[str]:
     return sorted(set(DDTREE_MODULES) | set(mods))
 
 
+def worker_of(version: str | None) -> str:
+    """The DFLASH worker generation of an SGLang version: v1 (`dflash_worker.py`) up to 0.5.13.post1,
+    v2 (`DFlashWorkerV2`, validation in resolve_once) from 0.5.14 on; v1 when the version is unknown."""
+    import re
+
+    nums = [int(n) for n in re.findall(r"\d+", (version or "").split("+")[0])[:3]]
+    return "v2" if len(nums) == 3 and tuple(nums) >= (0, 5, 14) else "v1"
+
+
+def _installed_version(sys_path: list[str]) -> str | None:
+    from .atomic import AgentError
+    from .layout import find_base
+
+    try:
+        return find_base("sglang", sys_path or None)[0]
+    except AgentError:
+        return None  # not installed: the import step says so
+
+
 def op_smoke(request: dict) -> dict:
     timeout_s = float(request.get("timeout_s", DEFAULT_TIMEOUT_S))
     sys_path = [str(p) for p in request.get("sys_path") or []]
     wanted = request.get("steps") or ["import", "server_args", "tree"]
+    version = _installed_version(sys_path)
+    worker = worker_of(version)
+    sd = request.get("state_dir")
+    if isinstance(sd, str) and sd.startswith("/") and version is not None:
+        from . import stale
+
+        old = stale.stale_releases(Path(sd), version)
+        if old:  # SGLang changed under the release: its modules are another version's payload
+            d = stale.describe(version, old)
+            step = {"name": "release", "passed": False, "seconds": 0.0, "detail": f"{d['message']}; {d['hint']}",
+                    "output": ""}
+            return {"passed": False, "failed_steps": ["release"], "steps": [step], "warnings": [],
+                    "python": sys.executable, "sglang_version": version, "worker": worker, "stale": d}
     steps = []
     with tempfile.TemporaryDirectory(prefix="ddtree-smoke-") as tmp:
         model = Path(tmp) / "tiny-qwen3"
@@ -233,7 +338,7 @@ def op_smoke(request: dict) -> dict:
                                                            "modules": _patched_modules(request)}, timeout_s))
         if "server_args" in wanted:
             base = ["--model-path", str(model), "--device", "cpu"]
-            steps.append(_run_step("server_args", SERVER_ARGS_CODE,
+            steps.append(_run_step("server_args", SERVER_ARGS_V2_CODE if worker == "v2" else SERVER_ARGS_CODE,
                                    {"sys_path": sys_path, "base": base, "draft": str(model)}, timeout_s))
         if "tree" in wanted:
             steps.append(_run_step("tree", TREE_CODE, {"sys_path": sys_path}, timeout_s))
@@ -242,4 +347,4 @@ def op_smoke(request: dict) -> dict:
                 for s in steps if s["name"] == "import" and isinstance(s["detail"], dict)
                 for mod, v in s["detail"].items() if v.get("missing_dependency")]
     return {"passed": not failed, "failed_steps": failed, "steps": steps, "warnings": warnings,
-            "python": sys.executable}
+            "python": sys.executable, "sglang_version": version, "worker": worker}

@@ -413,7 +413,7 @@ def undo_journal(sd: Path, *, adopt: bool = False, reason: str = "interrupted") 
 # ---------------------------------------------------------------- inspect
 
 
-def _release_info(sd: Path) -> dict:
+def _release_info(sd: Path, sys_path: list | None = None) -> dict:
     st = state.load(sd)
     current = st.get("current")
     ddtree = False
@@ -421,7 +421,22 @@ def _release_info(sd: Path) -> dict:
     if current:
         ddtree = DDTREE_MODULE in (backup.read(sd, current).get("files") or {})
         bundle_sha = sha256_file(sd / RELEASES / safe_name(current, "release id") / "bundle.tar.gz")
-    return {"current": current, "ddtree_payload": ddtree, "bundle_sha256": bundle_sha}
+    return {"current": current, "ddtree_payload": ddtree, "bundle_sha256": bundle_sha,
+            "stale": _stale_info(sd, sys_path)}
+
+
+def _stale_info(sd: Path, sys_path: list | None) -> dict | None:
+    """Releases made for another SGLang than the installed one (stale.py): promote refuses such a host.
+    Nothing is said when SGLang cannot be found here (the promote's own start check fails then)."""
+    from . import stale
+    from .layout import find_base
+
+    try:
+        version = find_base("sglang", sys_path)[0]
+    except AgentError:
+        return None
+    old = stale.stale_releases(sd, version)
+    return stale.describe(version, old) if old else None
 
 
 FULL_MODE_PROBE = r"""
@@ -480,7 +495,7 @@ def op_unit_inspect(args: dict) -> dict:
         "installed_text": None if installed is None else redaction.redact_text(installed, _secret_values(env_path)),
         # The env file holds secrets: only whether it exists and its hash ever leave the host.
         "env_sha256": sha256_file(env_path),
-        "release": _release_info(sd),
+        "release": _release_info(sd, args.get("sys_path")),
         "mode": st.get("mode"),
         "promotion": {k: promotion.get(k) for k in ("mode", "stack", "last", "passed")},
         "journal": jr,

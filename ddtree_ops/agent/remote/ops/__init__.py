@@ -22,6 +22,8 @@ REGISTRY = {
     "plan": ("install", "op_plan"),  # dry run of a push from an inline manifest; changes nothing
     "install": ("install", "op_install"),  # backup, journaled atomic replace, record
     "rollback": ("rollback", "op_rollback"),  # restore a previous release or pristine from backups
+    "stale_check": ("stale", "op_stale_check"),  # refuse a host whose releases were made for another SGLang
+    "forget_stale": ("forget", "op_forget_stale"),  # a stale host's repair, after pip --force-reinstall
     "recover": ("journal", "op_recover"),  # finish an interrupted install or rollback
     "history": ("state", "op_history"),  # state.json and the audit log tail
     "smoke": ("smoke", "op_smoke"),  # import, server-args and tree-builder checks with the host's Python

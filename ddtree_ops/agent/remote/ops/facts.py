@@ -40,6 +40,8 @@ def run(args: dict) -> dict:
     warnings: list = []
     state_dir = get_abs_path(args, "state_dir", DEFAULT_STATE_DIR)
     files = [relative_inside(p) for p in get_str_list(args, "files")]
+    package = get_str(args, "package", "sglang")
+    sglang = sglang_facts(package, files, get_str_list(args, "sys_path"), warnings)
     return {
         "hostname": socket.gethostname(),
         "kernel": platform.release(),
@@ -51,12 +53,12 @@ def run(args: dict) -> dict:
             "implementation": platform.python_implementation(),
         },
         "user": {"uid": os.geteuid(), "gid": os.getegid()},
-        "sglang": sglang_facts(get_str(args, "package", "sglang"), files, get_str_list(args, "sys_path"), warnings),
+        "sglang": sglang,
         "service": service_facts(get_str(args, "service"), warnings),
         "disk": disk_facts(state_dir),
         "gpus": gpu_facts(warnings),
         "lock": lock_facts(state_dir, warnings),
-        "release": release_facts(state_dir, warnings),
+        "release": release_facts(state_dir, warnings, (sglang or {}).get("version"), package),
         "warnings": warnings,
     }
 
@@ -224,7 +226,7 @@ def lock_facts(state_dir: str, warnings: list) -> dict | None:
     return owner
 
 
-def release_facts(state_dir: str, warnings: list) -> dict | None:
+def release_facts(state_dir: str, warnings: list, version: str | None = None, package: str = "sglang") -> dict | None:
     state, problem = read_json_file(state_file(state_dir))
     if problem is None and state is not None and (bad := state_problem(state)):
         problem = f"{state_file(state_dir)}: state.json {bad} (`ddtree-ops unlock HOST` shows the repair)"
@@ -241,7 +243,29 @@ def release_facts(state_dir: str, warnings: list) -> dict | None:
                             "gates": last.get("gates"), "accept_length": last.get("accept_length"),
                             "failed_gate": last.get("failed_gate"), "time": last.get("time")}
     out["in_flight"] = stage_in_flight(state_dir)
+    out["stale"] = stale_facts(state_dir, version, package, warnings)
     return out
+
+
+def stale_facts(state_dir: str, version: str | None, package: str, warnings: list) -> dict | None:
+    """Kept releases made for another SGLang than the installed one (stale.py): push and rollback refuse
+    such a host; `status` shows it with the repair, never as healthy."""
+    from pathlib import Path
+
+    from .. import stale
+
+    if version is None:  # SGLang not installed: status says "absent"
+        return None
+    try:
+        old = stale.stale_releases(Path(state_dir), version)
+    except OSError as exc:
+        warnings.append(f"{state_dir}: releases unreadable ({exc})")
+        return None
+    if not old:
+        return None
+    d = stale.describe(version, old, package)
+    warnings.append(f"{d['message']}; repair: {d['hint']}")
+    return {"installed_version": version, "release_bases": old, "message": d["message"], "repair": d["hint"]}
 
 
 def stage_in_flight(state_dir: str) -> dict | None:

@@ -459,6 +459,30 @@ def target_verify_width(server_args: Any, block_size: int) -> int:
     return int(block_size)
 
 
+def running_server_args() -> Any:
+    """The running server's ServerArgs, or None when no server set them (tests, tools).
+
+    0.5.13.post1: `server_args.get_global_server_args()`, a ValueError when unset. 0.5.23 retired that
+    accessor (it raises RuntimeError, set or not) for `runtime_context.get_server_args()` (ValueError
+    when unset)."""
+    from sglang.srt.server_args import get_global_server_args
+
+    try:
+        return get_global_server_args()
+    except ValueError:
+        return None
+    except RuntimeError:  # retired (0.5.23): the runtime context holds the operator's ServerArgs
+        pass
+    try:
+        from sglang.srt.runtime_context import get_server_args
+    except ImportError:
+        return None
+    try:
+        return get_server_args()
+    except (ValueError, RuntimeError):
+        return None
+
+
 def sampling_rule(server_args: Any = None) -> str:
     """The filter rule of plain sampling a verify must reproduce: the server's --sampling-backend
     (``ddtree_sampling.SAMPLING_RULES``); pytorch's for a backend without one of its own here (full
@@ -466,11 +490,8 @@ def sampling_rule(server_args: Any = None) -> str:
     from sglang.srt.speculative.ddtree_sampling import SAMPLING_RULES
 
     if server_args is None:
-        from sglang.srt.server_args import get_global_server_args
-
-        try:
-            server_args = get_global_server_args()
-        except ValueError:  # no server (tests, tools): the torch sampler's rule
+        server_args = running_server_args()
+        if server_args is None:  # no server (tests, tools): the torch sampler's rule
             return "pytorch"
     backend = getattr(server_args, "sampling_backend", None)
     return backend if backend in SAMPLING_RULES else "pytorch"
@@ -481,9 +502,9 @@ def check_verify_graph_buffers(backend: Any, max_bs: int, max_num_tokens: int) -
     mode they hold `max_bs * (1 + budget)` tokens, so the attention scratch and the KV indices over the
     context grow with the budget, outside SGLang's memory estimate. A start whose buffers do not fit in
     the free device memory is refused here, naming the flags that shrink them."""
-    from sglang.srt.server_args import get_global_server_args
-
-    server_args = get_global_server_args()
+    server_args = running_server_args()
+    if server_args is None:  # no server (tests, tools): no graph buffers of a server to check
+        return
     if getattr(server_args, "speculative_ddtree_mode", "off") != "full" or not str(backend.device).startswith("cuda"):
         return
     import torch
