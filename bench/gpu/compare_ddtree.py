@@ -134,7 +134,7 @@ for tag in ("h_next_full", "h_marker_full", "h_marker_shadow"):
         summary["ok"] = False
 
 # Issue 25: upstream DFLASH on the real hybrid targets (GDN + attention), reported when they were served.
-for h in ("h_next", "h_dense"):
+for h in ("h_next",):
     if not any(os.path.exists(os.path.join(d, f"server_{h}_{v}.log")) for v in ("plain", "dflash")):
         continue
     P, j = seqs(load(f"{h}_plain")), load(f"{h}_dflash")

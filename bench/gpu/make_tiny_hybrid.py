@@ -4,7 +4,6 @@
 Usage: [PEAKED=1] python make_tiny_hybrid.py OUT_DIR   (PEAKED as in make_tiny_models.py: drafts get accepted)
 Writes OUT_DIR/next/target  a tiny random Qwen3-Next (Gated DeltaNet + attention + MoE) that
                             SGLang loads as Qwen3NextForCausalLM (runtime hybrid_gdn_config);
-       OUT_DIR/dense/target the same without MoE (every layer in `mlp_only_layers`: a dense MLP);
        OUT_DIR/marker/target the tiny Qwen3 target of make_tiny_models.py with one recurrent-only
                             config key added: SGLang serves it as plain Qwen3, only the offline
                             config check (ddtree_utils.is_hybrid_model) calls it hybrid. A fallback
@@ -22,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import make_tiny_models as tm  # noqa: E402
 
 
-def make_next(out_dir, *, dense=False):
+def make_next(out_dir):
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     os.makedirs(out_dir, exist_ok=True)
@@ -36,7 +35,6 @@ def make_next(out_dir, *, dense=False):
         shared_expert_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
         layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
         bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, tie_word_embeddings=False,
-        mlp_only_layers=list(range(tm.TARGET_LAYERS)) if dense else [],
     )
     torch.manual_seed(tm.SEED)
     model = Qwen3NextForCausalLM(cfg)
@@ -57,7 +55,7 @@ def make_next(out_dir, *, dense=False):
     saved["full_attention_interval"] = 4
     with open(p, "w") as f:
         json.dump(saved, f, indent=2)
-    print(f"qwen3-next{' dense' if dense else ''} target: {out_dir} params={sum(p.numel() for p in model.parameters())}")
+    print(f"qwen3-next target: {out_dir} params={sum(p.numel() for p in model.parameters())}")
 
 
 def make_marker(out_dir):
@@ -78,10 +76,8 @@ if __name__ == "__main__":
         make_next(os.path.join(out, "next", "target"))
     except Exception as e:  # the marker target still exercises the guard
         print(f"qwen3-next target failed: {type(e).__name__}: {e}")
-    try:
-        make_next(os.path.join(out, "dense", "target"), dense=True)
-    except Exception as e:
-        print(f"qwen3-next dense target failed: {type(e).__name__}: {e}")
+    # No dense (MoE-free) Qwen3-Next: SGLang 0.5.13.post1 builds every Qwen3-Next layer as MoE (is_layer_sparse
+    # = True; `mlp_only_layers` weights fail to load, seen on the H200); its dense GDN family is Qwen3.5, served
+    # only through the vision-language wrapper.
     make_marker(os.path.join(out, "marker", "target"))
-    for other in ("marker", "dense"):
-        shutil.copytree(os.path.join(out, "next", "draft"), os.path.join(out, other, "draft"), dirs_exist_ok=True)
+    shutil.copytree(os.path.join(out, "next", "draft"), os.path.join(out, "marker", "draft"), dirs_exist_ok=True)

@@ -119,9 +119,8 @@ VARIANTS=(
   "h_next_full|/tmp/tiny_h/next|DF --speculative-ddtree-mode full --speculative-ddtree-budget 64 --disable-radix-cache"
   "h_marker_full|/tmp/tiny_h/marker|DF --speculative-ddtree-mode full --speculative-ddtree-budget 64"
   "h_marker_shadow|/tmp/tiny_h/marker|DF --speculative-ddtree-mode shadow-linear"
-  # issue 25: upstream DFLASH on the real hybrids (GDN + attention, MoE and dense), against their plain decoding
+  # issue 25: upstream DFLASH on the real hybrid (GDN + attention + MoE), against its plain decoding
   "h_next_plain|/tmp/tiny_h/next|--disable-radix-cache" "h_next_dflash|/tmp/tiny_h/next|DF --disable-radix-cache"
-  "h_dense_plain|/tmp/tiny_h/dense|--disable-radix-cache" "h_dense_dflash|/tmp/tiny_h/dense|DF --disable-radix-cache"
 )
 if [ "${MIX:-0}" = 1 ]; then
   COMMON+=(--context-length 1024 --schedule-policy fcfs)
@@ -138,17 +137,16 @@ if [ "${MIX:-0}" = 1 ]; then
   # Served only when dist/old/ holds the older bundle; the p set queries last, so a tight deadline cuts it first.
   if [ -z "$OLD_BUNDLE" ]; then VARIANTS=("${VARIANTS[@]/*_old|*}"); fi
   if [ "${MIX_SET:-}" = h ]; then
-    # Issue 25 (G0, G3, G7 of HYBRID.md): the peaked tiny Qwen3-Next (GDN + attention + MoE) and its dense
-    # twin; full mode under the proof's switch (HYB), radix cache off; a second plain server for the tie
-    # band; a deliberately wrong commit (the deepest node) that must fail.
-    H="--disable-radix-cache"; HM=${HYB_MODELS:-/tmp/tiny_hp}/next; HD=${HYB_MODELS:-/tmp/tiny_hp}/dense
+    # Issue 25 (G0, G3, G7 of HYBRID.md): a tiny Qwen3-Next (GDN + attention + MoE; HYB_MODELS=/tmp/tiny_h the
+    # random one, default the peaked one); full mode under the proof's switch (HYB), radix cache off; a second
+    # plain server for the tie band; a deliberately wrong commit (the deepest node) that must fail.
+    H="--disable-radix-cache"; HM=${HYB_MODELS:-/tmp/tiny_hp}/next
     if [ "${MIX_GRAPHS:-0}" = 1 ]; then  # G4: the same with CUDA graphs (batches above 8 run eagerly)
       KEEP=(); for c in "${COMMON[@]}"; do [ "$c" = --disable-cuda-graph ] || KEEP+=("$c"); done
       COMMON=("${KEEP[@]}" --cuda-graph-max-bs 8)
     fi
     VARIANTS=("h_plain|$HM|$H" "h_dflash|$HM|DF $H" "h_full15|$HM|$FULL 15 $H HYB" "h_full64|$HM|$FULL 64 $H HYB"
-              "h_full256|$HM|$FULL 256 $H HYB" "h_full64_deepest|$HM|$FULL 64 $H HYB DEEPEST" "h_twin|$HM|$H"
-              "d_plain|$HD|$H" "d_dflash|$HD|DF $H" "d_full64|$HD|$FULL 64 $H HYB")
+              "h_full256|$HM|$FULL 256 $H HYB" "h_full64_deepest|$HM|$FULL 64 $H HYB DEEPEST" "h_twin|$HM|$H")
   fi
 fi
 if [ "${GRAPHS:-0}" = 1 ]; then
@@ -401,7 +399,6 @@ if [ "${MIX:-0}" = 1 ]; then
     if [ "${MIX_SET:-}" = h ]; then
     "${MIXC[@]}" h_plain --upstream h_dflash h_twin h_dflash h_full15 h_full64 h_full256; echo "rc=$?"
     echo "--- the deliberately wrong commit (expected to fail):"; "${MIXC[@]}" h_plain --upstream h_dflash h_full64_deepest; echo "rc=$?"
-    "${MIXC[@]}" d_plain --upstream d_dflash d_dflash d_full64; echo "rc=$?"
     else
     "${MIXC[@]}" r_plain --upstream r_dflash r_dflash r_full16 r_full64 r_full256 r_full256_cap; echo "rc=$?"
     "${MIXC[@]}" p_plain --upstream p_dflash p_dflash p_full16 p_full64 p_full256; echo "rc=$?"

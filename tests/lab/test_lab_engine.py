@@ -248,9 +248,11 @@ def test_pushed_payload_runs_all_modes_refuses_bad_flags_and_drains(lab_fleet, i
     for unit in (bad_budget, hybrid_full, hybrid_allowed):
         assert unit.wait_failed()["Result"] == "exit-code"
     assert "--speculative-ddtree-budget must be in 1..512" in bad_budget.journal()
-    assert "DDTreeRefused: DDTree full mode refused: the target model is hybrid" in hybrid_full.journal()
-    # the payload has no escape hatch yet: the allow flag itself is refused at parsing
-    assert "--speculative-ddtree-allow-hybrid-unsafe is not supported yet" in hybrid_allowed.journal()
+    # refused at argument parsing (the local config.json), before any pool: no hybrid layer type is proven yet
+    journal = hybrid_full.journal()
+    assert "DDTree full mode refused: the target model is hybrid" in journal and "linear_attention" in journal
+    # no escape hatch: the allow flag itself is refused at parsing
+    assert "--speculative-ddtree-allow-hybrid-unsafe is refused" in hybrid_allowed.journal()
     full.wait_healthy()
     assert full.greedy(PROMPTS) == oracle
     state = httpx.get(full.url + "/server_info", timeout=10).json()["internal_states"][0]

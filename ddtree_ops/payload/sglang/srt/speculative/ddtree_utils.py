@@ -893,10 +893,11 @@ def hybrid_refusal(config: dict, *, allow_unproven: bool = False) -> str | None:
             f"DDTree full mode refused: the target model is hybrid ({reason}), layer type {layer_type}: {why}. "
             f"Use {_FLAG_MODE} shadow-linear."
         )
+    proven = [t for t, (st, _) in HYBRID_TREE_SUPPORT.items() if st == "proven"]
+    where = f"full mode runs on {', '.join(proven)} layers only" if proven else "no hybrid layer type is proven yet"
     return (
         f"DDTree full mode refused: the target model is hybrid ({reason}). Its recurrent "
-        "Mamba/linear-attention layers have no tree-verify support in DDTree (full mode runs only on "
-        f"{', '.join(t for t, (st, _) in HYBRID_TREE_SUPPORT.items() if st == 'proven') or 'no hybrid layer type yet'}). "
+        f"Mamba/linear-attention layers have no tree-verify support in DDTree ({where}). "
         f"Use {_FLAG_MODE} shadow-linear."
     )
 
