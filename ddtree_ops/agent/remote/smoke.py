@@ -58,6 +58,25 @@ print("DDTREE-SMOKE-RESULT " + json.dumps(out))
 sys.exit(0 if all(v["ok"] for v in out.values()) else 1)
 """
 
+# The end of both server-args steps: each case parsed, checked, reported (`field(sa, name)` reads a setting as
+# the base resolves it).
+SERVER_ARGS_CASES = r"""
+cases, ok = [], True
+for name, extra, want in valid:
+    sa, err = parse(extra)
+    bad = err or ", ".join(f"{k}={field(sa, k)!r} (want {v!r})" for k, v in want.items() if field(sa, k) != v)
+    cases.append({"case": name, "expect": "accepted", "ok": not bad, "detail": bad or "accepted"})
+    ok = ok and not bad
+for name, extra, flag in invalid:
+    sa, err = parse(extra)
+    good = err is not None and flag in err
+    cases.append({"case": name, "expect": f"refused naming {flag}", "ok": good,
+                  "detail": err or "ACCEPTED (should have been refused)"})
+    ok = ok and good
+print("DDTREE-SMOKE-RESULT " + json.dumps(cases))
+sys.exit(0 if ok else 1)
+"""
+
 # Valid and invalid DDTree combinations. Each invalid case names the flag its refusal must
 # mention, so a refusal for an unrelated reason (e.g. a missing model) does not count.
 SERVER_ARGS_CODE = PRELUDE + r"""
@@ -110,22 +129,9 @@ invalid = [
     ("keep-chain with budget below the depth", dflash + ["--speculative-ddtree-mode", "shadow-linear",
      "--speculative-ddtree-budget", "8", "--speculative-ddtree-keep-chain"], "--speculative-ddtree-keep-chain"),
 ]
-cases, ok = [], True
-for name, extra, want in valid:
-    sa, err = parse(extra)
-    bad = err or ", ".join(f"{k}={getattr(sa, k, None)!r} (want {v!r})" for k, v in want.items()
-                           if getattr(sa, k, None) != v)
-    cases.append({"case": name, "expect": "accepted", "ok": not bad, "detail": bad or "accepted"})
-    ok = ok and not bad
-for name, extra, flag in invalid:
-    sa, err = parse(extra)
-    good = err is not None and flag in err
-    cases.append({"case": name, "expect": f"refused naming {flag}", "ok": good,
-                  "detail": err or "ACCEPTED (should have been refused)"})
-    ok = ok and good
-print("DDTREE-SMOKE-RESULT " + json.dumps(cases))
-sys.exit(0 if ok else 1)
-"""
+def field(sa, name):
+    return getattr(sa, name, None)
+""" + SERVER_ARGS_CASES
 
 # The same checks on a v2 base (SGLang 0.5.14 on; the payload's glue is ddtree_v2_args). ServerArgs is parsed by
 # that SGLang's own prepare_server_args; it validates in resolve_once, whose DFLASH step refuses a CPU device, so
@@ -181,22 +187,8 @@ invalid = [
     ("allow-hybrid-unsafe", dflash + ["--speculative-ddtree-mode", "shadow-linear",
      "--speculative-ddtree-allow-hybrid-unsafe"], "--speculative-ddtree-allow-hybrid-unsafe"),
 ]
-cases, ok = [], True
-for name, extra, want in valid:
-    sa, err = parse(extra)
-    bad = err or ", ".join(f"{k}={resolution_result(sa, k)!r} (want {v!r})" for k, v in want.items()
-                           if resolution_result(sa, k) != v)
-    cases.append({"case": name, "expect": "accepted", "ok": not bad, "detail": bad or "accepted"})
-    ok = ok and not bad
-for name, extra, flag in invalid:
-    sa, err = parse(extra)
-    good = err is not None and flag in err
-    cases.append({"case": name, "expect": f"refused naming {flag}", "ok": good,
-                  "detail": err or "ACCEPTED (should have been refused)"})
-    ok = ok and good
-print("DDTREE-SMOKE-RESULT " + json.dumps(cases))
-sys.exit(0 if ok else 1)
-"""
+field = resolution_result
+""" + SERVER_ARGS_CASES
 
 # Hand-checked case (batch 1, depth 2, vocab 4), probabilities not logits so it reads easily:
 #   position 1: token 0 .10, token 1 .70, token 2 .15, token 3 .05
