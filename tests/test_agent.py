@@ -76,7 +76,8 @@ def test_facts_against_a_temporary_root(tmp_path: Path, fake_site: Path) -> None
     assert not (tmp_path / "IMPORTED").exists(), "facts imported sglang"
     assert facts["service"] is None and facts["gpus"] is None  # no systemctl / nvidia-smi on PATH
     assert facts["lock"]["who"] == "alice@laptop"
-    assert facts["release"] == {"current": "r2", "previous": "r1", "mode": "shadow-linear", "in_flight": None}
+    assert facts["release"] == {"current": "r2", "previous": "r1", "mode": "shadow-linear", "in_flight": None,
+                                "stale": None}
     assert facts["disk"]["measured_at"] == str(state_dir) and facts["disk"]["free_bytes"] > 0
 
 
