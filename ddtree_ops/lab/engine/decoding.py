@@ -113,6 +113,9 @@ class TreeStats:
             "verify_graph_width": None,
             "verify_graph_max_bs": None,
             "build_graph_bs": None,
+            "build_budgets": ([c.budget for c in self.auto.candidates if c.budget > 0] if self.auto is not None
+                              else [self.budget]),
+            "hybrid": None,
             "verify_kernels": False,
             "profile": None,
             "keep_chain": self.keep_chain,
@@ -244,7 +247,7 @@ class Decoder:
             self._tree_verify(reqs, draft_logits)
         else:
             if self.mode == "shadow-linear":
-                self._build_tree(draft_logits)  # built and measured, never used: the verify stays linear
+                self._build_tree(draft_logits, self.budget)  # built and measured, never used: the verify stays linear
             self._linear_verify(reqs, draft_logits)
 
     def _plain(self, r: Request) -> None:
@@ -257,11 +260,9 @@ class Decoder:
         r.lookahead.sync(r.tokens)
         return r.lookahead.draft_logits(self.draft, len(r.tokens) - 1, self.depth)
 
-    def _build_tree(self, draft_logits: torch.Tensor) -> Any:
+    def _build_tree(self, draft_logits: torch.Tensor, budget: int) -> Any:
         t0 = time.perf_counter()
-        tree = self.ddtree.build_ddtree(
-            draft_logits, self.budget, topk_cap=self.topk_cap, keep_chain=self.keep_chain
-        )
+        tree = self.ddtree.build_ddtree(draft_logits, budget, topk_cap=self.topk_cap, keep_chain=self.keep_chain)
         self.tree_stats.record_build((time.perf_counter() - t0) * 1e3)
         self.tree_stats.nodes_sum += int(tree.num_nodes.sum())
         self.tree_stats.requests_sum += int(draft_logits.shape[0])
@@ -314,13 +315,10 @@ class Decoder:
     def _tree_verify(self, reqs: list[Request], draft_logits: torch.Tensor, *, budget: int | None = None,
                      acceptance_budgets: torch.Tensor | None = None,
                      sampled: torch.Tensor | None = None) -> torch.Tensor | None:
-        """One tree step (its first `budget` nodes when given, as the worker shrinks a tree); with
-        `acceptance_budgets`, returns the payload's `acceptance_by_budget` of its walk (`sampled`: which
-        requests are sampled)."""
-        tree = self._build_tree(draft_logits)
-        if budget is not None and budget < self.budget:
-            tree = self.ddtree.shrink_tree(tree, budget, pad=False)
-            self.tree_stats.shrunk_steps += 1
+        """One tree step (the tree of `budget` when given: auto's pick, built at its own budget as the worker
+        builds it); with `acceptance_budgets`, returns the payload's `acceptance_by_budget` of its walk
+        (`sampled`: which requests are sampled)."""
+        tree = self._build_tree(draft_logits, self.budget if budget is None else budget)
         self.tree_stats.tree_steps += 1
         n_sampled = sum(1 for r in reqs if not r.choice.greedy)
         self.tree_stats.sampled_requests += n_sampled
