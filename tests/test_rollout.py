@@ -192,6 +192,7 @@ def test_empty_limit_is_a_usage_error_for_every_fleet_command(tmp_path: Path) ->
 
 def test_ctrl_c_in_a_later_batch_reports_every_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import _thread
+    import signal
     import threading
 
     from ddtree_ops.fleet import FleetInterrupted
@@ -207,10 +208,16 @@ def test_ctrl_c_in_a_later_batch_reports_every_batch(tmp_path: Path, monkeypatch
         done.wait()  # reading until interrupted: abandoned, it changes nothing
 
     monkeypatch.setattr(rollout, "promote_host", promote_host)
-    threading.Thread(target=lambda: (started.wait(), _thread.interrupt_main()), daemon=True).start()
-    with pytest.raises(FleetInterrupted) as stopped:
-        rollout.promote(inv, inv.select(None), rollout.PromoteOptions(mode="shadow-linear"), batch="1")
-    done.set()
+    # _thread.interrupt_main() calls whatever handles SIGINT and does nothing where SIGINT is ignored (as a
+    # process started in the background of a non-interactive shell inherits it): Python's own, for this test.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Thread(target=lambda: (started.wait(), _thread.interrupt_main()), daemon=True).start()
+        with pytest.raises(FleetInterrupted) as stopped:
+            rollout.promote(inv, inv.select(None), rollout.PromoteOptions(mode="shadow-linear"), batch="1")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        done.set()
     got = [(r.host, r.status) for r in stopped.value.results]
     assert got == [("h1", "ok"), ("h2", "interrupted"), ("h3", "interrupted"), ("h4", "interrupted")]
     assert "not reached" in stopped.value.results[3].error.message
