@@ -58,6 +58,22 @@ print("DDTREE-SMOKE-RESULT " + json.dumps(out))
 sys.exit(0 if all(v["ok"] for v in out.values()) else 1)
 """
 
+# Both server-args steps parse with that SGLang's own prepare_server_args, then `resolve(sa)` (their base's
+# validation step), and report a refusal as text.
+SERVER_ARGS_PARSE = r"""
+def parse(extra):
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            sa = prepare_server_args(base + extra)
+            resolve(sa)
+        return sa, None
+    except SystemExit as exc:
+        return None, f"argparse exit {exc.code}: {err.getvalue().strip()[-400:]}"
+    except Exception as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+"""
+
 # The end of both server-args steps: each case parsed, checked, reported (`field(sa, name)` reads a setting as
 # the base resolves it).
 SERVER_ARGS_CASES = r"""
@@ -85,16 +101,9 @@ from sglang.srt.server_args import prepare_server_args
 base = SPEC["base"]
 dflash = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", SPEC["draft"],
           "--speculative-num-draft-tokens", "16"]
-def parse(extra):
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            sa = prepare_server_args(base + extra)
-        return sa, None
-    except SystemExit as exc:
-        return None, f"argparse exit {exc.code}: {err.getvalue().strip()[-400:]}"
-    except Exception as exc:
-        return None, f"{type(exc).__name__}: {exc}"
+def resolve(sa):  # 0.5.13.post1 validates inside prepare_server_args
+    pass
+""" + SERVER_ARGS_PARSE + r"""
 valid = [
     ("shadow-linear, defaults", dflash + ["--speculative-ddtree-mode", "shadow-linear"],
      {"speculative_ddtree_mode": "shadow-linear", "speculative_ddtree_budget": 15}),
@@ -151,17 +160,9 @@ def handle_speculative_decoding(server_args):
     if (resolution_result(server_args, "speculative_algorithm") or "").upper() == "DFLASH":
         block = resolution_result(server_args, "speculative_num_draft_tokens") or 16
         declare_resolution(server_args, "smoke: DFLASH block size", speculative_num_draft_tokens=int(block))
-def parse(extra):
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            sa = prepare_server_args(base + extra)
-            run_hook(handle_speculative_decoding, sa)
-        return sa, None
-    except SystemExit as exc:
-        return None, f"argparse exit {exc.code}: {err.getvalue().strip()[-400:]}"
-    except Exception as exc:
-        return None, f"{type(exc).__name__}: {exc}"
+def resolve(sa):
+    run_hook(handle_speculative_decoding, sa)
+""" + SERVER_ARGS_PARSE + r"""
 valid = [
     ("shadow-linear, defaults", dflash + ["--speculative-ddtree-mode", "shadow-linear"],
      {"speculative_ddtree_mode": "shadow-linear", "speculative_ddtree_budget": 15}),
