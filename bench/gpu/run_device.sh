@@ -297,6 +297,9 @@ launch() {  # TAG MODEL_DIR EXTRA...
       *) args+=("$a") ;;
     esac
   done
+  # SGLang picks a free torch.distributed port at random when not told, and servers starting together
+  # can pick the same one (EADDRINUSE, seen in a LIMITS call): each gets its own, beside its HTTP port.
+  [[ " ${args[*]} " == *" --nccl-port "* ]] || args+=(--nccl-port $(( PORT[$tag] + 5 )))
   rm -f /tmp/spid_$tag
   env "${envs[@]}" setsid bash -c 'echo $$ > /tmp/spid_'$tag'; exec python3 -m sglang.launch_server "$@"' _ \
     --model-path "$model/target" --port "${PORT[$tag]}" "${COMMON[@]}" "${args[@]}" > "$OUT/server_$tag.log" 2>&1 &
@@ -339,6 +342,12 @@ client() {  # TAG WAIT_S: the proof's client for this server
     [[ $tag == *_plain* ]] && make=(--make)
     timeout "$wait_s" python3 $HERE/production_mix.py run --port "${PORT[$tag]}" --tag "$tag" --out "$OUT/$tag.json" \
       --workload "$OUT/workload_$set.json" --wait "$wait_s" --pid "${PID[$tag]}" "${make[@]}" > "$OUT/client_$tag.log" 2>&1
+    # HYB_SAMPLES=N (issue 25, MIX_SET=h): then N samples per prompt at T 1 / top_p 1 and the liveness rounds
+    if [ -n "${HYB_SAMPLES:-}" ] && [[ $tag == h_plain || $tag == h_full* ]]; then
+      timeout $(( DEADLINE - $(date +%s) - 20 )) python3 $HERE/graphs_proof.py run --port "${PORT[$tag]}" --tag "$tag" \
+        --out "$OUT/${tag}_proof.json" --wait 30 --pid "${PID[$tag]}" --samples "$HYB_SAMPLES" --temperature 1 --top-p 1 \
+        --liveness >> "$OUT/proof_$tag.log" 2>&1; ts "$tag samples + liveness rc=$?"
+    fi
   else
     python3 $HERE/client.py --port "${PORT[$tag]}" --tag "$tag" --out "$OUT/$tag.json" --wait "$wait_s" --pid "${PID[$tag]}" \
       > "$OUT/client_$tag.log" 2>&1
@@ -399,6 +408,11 @@ if [ "${MIX:-0}" = 1 ]; then
     if [ "${MIX_SET:-}" = h ]; then
     "${MIXC[@]}" h_plain --upstream h_dflash h_twin h_dflash h_full15 h_full64 h_full256; echo "rc=$?"
     echo "--- the deliberately wrong commit (expected to fail):"; "${MIXC[@]}" h_plain --upstream h_dflash h_full64_deepest; echo "rc=$?"
+    if [ -n "${HYB_SAMPLES:-}" ]; then
+      cands=(); for t in h_full15 h_full64 h_full256; do [ -f "$OUT/${t}_proof.json" ] && cands+=("$t"); done
+      echo "--- samples at T 1 / top_p 1 ($HYB_SAMPLES per prompt) and liveness"
+      python3 $HERE/graphs_proof.py compare "$OUT" --plain h_plain --cand "${cands[@]}" --liveness "${cands[@]}"; echo "rc=$?"
+    fi
     else
     "${MIXC[@]}" r_plain --upstream r_dflash r_dflash r_full16 r_full64 r_full256 r_full256_cap; echo "rc=$?"
     "${MIXC[@]}" p_plain --upstream p_dflash p_dflash p_full16 p_full64 p_full256; echo "rc=$?"

@@ -184,6 +184,7 @@ class AutoBudget:
         warmup_steps: int = 16,
     ) -> None:
         self.candidates = sorted(candidates, key=lambda c: (c.budget, c.width))
+        self._index = {c: i for i, c in enumerate(self.candidates)}  # list.index with dataclass __eq__ was most of a refresh
         self.chain = next(c for c in self.candidates if c.is_chain)
         self.trees = [c for c in self.candidates if not c.is_chain]
         self.budgets = [c.budget for c in self.trees]
@@ -216,6 +217,10 @@ class AutoBudget:
         self._rounds = [0] * nk
         self._last_explored = [[0] * nc for _ in range(nk)]
         self._untimed = [[UNTIMED_FIRST_STEPS] * nk for _ in range(nc)]
+        # Per kind (chain, tree) and bucket: the least its measured cells cost beyond their replays, None where
+        # none is measured; recomputed by `_replan`, which every change of the costs ends with.
+        self._extra: dict[bool, list[float | None]] = {True: [None] * nk, False: [None] * nk}
+        self._nearest = [sorted(range(nk), key=lambda j, k=k: abs(j - k)) for k in range(nk)]  # buckets by distance
         self.chosen: dict[str, int] = {c.name: 0 for c in self.candidates}  # by choose()
         self.verified: dict[str, int] = {}  # budgets steps really verified (memory may shrink a choice)
         self.explore_steps = 0
@@ -253,7 +258,7 @@ class AutoBudget:
             self._p_chain_tree_n[kind] += requests
         c = self._candidate_of(obs)
         if c is not None and obs.seconds > 0:
-            i, k = self.candidates.index(c), self.bucket_index(obs.batch_size)
+            i, k = self._index[c], self.bucket_index(obs.batch_size)
             if self._untimed[i][k] > 0:
                 self._untimed[i][k] -= 1
             else:
@@ -299,11 +304,11 @@ class AutoBudget:
         the one explored longest ago (ties: the narrower); None when none is due."""
         self._rounds[bucket] += 1
         now, last = self._rounds[bucket], self._last_explored[bucket]
-        due = [c for c, rounds in self.explore[bucket] if now - last[self.candidates.index(c)] >= rounds]
+        due = [c for c, rounds in self.explore[bucket] if now - last[self._index[c]] >= rounds]
         if not due:
             return None
-        pick = min(due, key=lambda c: (last[self.candidates.index(c)], c.width, c.budget))
-        last[self.candidates.index(pick)] = now
+        pick = min(due, key=lambda c: (last[self._index[c]], c.width, c.budget))
+        last[self._index[pick]] = now
         return pick
 
     def due(self, step: int) -> bool:
@@ -351,7 +356,7 @@ class AutoBudget:
         """Estimated wall seconds of a step of `candidate` in bucket index `bucket`: the cell's own steps;
         else its start-up replay plus what its kind's steps cost beyond their replays; else a fit over the
         measured cells of its kind."""
-        i = self.candidates.index(candidate)
+        i = self._index[candidate]
         if self.cost_weight[i][bucket] >= MIN_COST_WEIGHT:
             return self.cost[i][bucket]
         prior = self._prior(candidate, bucket)
@@ -460,14 +465,20 @@ class AutoBudget:
         (draft, build, walk, real-context attention), from its kind's measured cells; else the nearest
         measured bucket's; else the other kind's (both draft); else 0. The smallest of them: a guess too low
         is corrected by the plan's next steps, one too high never is (nothing steps there)."""
-        for kind in ([self.chain], self.trees) if candidate.is_chain else (self.trees, [self.chain]):
-            for k in sorted(range(len(self.buckets)), key=lambda k: abs(k - bucket)):
-                extra = [self.cost[self.candidates.index(c)][k] - self._start_replay(c.width, k) for c in kind
-                         if self.cost_weight[self.candidates.index(c)][k] >= MIN_COST_WEIGHT
-                         and self._start_replay(c.width, k) is not None]
-                if extra:
-                    return max(0.0, min(extra))
+        for chain in (candidate.is_chain, not candidate.is_chain):
+            extra = self._extra[chain]
+            for k in self._nearest[bucket]:
+                if extra[k] is not None:
+                    return extra[k]
         return 0.0
+
+    def _measure_extra(self) -> None:
+        for chain, kind in ((True, [self.chain]), (False, self.trees)):
+            for k in range(len(self.buckets)):
+                extra = [self.cost[self._index[c]][k] - replay for c in kind
+                         if self.cost_weight[self._index[c]][k] >= MIN_COST_WEIGHT
+                         and (replay := self._start_replay(c.width, k)) is not None]
+                self._extra[chain][k] = max(0.0, min(extra)) if extra else None
 
     def _fitted(self, candidate: Candidate, batch_size: int) -> float | None:
         """`a + b * batch + c * width * batch` (per step, per request, per verify token) least-squares fitted
@@ -495,6 +506,7 @@ class AutoBudget:
         return max(sum(c * xi for c, xi in zip(coef, x, strict=False)), 1e-9)
 
     def _replan(self) -> None:
+        self._measure_extra()
         accepted = {c: self.expected_accepted(c) for c in self.candidates}
         by_kind = {c: [self.expected_accepted(c, kind) for kind in KINDS] for c in self.candidates}
         ceiling = max((a for a in accepted.values() if a is not None), default=None)
@@ -546,7 +558,7 @@ class AutoBudget:
         return rounds * RECHECK_EVERY if hopeless else rounds
 
     def _measured(self, candidate: Candidate, bucket: int) -> bool:
-        return (self.cost_weight[self.candidates.index(candidate)][bucket] >= MIN_COST_WEIGHT
+        return (self.cost_weight[self._index[candidate]][bucket] >= MIN_COST_WEIGHT
                 or self._start_replay(candidate.width, bucket) is not None)
 
 
