@@ -155,8 +155,8 @@ def register(app: typer.Typer) -> None:
         with reported_errors(json_output, f"promote --mode {mode}" + (" --dry-run" if dry_run else "")):
             if allow_hybrid_unsafe:
                 raise UsageError("--allow-hybrid-unsafe is refused: the payload refuses "
-                                 "--speculative-ddtree-allow-hybrid-unsafe at argument parsing (not supported yet), "
-                                 "so full mode cannot run on hybrid targets",
+                                 "--speculative-ddtree-allow-hybrid-unsafe at argument parsing (there is no unsafe "
+                                 "override; full mode runs on a hybrid target only where its layer type is proven)",
                                  hint="promote hybrid targets to --mode shadow-linear", code="hybrid_unsafe_unsupported")
             inv, hosts = load_selection(inventory, limit)
             from ddtree_ops import gates, rollout

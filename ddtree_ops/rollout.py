@@ -705,8 +705,10 @@ def promote(inventory: Inventory, hosts: Sequence[HostConfig], opts: PromoteOpti
     """Promote hosts batch by batch; stop once the failure budget is exceeded (dry runs see all)."""
     if opts.mode == "full" and any(h.allow_hybrid_unsafe for h in hosts):
         raise UsageError("allow_hybrid_unsafe is set in the inventory, but the payload refuses "
-                         "--speculative-ddtree-allow-hybrid-unsafe at argument parsing (not supported yet)",
-                         hint="remove allow_hybrid_unsafe; promote hybrid targets to shadow-linear only",
+                         "--speculative-ddtree-allow-hybrid-unsafe at argument parsing: there is no unsafe "
+                         "override; full mode runs on a hybrid target only where its layer type is proven",
+                         hint="remove allow_hybrid_unsafe; promote hybrid targets to shadow-linear (`smoke` "
+                              "shows which hybrid layer types full mode refuses)",
                          code="hybrid_unsafe_unsupported")
     for h in hosts:  # inventory-level mistakes stop the whole run before any host is touched
         service.render_unit(h, opts.mode)

@@ -61,10 +61,10 @@ def test_fail_budget() -> None:
 
 def test_hybrid_unsafe_refused_up_front(tmp_path: Path) -> None:
     inv = _inv(tmp_path, 2, allow_hybrid_unsafe=True)
-    with pytest.raises(UsageError, match="not supported yet"):
+    with pytest.raises(UsageError, match="no unsafe override"):
         rollout.promote(inv, inv.select(None), rollout.PromoteOptions(mode="full"))
     out = CliRunner().invoke(app, ["promote", "--mode", "full", "--allow-hybrid-unsafe", "-i", str(inv.path)])
-    assert out.exit_code == 2 and "not supported yet" in out.output
+    assert out.exit_code == 2 and "no unsafe override" in out.output
 
 
 def test_promote_usage_errors(tmp_path: Path) -> None:

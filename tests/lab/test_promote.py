@@ -273,7 +273,7 @@ def test_hybrid_target_refused_before_any_change(lab_fleet, lab):
     assert err["code"] == "full_mode_refused" and "hybrid" in err["message"], err
     assert sha_of(lab_fleet, "lab-1", UNIT) == unit and main_pid(lab_fleet, "lab-1") == pid
     refused = run_cli("promote", "-i", str(inv), "--mode", "full", "--allow-hybrid-unsafe")
-    assert refused.returncode == 2 and "not supported yet" in refused.stderr
+    assert refused.returncode == 2 and "no unsafe override" in refused.stderr
 
 
 def test_unit_failing_lint_stops_before_install(lab_fleet, lab, monkeypatch):
