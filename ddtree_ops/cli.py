@@ -118,6 +118,9 @@ def status(
 
     One row per selected host (columns that do not fit the terminal are left out and named; --json
     has them all). Exit code 1 when any host failed or was unreachable; the others are still reported.
+    A host whose release was made for another SGLang than the one installed (upgraded under it) is shown
+    STALE in red with its repair; its facts were read, so it does not change the exit code (scripts: the
+    --json field results[].data.release.stale), and push, rollback, promote and smoke refuse it.
     """
     with reported_errors(json_output, "status"):
         inv, hosts = load_selection(inventory, limit)
