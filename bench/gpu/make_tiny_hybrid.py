@@ -20,13 +20,16 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import make_tiny_models as tm  # noqa: E402
 
+FULL_ATTENTION_INTERVAL = 4  # layers 0-2 Gated DeltaNet, layer 3 gated attention (SGLang: (l + 1) % 4 == 0)
 
-def make_next(out_dir):
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    os.makedirs(out_dir, exist_ok=True)
-    n_vocab, eos = tm.build_tokenizer(out_dir)
-    cfg = Qwen3NextConfig(
+def next_config(eos: int):
+    """The tiny Qwen3-Next config (also train_pair.py --hybrid's target): the dense target's shape
+    (make_tiny_models: hidden 256, 4 layers, vocab 4096, untied head) with GDN layers 0-2 and MoE in
+    every layer (SGLang 0.5.13.post1 builds every Qwen3-Next layer as MoE, see __main__)."""
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
         vocab_size=tm.VOCAB, hidden_size=tm.HIDDEN, intermediate_size=tm.INTER,
         num_hidden_layers=tm.TARGET_LAYERS, num_attention_heads=tm.HEADS,
         num_key_value_heads=tm.KV_HEADS, head_dim=tm.HEAD_DIM, max_position_embeddings=tm.MAX_POS,
@@ -36,6 +39,26 @@ def make_next(out_dir):
         layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
         bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, tie_word_embeddings=False,
     )
+
+
+def fix_saved_config(out_dir: str) -> None:
+    """SGLang 0.5.13.post1's Qwen3-Next reads `full_attention_interval`, which transformers 5.x
+    no longer writes (it derives layer_types); without it the server fails before any DDTree code
+    runs (seen on the H200: AttributeError in the scheduler)."""
+    p = os.path.join(out_dir, "config.json")
+    with open(p) as f:
+        saved = json.load(f)
+    saved["full_attention_interval"] = FULL_ATTENTION_INTERVAL
+    with open(p, "w") as f:
+        json.dump(saved, f, indent=2)
+
+
+def make_next(out_dir):
+    from transformers import Qwen3NextForCausalLM
+
+    os.makedirs(out_dir, exist_ok=True)
+    n_vocab, eos = tm.build_tokenizer(out_dir)
+    cfg = next_config(eos)
     torch.manual_seed(tm.SEED)
     model = Qwen3NextForCausalLM(cfg)
     with torch.no_grad():  # make_tiny_models' recipe: clear greedy margins; PEAKED=1 biases towards its peak token
@@ -46,15 +69,7 @@ def make_next(out_dir):
             model.lm_head.weight[tm.PEAK_TOKEN, 0] = 3.0
     model = model.to(torch.bfloat16)
     model.save_pretrained(out_dir, safe_serialization=True)
-    # SGLang 0.5.13.post1's Qwen3-Next reads `full_attention_interval`, which transformers 5.x
-    # no longer writes (it derives layer_types); without it the server fails before any DDTree code
-    # runs (seen on the H200: AttributeError in the scheduler).
-    p = os.path.join(out_dir, "config.json")
-    with open(p) as f:
-        saved = json.load(f)
-    saved["full_attention_interval"] = 4
-    with open(p, "w") as f:
-        json.dump(saved, f, indent=2)
+    fix_saved_config(out_dir)
     print(f"qwen3-next target: {out_dir} params={sum(p.numel() for p in model.parameters())}")
 
 
