@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Train a small Qwen3 target and a DFlash drafter against it (issue 14 item 1), reproducibly.
+"""Train a small Qwen3 (or, --hybrid, Qwen3-Next) target and a DFlash drafter against it, reproducibly
+(issue 14 item 1; --hybrid: issue 25).
 
-    python bench/gpu/train_pair.py OUT_DIR [--seconds N] [--tiny] [--device cuda|cpu] \
+    python bench/gpu/train_pair.py OUT_DIR [--seconds N] [--tiny] [--hybrid] [--device cuda|cpu] \
         [--report OUT_DIR/train_report.json]
 
 Writes, in the layout bench/gpu/make_tiny_models.py writes (so SGLang 0.5.13.post1 serves them with
@@ -14,6 +15,24 @@ the same flags as today's random pair):
   OUT_DIR/heldout_prompts.json   prompts cut from held-out files (never trained on), for benchmarks
   --report (default OUT_DIR/train_report.json)   seeds, steps, wall times, losses, evaluation
 
+--hybrid (issue 25: a hybrid target whose drafts are really accepted, so a server commits deep tree nodes):
+the target is transformers' Qwen3NextForCausalLM with make_tiny_hybrid.next_config (the same hidden 256 /
+4 layers / vocab 4096; layers 0-2 Gated DeltaNet, layer 3 gated attention, MoE of 4 experts top-2 + a
+shared expert in every layer, as SGLang 0.5.13.post1 requires), config.json completed with
+`full_attention_interval` (make_tiny_hybrid.fix_saved_config), and the pair goes to OUT_DIR/next/target +
+OUT_DIR/next/draft, make_tiny_hybrid's layout (run_device.sh MIX_SET=h serves HYB_MODELS/next). Everything
+else is this script's one path. What differs: the MoE router's load-balancing loss (HF's, coefficient
+router_aux_loss_coef = 0.001) is added to the target's loss; transformers' "eager" experts (target_kwargs);
+on CPU subnormals are flushed (the GDN decays underflow, see main). The drafter's features need nothing
+new: SGLang's Qwen3-Next captures, for DFLASH layer id k, the residual stream entering layer k+1
+(`prepare_attn_and_capture_last_layer_outputs`: after the fused add of the input norm, the `residual`, not
+the normed hidden), i.e. the output of layer k, as Qwen3's model loop does (`hidden_states + residual`).
+The GDN kernels are transformers' torch fallbacks (no fla / causal-conv1d on the GPU machine): a Python loop
+over the 64 rows of a chunk per GDN layer, ~14k ops per training step vs ~1.3k for the dense target, so
+the GPU steps are launch-bound and fewer in the same time.
+CPU check (~30 s on 2 idle cores, tests/test_train_pair_cpu.py runs it):
+    python bench/gpu/train_pair.py /tmp/ph --hybrid --tiny --device cpu
+
 Corpus: the .py files of the running Python's standard library (site-packages / dist-packages left
 out) plus every .py under each --extra-corpus DIR, read as UTF-8 (undecodable or > 1 MB files
 skipped). Each file goes to the held-out split when sha256(label) % 1000 < 10 * --heldout-pct, its
@@ -21,7 +40,9 @@ label being "stdlib/<relative path>" or "extraN/<relative path>": a deterministi
 every machine for the same files.
 
 Target: transformers' own Qwen3ForCausalLM (the class that saves the checkpoint), AdamW, bf16 autocast
-on CUDA (fp32 on CPU), seeded, random windows of the training token stream.
+on CUDA (fp32 on CPU), seeded, random windows of the training token stream. The saved checkpoint is
+reloaded and must continue two held-out windows greedily exactly like the model in memory (both bf16;
+report["target"]["reload_check"]).
 Drafter: a torch re-implementation of SGLang's srt/models/dflash.py + speculative/dflash_worker.py
 (`DFlashDraft` below; bench/gpu/check_pair_sglang.py compares it with SGLang's own DFlashDraftModel):
   * context features: the target's residual stream after layers `target_layer_ids` (SGLang captures
@@ -55,7 +76,7 @@ backward passes) are not guaranteed bitwise reproducible; torch.use_deterministi
 with warn_only=True, so what remains nondeterministic is reported as warnings, not refused.
 
 TRAIN_SECONDS (env) is the default of --seconds (240 on CUDA: target 50 %, drafter 50 %, its greedy
-trajectories included).
+trajectories included, capped at half the drafter's share: fewer than --traj-rows when the decode is slow).
 --tiny: a few steps on a few files at a small batch, for CPU tests (< 1 min).
 Needs torch, transformers, tokenizers, safetensors (no network).
 """
@@ -79,6 +100,7 @@ from torch import nn
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import make_tiny_hybrid as mth  # noqa: E402
 import make_tiny_models as mtm  # noqa: E402
 
 MASK_TOKEN = "<|MASK|>"
@@ -368,11 +390,18 @@ def greedy_block(target, tap: FeatureTap, ctx_ids: torch.Tensor, n: int = BLOCK)
 
 @torch.no_grad()
 def greedy_trajectories(target, tap: FeatureTap, stream: torch.Tensor, rows: int, length: int,
-                        prompt_lens: tuple[int, ...], gen: torch.Generator, device, batch: int):
+                        prompt_lens: tuple[int, ...], gen: torch.Generator, device, batch: int,
+                        max_seconds: float | None = None):
     """(tokens [rows, length] on device, prompt length [rows]): each row a random corpus window of p
-    tokens (p from prompt_lens, one per batch) followed by the target's greedy continuation."""
+    tokens (p from prompt_lens, one per batch) followed by the target's greedy continuation.
+    max_seconds: stop after the batch that passes it (fewer rows; the first batch always runs)."""
     out, ps = [], []
+    t0 = time.perf_counter()
     for i in range(0, rows, batch):
+        if out and max_seconds is not None:
+            sync(device)
+            if time.perf_counter() - t0 > max_seconds:
+                break
         n = min(batch, rows - i)
         p = prompt_lens[int(torch.randint(0, len(prompt_lens), (1,), generator=gen))]
         starts = torch.randint(0, len(stream) - p, (n,), generator=gen)
@@ -381,6 +410,26 @@ def greedy_trajectories(target, tap: FeatureTap, stream: torch.Tensor, rows: int
         out.append(torch.cat([ctx, cont], 1))
         ps += [p] * n
     return torch.cat(out), torch.tensor(ps)
+
+
+def target_class(hybrid: bool):
+    """transformers' class that trains, saves and reloads the target: Qwen3ForCausalLM, or with --hybrid
+    Qwen3NextForCausalLM (Gated DeltaNet layers 0-2 + gated attention layer 3, MoE MLPs)."""
+    if hybrid:
+        from transformers import Qwen3NextForCausalLM
+
+        return Qwen3NextForCausalLM
+    from transformers import Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM
+
+
+def target_kwargs(hybrid: bool) -> dict:
+    """Model-loading options. The hybrid's MoE runs transformers' "eager" experts (a loop over the 4
+    experts): its default, "grouped_mm", hands fp32 master weights to torch's grouped GEMM on CUDA
+    under bf16 autocast, a dtype combination not tried on the GPU machine's torch 2.11. Nothing of it
+    is saved: config.json and the weights are the same either way."""
+    return {"experts_implementation": "eager"} if hybrid else {}
 
 
 def lr_at(step: int, total: int, warmup: int, peak: float) -> float:
@@ -527,6 +576,10 @@ def main(argv=None) -> int:
     ap.add_argument("--extra-corpus", action="append", default=[], help="another dir of .py files")
     ap.add_argument("--heldout-pct", type=float, default=5.0)
     ap.add_argument("--prompts", type=int, default=None, help="held-out prompts to write (64; tiny 8)")
+    ap.add_argument("--traj-rows", type=int, default=None,
+                    help="greedy trajectories for the drafter (default 4096, tiny 4; time-capped with --seconds)")
+    ap.add_argument("--hybrid", action="store_true",
+                    help="Qwen3-Next target (make_tiny_hybrid.next_config), pair in OUT_DIR/next/{target,draft}")
     a = ap.parse_args(argv)
 
     t_start = time.perf_counter()
@@ -535,6 +588,12 @@ def main(argv=None) -> int:
     if cuda:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
+    if a.hybrid and not cuda:
+        # The Gated DeltaNet decays (exp of cumulative log-gates, transformers' torch fallback) underflow
+        # into subnormal floats as the gates train, and x86 arithmetic on subnormals is ~10-100x slower:
+        # the tiny CPU run's target steps went from 0.2 s to 3 s. Flushing them to zero changes values
+        # below 1e-38 only; CUDA (the real run) is unaffected either way.
+        torch.set_flush_denormal(True)
     tiny = a.tiny
     seconds = a.seconds if a.seconds is not None else float(os.environ.get("TRAIN_SECONDS", "240"))
     hp = {  # hyper-parameters; --tiny shrinks the batch and fixes small step counts
@@ -547,7 +606,9 @@ def main(argv=None) -> int:
     t_steps = a.target_steps or (25 if tiny else None)
     d_steps = a.draft_steps or (15 if tiny else None)
     out = Path(a.out_dir)
-    tdir, ddir = out / "target", out / "draft"
+    # --hybrid: make_tiny_hybrid's layout, so run_device.sh's HYB_MODELS=OUT_DIR serves OUT_DIR/next
+    pair_dir = out / "next" if a.hybrid else out
+    tdir, ddir = pair_dir / "target", pair_dir / "draft"
     tdir.mkdir(parents=True, exist_ok=True)
     ddir.mkdir(parents=True, exist_ok=True)
     report_path = Path(a.report) if a.report else out / "train_report.json"
@@ -587,11 +648,10 @@ def main(argv=None) -> int:
     train_stream_d = train_stream.to(device)
 
     # ---- target
-    from transformers import Qwen3ForCausalLM
-
-    cfg = mtm.target_config(eos)
+    target_cls = target_class(a.hybrid)
+    cfg = mth.next_config(eos) if a.hybrid else mtm.target_config(eos)
     torch.manual_seed(a.seed)
-    target = Qwen3ForCausalLM(cfg).to(device)
+    target = (target_cls._from_config(cfg, **target_kwargs(a.hybrid)) if a.hybrid else target_cls(cfg)).to(device)
     target.train()
     opt = torch.optim.AdamW(param_groups(target, hp["wd"]), lr=hp["t_lr"], betas=hp["betas"],
                             **({"fused": True} if cuda else {}))
@@ -602,8 +662,13 @@ def main(argv=None) -> int:
         starts = torch.randint(0, len(train_stream) - ts - 1, (tb,), generator=t_gen)
         w = train_stream_d[(starts[:, None] + torch.arange(ts + 1)).to(device)]
         with amp:
-            logits = target(input_ids=w[:, :-1]).logits
+            # no cache: a training forward needs none (a hybrid one would also keep conv / SSM states);
+            # the MoE router's load-balancing loss (HF's, off by default) keeps the 4 experts in use
+            o = target(input_ids=w[:, :-1], use_cache=False, **({"output_router_logits": True} if a.hybrid else {}))
+        logits = o.logits
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1))
+        if a.hybrid:
+            loss = loss + cfg.router_aux_loss_coef * o.aux_loss.float()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(target.parameters(), hp["clip"])
@@ -613,12 +678,28 @@ def main(argv=None) -> int:
     t_losses, t_done, t_wall = train_loop(
         "target", target_step, opt, steps=t_steps, seconds=seconds * a.target_share, warmup=hp["t_warmup"],
         peak_lr=hp["t_lr"], device=device, log_every=10 if tiny else 500)
-    target = target.to(torch.bfloat16)
+    target = target.to(torch.bfloat16).eval()
+    # Reload check: the saved checkpoint must continue held-out text exactly like the model in memory
+    # (both bf16, same device), e.g. no weight dropped or renamed by save_pretrained's conversions
+    # (Qwen3-Next's fused MoE experts are split per expert on disk).
+    rc_ctx = held_stream[:2 * 24].view(2, 24).to(device)
+    rc_tap = FeatureTap(target, [0])
+    rc_before = greedy_block(target, rc_tap, rc_ctx)[1]
+    rc_tap.remove()
     target.save_pretrained(str(tdir), safe_serialization=True)
+    if a.hybrid:
+        mth.fix_saved_config(str(tdir))  # full_attention_interval, which SGLang's Qwen3-Next config reads
     # the saved checkpoint, as SGLang / HF load it
-    target = Qwen3ForCausalLM.from_pretrained(str(tdir), dtype=torch.bfloat16).to(device).eval()
+    target = target_cls.from_pretrained(str(tdir), dtype=torch.bfloat16, **target_kwargs(a.hybrid)).to(device).eval()
     for p in target.parameters():
         p.requires_grad_(False)
+    rc_tap = FeatureTap(target, [0])
+    rc_after = greedy_block(target, rc_tap, rc_ctx)[1]
+    rc_tap.remove()
+    reload_check = {"rows": int(rc_ctx.shape[0]), "context": int(rc_ctx.shape[1]), "new_tokens": BLOCK,
+                    "greedy_equal": bool(torch.equal(rc_before, rc_after))}
+    print(f"reload check: {json.dumps(reload_check)}", flush=True)
+    assert reload_check["greedy_equal"], "the reloaded target's greedy tokens differ from the trained model's"
     if not cuda:
         target = target.float()  # bf16 weights, fp32 arithmetic on CPU
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -640,12 +721,17 @@ def main(argv=None) -> int:
     # the target's greedy continuation to d_seq tokens; for every anchor a >= p, trajectory[a:a + 16] IS
     # the target's greedy continuation of trajectory[:a] (bonus first), so one decode loop yields
     # d_seq - p - 15 training blocks per row instead of one (a decode per step cost 1.1 s a step).
-    tr_len, tr_rows = hp["d_seq"], hp["d_traj_rows"]
+    tr_len, tr_rows = hp["d_seq"], a.traj_rows or hp["d_traj_rows"]
     tr_gen = torch.Generator().manual_seed(a.seed + 4)
     t_tr = time.perf_counter()
+    # A time-budgeted run spends at most half the drafter's share on trajectories (the dense target's
+    # 4096 took 48 of 120 s on the H200; the hybrid's torch-fallback decode is slower, and without a cap
+    # it could leave the drafter no steps). Fixed --draft-steps / --traj-rows runs are not capped.
+    tr_cap = None if (d_steps or a.traj_rows) else 0.5 * seconds * (1 - a.target_share)
     traj, traj_p = greedy_trajectories(target, tap, train_stream, tr_rows, tr_len, hp["d_prompt_lens"], tr_gen,
-                                       device, hp["d_traj_batch"])
+                                       device, hp["d_traj_batch"], max_seconds=tr_cap)
     sync(device)
+    tr_rows = int(traj.shape[0])
     traj_wall = time.perf_counter() - t_tr
     print(f"[draft] {tr_rows} greedy trajectories of {tr_len} tokens in {traj_wall:.1f} s", flush=True)
     ds, apr = hp["d_batch"] // hp["d_anchors"], hp["d_anchors"]
@@ -659,7 +745,7 @@ def main(argv=None) -> int:
         rows = traj[si.to(device)]
         with torch.no_grad():
             tap.on = True
-            target(input_ids=rows, logits_to_keep=1)
+            target(input_ids=rows, logits_to_keep=1, use_cache=False)
             tap.on = False
             feats = tap.features().repeat_interleave(apr, 0)  # [ds * apr, tr_len, K*H]
             rows = rows.repeat_interleave(apr, 0)
@@ -715,7 +801,7 @@ def main(argv=None) -> int:
 
     report = {
         "script": "bench/gpu/train_pair.py", "argv": sys.argv[1:] if argv is None else list(argv),
-        "seed": a.seed, "tiny": tiny, "device": str(device),
+        "seed": a.seed, "tiny": tiny, "hybrid": a.hybrid, "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": __import__("transformers").__version__},
@@ -728,9 +814,12 @@ def main(argv=None) -> int:
         "target": {
             "dir": str(tdir), "steps": t_done, "wall_s": t_wall, "tokens_seen": t_done * tb * ts,
             "params": sum(p.numel() for p in target.parameters()), "loss": summarize_losses(t_losses),
-            "checkpoint_bytes": dir_bytes(tdir),
+            "checkpoint_bytes": dir_bytes(tdir), "reload_check": reload_check,
+            "class": target_cls.__name__,
             "config": {k: cfg.to_dict().get(k) for k in ("hidden_size", "num_hidden_layers", "vocab_size",
-                                                         "intermediate_size", "tie_word_embeddings")},
+                                                         "intermediate_size", "tie_word_embeddings", "layer_types",
+                                                         "num_experts", "num_experts_per_tok")
+                       if k in cfg.to_dict()},
         },
         "draft": {
             "dir": str(ddir), "steps": d_done, "wall_s": d_wall, "blocks_seen": d_done * db,
@@ -745,7 +834,8 @@ def main(argv=None) -> int:
                  "target_heldout_by_root": ev_by_root, "draft_heldout": ev_draft,
                  "dtype": str(dtype), "wall_s": ev_wall},
         "reproduce": f"python bench/gpu/train_pair.py OUT --seed {a.seed} --target-steps {t_done} "
-                     f"--draft-steps {d_done}" + (" --tiny" if tiny else "")
+                     f"--draft-steps {d_done} --traj-rows {tr_rows}" + (" --tiny" if tiny else "")
+                     + (" --hybrid" if a.hybrid else "")
                      + f" --draft-layers {a.draft_layers}"
                      + "".join(f" --extra-corpus {d}" for d in a.extra_corpus),
         "wall_s": time.perf_counter() - t_start,
