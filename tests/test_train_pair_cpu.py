@@ -197,3 +197,69 @@ def test_draft_equals_sglang_dflash_draft_model(pair, tmp_path):
     for c in res["cases"]:
         assert c["logits_max_abs_diff"] <= 1e-4 and c["draft_tokens_equal"] and c["mutations_detected"]
         assert c["feat_vs_sglang_capture"] <= 1e-4
+
+
+# ---- --hybrid (issue 25): a Qwen3-Next target (GDN + gated attention + MoE) through the same script
+
+
+@pytest.fixture(scope="module")
+def pair_h(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("pair_h")
+    _run_tiny(out, "--hybrid")
+    return out
+
+
+def test_hybrid_layout_is_make_tiny_hybrid(pair_h, tmp_path):
+    """next/target is what make_tiny_hybrid saves for the same config (config.json with SGLang's
+    full_attention_interval, the same tensors), next/draft the usual DFlash draft."""
+    import torch
+    from transformers import Qwen3NextForCausalLM
+
+    mth, tp = _mod("make_tiny_hybrid"), _mod("train_pair")
+    tdir = pair_h / "next" / "target"
+    cfg = json.loads((tdir / "config.json").read_text())
+    ref = Qwen3NextForCausalLM(mth.next_config(cfg["eos_token_id"])).to(torch.bfloat16)
+    ref.save_pretrained(str(tmp_path / "ref"), safe_serialization=True)
+    mth.fix_saved_config(str(tmp_path / "ref"))
+    assert cfg == json.loads((tmp_path / "ref" / "config.json").read_text())
+    assert cfg["full_attention_interval"] == 4 and cfg["layer_types"][3] == "full_attention"
+    got = _safetensors_layout(tdir / "model.safetensors")
+    assert got == _safetensors_layout(tmp_path / "ref" / "model.safetensors")
+    assert all(dt == "BF16" for _, dt in got.values())
+    dcfg = json.loads((pair_h / "next" / "draft" / "config.json").read_text())
+    assert dcfg == _mod("make_tiny_models").draft_config(dcfg["dflash_config"]["mask_token_id"],
+                                                         num_layers=tp.DRAFT_LAYERS)
+    assert not (pair_h / "target").exists() and (pair_h / "heldout_prompts.json").is_file()
+
+
+def test_hybrid_report_reload_and_eval(pair_h):
+    r = json.loads((pair_h / "train_report.json").read_text())
+    assert r["hybrid"] is True and r["target"]["class"] == "Qwen3NextForCausalLM"
+    assert r["target"]["reload_check"]["greedy_equal"] is True
+    t, d = r["target"], r["draft"]
+    assert t["steps"] == 25 and d["steps"] == 15
+    assert t["loss"]["last"] < t["loss"]["first"] - 0.5, t["loss"]
+    assert d["loss"]["last"] < d["loss"]["first"], d["loss"]
+    dh = r["eval"]["draft_heldout"]
+    assert dh["blocks"] == 8 and 1.0 <= dh["mean_accept_length"] <= 16.0
+    assert "--hybrid" in r["reproduce"]
+
+
+def test_hybrid_greedy_block_and_features_match_hf(pair_h):
+    """On Qwen3-Next too: our KV/state-cache greedy loop equals HF generate, and the features are the
+    outputs of layers 1 and 2 (HF hidden_states[2], [3]; SGLang captures the same residual stream)."""
+    import torch
+
+    tp = _mod("train_pair")
+    m = tp.target_class(True).from_pretrained(str(pair_h / "next" / "target"), dtype=torch.float32,
+                                              **tp.target_kwargs(True)).eval()
+    tap = tp.FeatureTap(m, [1, 2])
+    ctx = torch.randint(4, 4096, (2, 20), generator=torch.Generator().manual_seed(1))
+    feats, cont = tp.greedy_block(m, tap, ctx)
+    with torch.no_grad():
+        gen = m.generate(ctx, max_new_tokens=16, do_sample=False, min_new_tokens=16,
+                         attention_mask=torch.ones_like(ctx), pad_token_id=0)
+        hs = m(input_ids=ctx, output_hidden_states=True).hidden_states
+    assert torch.equal(cont, gen[:, 20:])
+    assert torch.equal(feats, torch.cat([hs[2], hs[3]], -1))
+    tap.remove()
