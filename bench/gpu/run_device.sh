@@ -32,6 +32,8 @@
 #   the one-GPU servers' random NCCL ports come from). One-GPU servers stay on GPU 0 (--base-gpu-id 0).
 #   TP2_EXTRA (default --disable-custom-all-reduce: its v2 kernel would JIT-compile in every TP server at
 #   start; the DDTree gather is an all-gather over NCCL either way) is added to the TP servers' flags.
+# MIX_SET=h (issue 25, with MIX=1): the hybrid set; HYB_MODELS picks its model dir (<dir>/next/{target,draft});
+#   HYB_PAIR=1 serves the trained hybrid pair from .gpu/pair_h (train_pair_device.sh HYBRID=1).
 # GRAPHS=1 (issue 13): graphs_phases.sh. SWEEP=1 (issue 14): sweep_phases.sh, on the trained pair that
 #   train_pair_device.sh made (unpack its pair.tar and heldout_prompts.json into .gpu/pair/).
 # AUTO=1 (issue 24): auto_phases.sh: --speculative-ddtree-budget auto vs DFLASH and fixed budgets at batch 1..64 on
@@ -140,6 +142,13 @@ if [ "${MIX:-0}" = 1 ]; then
     # Issue 25 (G0, G3, G7 of HYBRID.md): a tiny Qwen3-Next (GDN + attention + MoE; HYB_MODELS=/tmp/tiny_h the
     # random one, default the peaked one); full mode under the proof's switch (HYB), radix cache off; a second
     # plain server for the tie band; a deliberately wrong commit (the deepest node) that must fail.
+    # HYB_PAIR=1: the trained hybrid pair instead (train_pair_device.sh HYBRID=1's pair_h.tar unpacked into
+    # .gpu/pair_h/, carried): drafts that are really accepted, so full mode commits deep tree nodes.
+    if [ "${HYB_PAIR:-0}" = 1 ]; then
+      [ -f .gpu/pair_h/next/target/config.json ] && [ -f .gpu/pair_h/next/draft/config.json ] \
+        || { echo "HYB_PAIR=1 needs .gpu/pair_h/next/{target,draft}: run train_pair_device.sh with HYBRID=1"; exit 1; }
+      rm -rf /tmp/pair_h && cp -r .gpu/pair_h /tmp/pair_h; HYB_MODELS=/tmp/pair_h
+    fi
     H="--disable-radix-cache"; HM=${HYB_MODELS:-/tmp/tiny_hp}/next
     if [ "${MIX_GRAPHS:-0}" = 1 ]; then  # G4: the same with CUDA graphs (batches above 8 run eagerly)
       KEEP=(); for c in "${COMMON[@]}"; do [ "$c" = --disable-cuda-graph ] || KEEP+=("$c"); done

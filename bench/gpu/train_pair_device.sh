@@ -11,10 +11,18 @@
 # Env: TRAIN_SECONDS (default 240), EXTRA, TRAIN_ARGS (more train_pair.py flags), PAIR (/tmp/pair), DEVICE (cuda).
 # Back in $OUT: run.log (tee), train.log, train_report.json, heldout_prompts.json, check_sglang.json and
 # pair.tar (target/ + draft/, ~12 MB: unpack it into .gpu/pair/ here to carry it into later proof calls).
+# HYBRID=1 (issue 25): train_pair.py --hybrid, a Qwen3-Next target (PAIR default /tmp/pair_h, TRAIN_SECONDS
+# default 400: its torch-fallback GDN steps are launch-bound); back: pair_h.tar (next/target + next/draft +
+# heldout_prompts.json: unpack it into .gpu/pair_h/, which run_device.sh MIX_SET=h HYB_PAIR=1 serves).
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 source "$HERE/device_env.sh"
-PAIR=${PAIR:-/tmp/pair}
+HYBRID=${HYBRID:-0}
+if [ "$HYBRID" = 1 ]; then
+  PAIR=${PAIR:-/tmp/pair_h}; HYB_ARGS=(--hybrid); export TRAIN_SECONDS=${TRAIN_SECONDS:-400}
+else
+  PAIR=${PAIR:-/tmp/pair}; HYB_ARGS=()
+fi
 ts "start"; nvidia-smi -L 2>/dev/null || echo "no nvidia-smi"; python3 -V
 if [ -f .gpu/site312.tar.xz ]; then
   rm -rf /tmp/site && mkdir -p /tmp/site && tar -C /tmp/site -xJf .gpu/site312.tar.xz || { echo "extract failed"; exit 1; }
@@ -28,14 +36,18 @@ if [ -n "$EXTRA" ] && [ -d "$EXTRA" ]; then EXTRA_ARGS=(--extra-corpus "$EXTRA")
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 ts "site extracted"
 rm -rf "$PAIR"
-python3 "$HERE/train_pair.py" "$PAIR" --device "${DEVICE:-cuda}" "${EXTRA_ARGS[@]}" --report "$OUT/train_report.json" \
-  ${TRAIN_ARGS:-} > "$OUT/train.log" 2>&1
+python3 "$HERE/train_pair.py" "$PAIR" --device "${DEVICE:-cuda}" "${HYB_ARGS[@]}" "${EXTRA_ARGS[@]}" \
+  --report "$OUT/train_report.json" ${TRAIN_ARGS:-} > "$OUT/train.log" 2>&1
 RC=$?
 grep -v -i "warn\|Writing model\|Loading weights" "$OUT/train.log" | tail -40
 ts "train_pair rc=$RC"
 [ "$RC" = 0 ] || exit "$RC"
 cp "$PAIR/heldout_prompts.json" "$OUT/"
-tar -C "$PAIR" -cf "$OUT/pair.tar" target draft
+if [ "$HYBRID" = 1 ]; then
+  tar -C "$PAIR" -cf "$OUT/pair_h.tar" next heldout_prompts.json
+else
+  tar -C "$PAIR" -cf "$OUT/pair.tar" target draft
+fi
 CUDA_VISIBLE_DEVICES= timeout 240 python3 "$HERE/check_pair_sglang.py" "$PAIR" --out "$OUT/check_sglang.json" \
   > "$OUT/check_sglang.log" 2>&1
 CRC=$?
