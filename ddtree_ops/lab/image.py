@@ -375,9 +375,9 @@ def _install_overlay_venv(rootfs: Path, wheelhouse: Path, version: str, requirem
     run_step(f"python3 -m venv {venv}", nspawn_oneshot(rootfs, "/usr/bin/python3", "-m", "venv", venv), log)
     src, dst = (_site_packages(rootfs, d) for d in (VENV_DIR, venv))
     # The default SGLang stays out (its own is installed below); what the fresh venv already has (pip,
-    # setuptools) is its own copy, so the two venvs never share a file pip may rewrite. Files are only
-    # ever replaced by rename (pip, the host agent), never written in place, so a link is never changed
-    # under the other venv.
+    # setuptools) is its own copy, so pip never rewrites a shared file here. On a host the image is the
+    # overlay's read-only lower layer: a write there copies the file up first, so it never reaches the
+    # other venv's link.
     shared = [e for e in sorted(src.iterdir()) if not _is_sglang(e.name) and not (dst / e.name).exists()]
     run_step(f"hard-link the default venv's packages into {venv}", ["cp", "-al", "--", *shared, dst], log)
     argv = nspawn_oneshot(rootfs, python, "-m", "pip", "install", "--no-index", "--find-links", "/wheelhouse",
