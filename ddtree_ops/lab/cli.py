@@ -65,6 +65,12 @@ def _fail(console: Console, exc: Exception, as_json: bool = False, command: str 
 @lab_app.command("up")
 def up(
     hosts: Annotated[int, typer.Option("--hosts", "-n", min=1, help="Number of hosts: lab-1 … lab-N.")] = 3,
+    sglang: Annotated[
+        list[str] | None,
+        typer.Option("--sglang", metavar="HOST=VERSION",
+                     help="Run this host on another SGLang the image carries (0.5.23), for a mixed-version fleet; "
+                          "repeatable. Hosts not named run 0.5.13.post1; a host that changes version is recreated."),
+    ] = None,
     repo_root: RepoRoot = Path("."),
     as_json: JsonFlag = False,
     debug: DebugOption = False,
@@ -79,8 +85,9 @@ def up(
     console = Console(stderr=True, log_path=False)
     report = _progress(console, as_json)
     try:
+        versions = _parse_versions(sglang or [])
         if as_json:
-            status = lab_up(hosts, repo_root.resolve(), report)
+            status = lab_up(hosts, repo_root.resolve(), report, sglang=versions)
         else:
             with console.status("lab up …") as spinner:
 
@@ -88,10 +95,24 @@ def up(
                     report(message)
                     spinner.update(f"lab up: {message}")
 
-                status = lab_up(hosts, repo_root.resolve(), report_and_spin)
+                status = lab_up(hosts, repo_root.resolve(), report_and_spin, sglang=versions)
     except LabError as exc:
         raise _fail(console, exc, as_json, "lab up") from exc
     _render(status, as_json, "lab up")
+
+
+def _parse_versions(pairs: list[str]) -> dict[str, str]:
+    from ddtree_ops.lab.steps import LabError
+
+    out: dict[str, str] = {}
+    for pair in pairs:
+        host, sep, version = pair.partition("=")
+        if not sep or not host or not version:
+            raise LabError(f"--sglang {pair!r}: expected HOST=VERSION, e.g. lab-3=0.5.23")
+        if out.get(host, version) != version:
+            raise LabError(f"--sglang names {host} twice ({out[host]} and {version})")
+        out[host] = version
+    return out
 
 
 @lab_app.command("down")
@@ -134,9 +155,9 @@ def _render(status: LabStatus, as_json: bool, command: str) -> None:
     if not status.hosts:
         console.print("no lab hosts; run [bold]ddtree-ops lab up[/]")
         return
-    table = Table("host", "address", "running", "ssh", "pid")
+    table = Table("host", "address", "sglang", "running", "ssh", "pid")
     for h in status.hosts:
-        table.add_row(h.name, h.address, _mark(h.running), _mark(h.ssh), str(h.pid or "-"))
+        table.add_row(h.name, h.address, h.sglang or "-", _mark(h.running), _mark(h.ssh), str(h.pid or "-"))
     console.print(table)
     if status.inventory_path:
         console.print(f"inventory: {status.inventory_path}")

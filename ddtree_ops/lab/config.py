@@ -24,6 +24,14 @@ BASTION = "lab-bastion"
 OPERATOR = "ops"
 SSH_PORT = 22
 VENV_DIR = "/opt/sglang/venv"
+# The SGLang every host runs unless the lab is told otherwise (`lab up --sglang lab-N=VERSION`), and the
+# venv of each SGLang the base image carries: a mixed-version fleet rehearses push, smoke and promote
+# picking each host's own bundle. VENV_DIR stays the default host's, so a default fleet is as it was.
+DEFAULT_SGLANG = "0.5.13.post1"
+SGLANG_VENVS: dict[str, str] = {
+    DEFAULT_SGLANG: VENV_DIR,
+    "0.5.23": "/opt/sglang-0.5.23/venv",
+}
 SERVICE = "sglang.service"
 HOST_STATE_DIR = "/var/lib/ddtree-ops"
 SERVE_PORT = 30000
@@ -53,6 +61,14 @@ def host_index(name: str) -> int:
     if not 1 <= index <= MAX_HOSTS:
         raise ValueError(f"{name!r}: lab hosts are numbered 1…{MAX_HOSTS}")
     return index
+
+
+def venv_dir(sglang: str) -> str:
+    """The venv in the base image that holds this SGLang version (ValueError for one the image lacks)."""
+    try:
+        return SGLANG_VENVS[sglang]
+    except KeyError:
+        raise ValueError(f"the lab image has no SGLang {sglang} (it carries {', '.join(SGLANG_VENVS)})") from None
 
 
 def host_address(index: int) -> ipaddress.IPv4Address:

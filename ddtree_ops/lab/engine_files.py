@@ -1,7 +1,7 @@
 """What `lab up` puts on every lab host besides the base image: the lab engine and its models.
 
 The engine (`ddtree_ops/lab/engine/`) becomes the top-level package `ddtree_lab_engine` in the
-host venv's site-packages, so `/opt/sglang/venv/bin/python -m ddtree_lab_engine ARGS` runs it; the
+site-packages of the host's SGLang venv (the default one below, or the one its `sglang` names), so `/opt/sglang/venv/bin/python -m ddtree_lab_engine ARGS` runs it; the
 models go to `/opt/ddtree-lab/models/{target,target-hybrid,draft}`. Both are copied at every
 `lab up`, onto running hosts too, so engine changes never need a base-image rebuild. Each tree is
 swapped in with renames (extract beside it, rename the old one away, rename the new one in), so a
@@ -23,7 +23,7 @@ import subprocess
 import tarfile
 from pathlib import Path
 
-from ddtree_ops.lab.config import LAB_MODELS_DIR, VENV_DIR, LabPaths
+from ddtree_ops.lab.config import LAB_MODELS_DIR, LabPaths
 from ddtree_ops.lab.host import LabHost, ssh_argv
 from ddtree_ops.lab.steps import LabError, Progress, no_progress, on_each
 
@@ -108,9 +108,10 @@ def bundle(paths: LabPaths) -> bytes:
 def install(hosts: list[LabHost], paths: LabPaths, progress: Progress = no_progress, via: LabHost | None = None) -> None:
     """Copy the engine and the models onto every host (running hosts included), through `via` (the bastion)."""
     data = bundle(paths)
-    remote = shlex.join([f"{VENV_DIR}/bin/python", "-c", _INSTALL_SCRIPT, LAB_MODELS_DIR])
 
     def install_on(h: LabHost) -> None:
+        # Into the host's own SGLang venv: the unit runs `<that python> -m ddtree_lab_engine`.
+        remote = shlex.join([h.python, "-c", _INSTALL_SCRIPT, LAB_MODELS_DIR])
         argv = ssh_argv(h, paths.client_key, paths.known_hosts, remote, via=via)
         try:
             result = subprocess.run(argv, input=data, capture_output=True, timeout=120, check=False)

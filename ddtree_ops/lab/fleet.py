@@ -18,13 +18,21 @@ import fcntl
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ddtree_ops.lab import engine_files, image, inventory_file, network
 from ddtree_ops.lab import host as lab_host
-from ddtree_ops.lab.config import BASTION, MAX_HOSTS, LabPaths, host_index, host_name
+from ddtree_ops.lab.config import (
+    BASTION,
+    DEFAULT_SGLANG,
+    MAX_HOSTS,
+    SGLANG_VENVS,
+    LabPaths,
+    host_index,
+    host_name,
+)
 from ddtree_ops.lab.host import LabHost
 from ddtree_ops.lab.steps import LabError, Progress, no_progress, on_each, run_step
 
@@ -40,6 +48,7 @@ class HostStatus:
     ssh: bool  # the ssh port answers with an SSH banner (the GPU hosts': seen from the bastion)
     pid: int | None = None
     role: str = "gpu"  # or "bastion"
+    sglang: str | None = None  # the SGLang version the host runs (None: the bastion runs none)
 
 
 @dataclass(frozen=True)
@@ -78,16 +87,22 @@ def lab_up(
     repo_root: Path | None = None,
     progress: Progress = no_progress,
     paths: LabPaths | None = None,
+    sglang: Mapping[str, str] | None = None,
 ) -> LabStatus:
     """Bring lab-bastion and lab-1 … lab-N up and write `inventory/lab.yaml`; returns once every host
     answers ssh (the GPU hosts through the bastion) and has its operator user.
 
+    `sglang` maps GPU hosts to the SGLang version they run (one of the image's venvs, config.SGLANG_VENVS);
+    every host it does not name runs the default (0.5.13.post1), so the fleet is always what the call says.
+
     Idempotent: running hosts stay as they are, missing ones are created and booted. Hosts numbered
     above N are stopped and removed, so the inventory and the fleet always agree. A host whose
-    overlay belongs to an older base image is recreated (its changes are lost).
+    overlay belongs to an older base image, or that runs another SGLang than asked, is recreated (its
+    changes are lost: its state and releases were made for the other venv).
     """
     if not 1 <= hosts <= MAX_HOSTS:
         raise LabError(f"--hosts must be between 1 and {MAX_HOSTS}, not {hosts}")
+    versions = _host_versions(hosts, sglang or {})
     repo_root = Path(repo_root or Path.cwd())
     paths = paths or LabPaths.from_env()
     _check_prerequisites()
@@ -109,9 +124,12 @@ def lab_up(
             if h.exists() and h.base() != rootfs:
                 progress(f"{h.name}: its overlay belongs to an older base image; recreating it")
                 _remove_host(h)
+            if h.exists() and not h.is_bastion and h.sglang() != versions[h.name]:
+                progress(f"{h.name}: runs SGLang {h.sglang()}, asked for {versions[h.name]}; recreating it")
+                _remove_host(h)
             if not h.exists():
                 progress(f"{h.name}: creating its overlay and ssh host key")
-                lab_host.create(h, rootfs, log)
+                lab_host.create(h, rootfs, log, sglang=versions.get(h.name, DEFAULT_SGLANG))
             if lab_host.running_pid(h) is None:
                 lab_host.authorize(h, rootfs, _client_pubkey(paths))
                 lab_host.start(h, rootfs)
@@ -181,6 +199,7 @@ def lab_status(
                 ssh=pid is not None and ssh,
                 pid=pid,
                 role="bastion" if h.is_bastion else "gpu",
+                sglang=None if h.is_bastion else h.sglang(),
             )
         )
     base = paths.base_link.resolve() if paths.base_link.is_symlink() else None
@@ -215,7 +234,20 @@ def start_host(name: str, paths: LabPaths | None = None) -> HostStatus:
             lab_host.start(h, rootfs)
         lab_host.wait_for_ssh(h, paths.client_key, paths.known_hosts, via=LabHost(BASTION, paths))
         return HostStatus(name=h.name, address=h.address, running=True, ssh=True, pid=lab_host.running_pid(h),
-                          role="bastion" if h.is_bastion else "gpu")
+                          role="bastion" if h.is_bastion else "gpu", sglang=None if h.is_bastion else h.sglang())
+
+
+def _host_versions(hosts: int, asked: Mapping[str, str]) -> dict[str, str]:
+    """The SGLang of each GPU host lab-1 … lab-N: the asked one, else the default; refuses a host outside the
+    fleet and a version the image does not carry (before anything is booted or removed)."""
+    gpu = [host_name(i) for i in range(1, hosts + 1)]
+    stray = sorted(set(asked) - set(gpu))
+    if stray:
+        raise LabError(f"--sglang names {', '.join(stray)}, not one of this fleet's hosts ({gpu[0]} … {gpu[-1]})")
+    unknown = sorted({v for v in asked.values() if v not in SGLANG_VENVS})
+    if unknown:
+        raise LabError(f"--sglang {', '.join(unknown)}: the lab image carries SGLang {', '.join(SGLANG_VENVS)} only")
+    return {name: asked.get(name, DEFAULT_SGLANG) for name in gpu}
 
 
 def _known_host(name: str, paths: LabPaths) -> LabHost:

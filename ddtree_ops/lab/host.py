@@ -5,6 +5,7 @@ Layout under `<state>/hosts/<name>/`:
     root/            the overlay's mount point; mounted only inside the host's own mount namespace,
                      so the mount vanishes with the process and nothing is ever left mounted here
     base             path of the base image this overlay belongs to
+    sglang           the SGLang version the host runs (which of the image's venvs); absent: the default
     nspawn.pid       pid of systemd-nspawn (absent when stopped)
     console.log      the container's console output (boot messages), for diagnosing a failed boot
     machine-id       the host's own systemd machine id
@@ -28,6 +29,7 @@ from ddtree_ops.lab.config import (
     BASTION,
     BRIDGE,
     BRIDGE_ADDRESS,
+    DEFAULT_SGLANG,
     OPERATOR,
     SSH_PORT,
     SUBNET,
@@ -35,6 +37,7 @@ from ddtree_ops.lab.config import (
     LabPaths,
     host_address,
     host_index,
+    venv_dir,
 )
 from ddtree_ops.lab.steps import LabError, capture, log_tail, run_step
 
@@ -97,6 +100,23 @@ class LabHost:
         return self.dir / "base"
 
     @property
+    def sglang_file(self) -> Path:
+        return self.dir / "sglang"
+
+    def sglang(self) -> str:
+        """The SGLang version this host runs (chosen at creation; a host made before there was a choice
+        runs the default)."""
+        try:
+            return self.sglang_file.read_text().strip() or DEFAULT_SGLANG
+        except FileNotFoundError:
+            return DEFAULT_SGLANG
+
+    @property
+    def python(self) -> str:
+        """The interpreter of the host's SGLang venv: what the inventory, sudo rule and engine use."""
+        return f"{venv_dir(self.sglang())}/bin/python"
+
+    @property
     def machine_id_file(self) -> Path:
         return self.dir / "machine-id"
 
@@ -118,8 +138,10 @@ class LabHost:
             return None
 
 
-def create(host: LabHost, base_rootfs: Path, log: Path) -> None:
-    """Make the host's overlay: its own ssh host key, static address and hostname files."""
+def create(host: LabHost, base_rootfs: Path, log: Path, sglang: str = DEFAULT_SGLANG) -> None:
+    """Make the host's overlay: its own ssh host key, static address and hostname files, and which of the
+    image's SGLang venvs it runs."""
+    venv_dir(sglang)  # raises ValueError for a version the image does not carry
     host.dir.mkdir(parents=True, exist_ok=True)
     for d in (host.upper, host.work, host.root):
         d.mkdir(exist_ok=True)
@@ -159,6 +181,7 @@ def create(host: LabHost, base_rootfs: Path, log: Path) -> None:
         # MaxStartups (10:30:100) would drop unauthenticated connections beyond 10 at random.
         sshd_dir = _mkdirs_like(base_rootfs, host.upper, "etc/ssh/sshd_config.d")
         (sshd_dir / "ddtree-lab-bastion.conf").write_text("MaxStartups 200:30:400\nMaxSessions 64\n")
+    host.sglang_file.write_text(f"{sglang}\n")
     host.base_file.write_text(f"{base_rootfs}\n")
 
 
@@ -198,7 +221,7 @@ def sudo_rule(python: str = f"{VENV_DIR}/bin/python") -> str:
 
 def provision_operator(host: LabHost, paths: LabPaths, client_pubkey: str, via: LabHost) -> None:
     """The unprivileged login user `ops` with the lab's key (and its sudo rule, but on the bastion)."""
-    rule = "" if host.is_bastion else sudo_rule()
+    rule = "" if host.is_bastion else sudo_rule(host.python)
     remote = shlex.join(["sh", "-c", _PROVISION_SCRIPT, "lab-provision", OPERATOR, client_pubkey.strip(), rule])
     result = capture(ssh_argv(host, paths.client_key, paths.known_hosts, remote, via=via), timeout=60)
     if result.returncode != 0:

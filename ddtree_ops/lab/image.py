@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from ddtree_ops.lab.config import VENV_DIR, LabPaths
+from ddtree_ops.lab.config import DEFAULT_SGLANG, SGLANG_VENVS, VENV_DIR, LabPaths
 from ddtree_ops.lab.steps import LabError, Progress, no_progress, run_step
 
 RECIPE_VERSION = 1
@@ -52,7 +52,15 @@ IMAGE_APT_PACKAGES = (
     "less",
 )
 
-SGLANG_REQUIREMENT = "sglang==0.5.13.post1"
+SGLANG_REQUIREMENT = f"sglang=={DEFAULT_SGLANG}"
+# Each further SGLang the image carries (config.SGLANG_VENVS), as what its venv holds besides the default
+# venv's packages, all --no-deps. Every other package is the default venv's own file, hard-linked (the
+# image is one filesystem), so a second SGLang costs its own wheel, not another 6 GB. 0.5.23 pins the same
+# torch 2.14.1 the default venv has; its argument resolution also imports tvm_ffi (measured: importing
+# server_args and parsing DFLASH flags needs nothing else).
+OVERLAY_VENVS: dict[str, tuple[str, ...]] = {
+    "0.5.23": ("sglang==0.5.23", "apache-tvm-ffi==0.1.11"),
+}
 # What `sglang.srt.server_args` needs to import and parse on CPU; sglang itself goes in with
 # --no-deps because its full dependency set pulls GPU-only packages. torch/torchvision/triton are
 # the CUDA builds, which import and run on CPU (the CPU-only torch 2.13 has no matching torchvision,
@@ -153,6 +161,7 @@ def recipe() -> dict[str, object]:
         "venv_dir": VENV_DIR,
         "venv": list(VENV_REQUIREMENTS),
         "sglang": SGLANG_REQUIREMENT,
+        "overlay_venvs": {v: {"dir": SGLANG_VENVS[v], "requirements": list(r)} for v, r in OVERLAY_VENVS.items()},
         "sshd": SSHD_CONFIG,
         "journald": JOURNALD_CONFIG,
     }
@@ -198,6 +207,8 @@ def ensure_base_image(paths: LabPaths, progress: Progress = no_progress) -> Path
         wheels.result()
     _configure(build / "rootfs", log, progress)
     _install_venv(build / "rootfs", wheelhouse, log, progress)
+    for version, requirements in OVERLAY_VENVS.items():
+        _install_overlay_venv(build / "rootfs", wheelhouse, version, requirements, log, progress)
     progress("base image: cleaning up")
     shutil.rmtree(wheelhouse)  # ~3 GB; re-fetched (from the local mirror) only on a recipe change
     (build / "rootfs" / "etc" / "ddtree-ops-lab-image").write_text(
@@ -255,6 +266,9 @@ def _download_wheels(wheelhouse: Path, log: Path, progress: Progress) -> None:
         [*pip, "download", "--no-deps", "--dest", wheelhouse, SGLANG_REQUIREMENT],
         log,
     )
+    for version, requirements in OVERLAY_VENVS.items():
+        run_step(f"pip download (the SGLang {version} venv, --no-deps)",
+                 [*pip, "download", "--no-deps", "--dest", wheelhouse, *requirements], log)
 
 
 def _debootstrap(rootfs: Path, log: Path, progress: Progress) -> None:
@@ -346,13 +360,65 @@ def _install_venv(rootfs: Path, wheelhouse: Path, log: Path, progress: Progress)
     pip_install("pip install (venv requirements)", *VENV_REQUIREMENTS, timeout=3600)
     progress(f"base image: installing {SGLANG_REQUIREMENT} (--no-deps)")
     pip_install("pip install sglang --no-deps", "--no-deps", SGLANG_REQUIREMENT, timeout=1800)
-    progress("base image: checking that sglang's ServerArgs parse DFLASH flags in the venv")
-    run_step(
-        "sglang server_args smoke", nspawn_oneshot(rootfs, python, "-c", SERVER_ARGS_SMOKE), log, timeout=600
-    )
+    _server_args_smoke(rootfs, python, DEFAULT_SGLANG, log, progress)
     # The lock of what was actually installed, for anyone asking "which transformers is on lab-2?".
     lock = rootfs / VENV_DIR.lstrip("/") / "requirements.lock"
     _freeze(rootfs, python, lock, log)
+
+
+def _install_overlay_venv(rootfs: Path, wheelhouse: Path, version: str, requirements: tuple[str, ...],
+                          log: Path, progress: Progress) -> None:
+    """A venv for another SGLang: the default venv's packages hard-linked in, then its own on top (--no-deps)."""
+    venv = SGLANG_VENVS[version]
+    python = f"{venv}/bin/python"
+    progress(f"base image: creating {venv} (SGLang {version}, sharing the default venv's packages)")
+    run_step(f"python3 -m venv {venv}", nspawn_oneshot(rootfs, "/usr/bin/python3", "-m", "venv", venv), log)
+    src, dst = (_site_packages(rootfs, d) for d in (VENV_DIR, venv))
+    # The default SGLang stays out (its own is installed below); what the fresh venv already has (pip,
+    # setuptools) is its own copy, so pip never rewrites a shared file here. On a host the image is the
+    # overlay's read-only lower layer: a write there copies the file up first, so it never reaches the
+    # other venv's link.
+    shared = [e for e in sorted(src.iterdir()) if not _is_sglang(e.name) and not (dst / e.name).exists()]
+    run_step(f"hard-link the default venv's packages into {venv}", ["cp", "-al", "--", *shared, dst], log)
+    argv = nspawn_oneshot(rootfs, python, "-m", "pip", "install", "--no-index", "--find-links", "/wheelhouse",
+                          "--no-deps", *requirements, binds=((wheelhouse, "/wheelhouse"),))
+    progress(f"base image: installing {', '.join(requirements)} into {venv} (--no-deps)")
+    run_step(f"pip install (the SGLang {version} venv)", argv, log, timeout=1800)
+    _server_args_smoke(rootfs, python, version, log, progress)
+    _freeze(rootfs, python, rootfs / venv.lstrip("/") / "requirements.lock", log)
+
+
+def _site_packages(rootfs: Path, venv: str) -> Path:
+    found = sorted((rootfs / venv.lstrip("/") / "lib").glob("python3*/site-packages"))
+    if len(found) != 1:
+        raise LabError(f"expected one site-packages under {venv}/lib in the image, found {len(found)}")
+    return found[0]
+
+
+def _is_sglang(name: str) -> bool:
+    # the package and its dist-info (sglang-0.5.13.post1.dist-info); not sgl_kernel or other sgl* names
+    return name == "sglang" or (name.startswith("sglang-") and name.endswith(".dist-info"))
+
+
+def _server_args_smoke(rootfs: Path, python: str, version: str, log: Path, progress: Progress) -> None:
+    """SGLang's own ServerArgs parse DFLASH flags under `python`, and it is the SGLang `version` (a venv
+    that imports another SGLang than it should fails the build, not a test later)."""
+    from ddtree_ops.lab.steps import capture
+
+    progress(f"base image: checking that SGLang {version}'s ServerArgs parse DFLASH flags in {python}")
+    result = capture(nspawn_oneshot(rootfs, python, "-c", SERVER_ARGS_SMOKE), timeout=600)
+    with log.open("a") as out:
+        out.write(f"\n### sglang {version} server_args smoke: exit {result.returncode}\n{result.stdout}{result.stderr}")
+    try:
+        answer = json.loads(result.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        answer = None
+    if result.returncode != 0 or not isinstance(answer, dict):
+        raise LabError(f"SGLang {version} server_args smoke in the image failed (exit {result.returncode}); "
+                       f"log: {log}\n{result.stderr.strip()[-2000:]}")
+    if answer.get("version") != version or answer.get("algorithm") != "DFLASH" or not answer.get("draft"):
+        raise LabError(f"SGLang {version} server_args smoke in the image: unexpected answer {answer} "
+                       f"from {python}; log: {log}")
 
 
 def _freeze(rootfs: Path, python: str, lock: Path, log: Path) -> None:

@@ -62,10 +62,18 @@ def render(hosts: list[LabHost]) -> dict[str, object]:
             }
         },
         "groups": groups,
-        "hosts": {h.name: {"address": h.address, "port": SSH_PORT} for h in hosts},
+        "hosts": {h.name: _host_vars(h) for h in hosts},
         # push accepts only bundles signed by this key (`build --sign-key inventory/lab/signer_ed25519`).
         "signers": {"lab": f"{FILES_DIR}/{SIGNER_KEY}.pub"},
     }
+
+
+def _host_vars(h: LabHost) -> dict[str, object]:
+    out: dict[str, object] = {"address": h.address, "port": SSH_PORT}
+    if h.python != f"{VENV_DIR}/bin/python":
+        # A host on another SGLang runs its own venv's interpreter (push reads its version from there).
+        out["python"] = h.python
+    return out
 
 
 def write(repo_root: Path, paths: LabPaths, hosts: list[LabHost]) -> Path:

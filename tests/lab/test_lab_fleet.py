@@ -366,3 +366,50 @@ def test_a_host_in_the_middle_of_exec_still_counts_as_running(tmp_path):
         proc.wait()
     assert polls > 100 and misses == 0
     assert running_pid(host) is None  # exited (and reaped): no longer running
+
+
+def test_a_host_on_another_sglang_gets_its_venvs_python_in_the_inventory(tmp_path):
+    from ddtree_ops.lab.host import LabHost, sudo_rule
+    from ddtree_ops.lab.inventory_file import render
+
+    paths = LabPaths(cache=tmp_path / "cache", state=tmp_path / "state")
+    old, new = LabHost("lab-1", paths), LabHost("lab-2", paths)
+    new.dir.mkdir(parents=True)
+    new.sglang_file.write_text("0.5.23\n")
+    assert (old.sglang(), new.sglang()) == ("0.5.13.post1", "0.5.23")
+    rendered = render([old, new])
+    assert rendered["all"]["vars"]["python"] == "/opt/sglang/venv/bin/python"
+    assert rendered["hosts"] == {"lab-1": {"address": "10.200.0.11", "port": 22},
+                                 "lab-2": {"address": "10.200.0.12", "port": 22,
+                                           "python": "/opt/sglang-0.5.23/venv/bin/python"}}
+    assert sudo_rule(new.python) == "ops ALL=(root) NOPASSWD: /opt/sglang-0.5.23/venv/bin/python"
+
+
+def test_sglang_choices_are_checked_before_anything_boots():
+    from ddtree_ops.lab.cli import _parse_versions
+    from ddtree_ops.lab.fleet import _host_versions
+    from ddtree_ops.lab.steps import LabError
+
+    assert _host_versions(2, {"lab-2": "0.5.23"}) == {"lab-1": "0.5.13.post1", "lab-2": "0.5.23"}
+    with pytest.raises(LabError, match=r"lab-3, not one of this fleet's hosts \(lab-1 … lab-2\)"):
+        _host_versions(2, {"lab-3": "0.5.23"})
+    with pytest.raises(LabError, match=r"--sglang 0.5.17: the lab image carries SGLang 0.5.13.post1, 0.5.23 only"):
+        _host_versions(2, {"lab-1": "0.5.17"})
+    assert _parse_versions(["lab-2=0.5.23"]) == {"lab-2": "0.5.23"}
+    for bad in (["lab-2"], ["=0.5.23"], ["lab-2=0.5.23", "lab-2=0.5.13.post1"]):
+        with pytest.raises(LabError):
+            _parse_versions(bad)
+
+
+def test_the_image_recipe_carries_each_sglang_venv():
+    from ddtree_ops.lab import image
+    from ddtree_ops.lab.config import SGLANG_VENVS
+
+    recipe = image.recipe()
+    assert recipe["sglang"] == "sglang==0.5.13.post1" and recipe["venv_dir"] == SGLANG_VENVS["0.5.13.post1"]
+    assert recipe["overlay_venvs"] == {"0.5.23": {"dir": "/opt/sglang-0.5.23/venv",
+                                                  "requirements": ["sglang==0.5.23", "apache-tvm-ffi==0.1.11"]}}
+    # every extra venv's own SGLang is the version it is named for
+    assert all(f"sglang=={v}" in reqs for v, reqs in image.OVERLAY_VENVS.items())
+    assert [n for n in ("sglang", "sglang-0.5.13.post1.dist-info", "sglang_router", "sgl_kernel", "sglang.pth")
+            if image._is_sglang(n)] == ["sglang", "sglang-0.5.13.post1.dist-info"]

@@ -62,6 +62,8 @@ ENV_BACKUP_DIR = ".ddtree-ops-backup"
 FOUND_DIR = "units-found"  # units changed by hand, kept when --adopt (or an undo) overwrote them
 KILL_ENV = "DDTREE_OPS_TEST_KILL_UNIT_AT"
 DDTREE_MODULE = "sglang/srt/speculative/ddtree_utils.py"
+# A v2 base's glue (payload/bases/<version>/): it says which modes its base can serve yet.
+V2_GLUE_MODULE = "sglang/srt/speculative/ddtree_v2_args.py"
 SHOW_PROPERTIES = ("LoadState", "ActiveState", "SubState", "Result", "NRestarts", "FragmentPath", "DropInPaths",
                    "ExecMainStatus", "ExecMainCode", "UnitFileState", "InvocationID")
 TOOL_TIMEOUT_S = 120
@@ -450,6 +452,21 @@ print(json.dumps({"refusal": mod.full_mode_refusal(config)}))
 """
 
 
+# The base glue's own refusal of full mode (0.5.23: the v2 worker's tree step is not written yet). It imports
+# the glue as the server would (through sglang, whose import is the slow part), so it runs only where the
+# glue is installed and only for a full-mode promote.
+BASE_MODE_PROBE = r"""
+import json
+from sglang.srt.speculative import ddtree_v2_args as glue
+try:
+    glue.refuse_unavailable("full")
+except glue.DDTreeV2NotAvailable as exc:
+    print(json.dumps({"refusal": str(exc)}))
+else:
+    print(json.dumps({"refusal": None}))
+"""
+
+
 def full_mode_check(model_path: str | None) -> dict:
     """The installed payload's own verdict on the target (full_mode_refusal over its config.json):
     the same words the worker would refuse with, before anything changes."""
@@ -471,7 +488,16 @@ def full_mode_check(model_path: str | None) -> dict:
         answer = json.loads(proc.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
         return {"checked": False, "reason": f"probe failed: {proc.stderr.strip()[-400:]}"}
-    return {"checked": True, "refusal": answer.get("refusal"), "model_type": config.get("model_type")}
+    refusal = answer.get("refusal")
+    if not refusal and (site / V2_GLUE_MODULE).is_file():
+        # The target allows full, but this base's payload may not serve it yet: refused here, before the
+        # unit changes, with the words the server would refuse with at start.
+        proc = _run([sys.executable, "-c", BASE_MODE_PROBE], 120)
+        try:
+            refusal = json.loads(proc.stdout.strip().splitlines()[-1]).get("refusal")
+        except (ValueError, IndexError):
+            return {"checked": False, "reason": f"base probe failed: {proc.stderr.strip()[-400:]}"}
+    return {"checked": True, "refusal": refusal, "model_type": config.get("model_type")}
 
 
 def op_unit_inspect(args: dict) -> dict:

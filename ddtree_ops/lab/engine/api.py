@@ -18,6 +18,7 @@ from typing import Any
 
 from sglang.srt.sampling.sampling_params import SamplingParams
 
+from . import server_args as resolved_args
 from .decoding import Decoder, Request
 from .sampling import Choice
 from .scheduler import Job, Scheduler
@@ -112,7 +113,7 @@ class EngineApi:
     # ------------------------------------------------------------------ /server_info
     def internal_state(self) -> dict[str, Any]:
         sa = self.server_args
-        state = {k: v for k, v in vars(sa).items() if k != "model_config"}
+        state = resolved_args.state_dict(sa)
         state["last_gen_throughput"] = self._gen_throughput()
         state["memory_usage"] = {"weight": 0.0, "kvcache": 0.0, "token_capacity": self.max_total_num_tokens,
                                  "graph": 0.0}
@@ -127,13 +128,13 @@ class EngineApi:
     def server_info(self) -> dict[str, Any]:
         sa = self.server_args
         return {
-            **dataclasses.asdict(sa),
+            **resolved_args.as_dict(sa),
             "status": "ready",
             "max_total_num_tokens": self.max_total_num_tokens,
             "max_req_input_len": self.context_len - 1,
             "internal_states": [self.internal_state()],
             "version": self.version,
-            "kv_events": sa.describe_kv_events_publisher(),
+            "kv_events": resolved_args.kv_events(sa),
         }
 
     @property

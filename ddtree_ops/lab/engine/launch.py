@@ -113,7 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     import sglang
     from sglang.srt.server_args import prepare_server_args
 
-    server_args = prepare_server_args(argv)  # SGLang's own parse: bad flags fail here, as in production
+    from .server_args import resolve
+
+    # SGLang's own parse: bad flags fail here, as in production; on a v2 base the payload's resolution
+    # hooks then check the DDTree flags (and refuse what the base cannot serve), as resolve_once would.
+    server_args = resolve(prepare_server_args(argv))
     try:
         faults = Faults.from_env()
     except FaultConfigError as e:
