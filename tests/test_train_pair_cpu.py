@@ -138,16 +138,7 @@ def test_greedy_block_and_features_match_hf(pair):
 
     tp = _mod("train_pair")
     m = Qwen3ForCausalLM.from_pretrained(str(pair / "target"), dtype=torch.float32).eval()
-    tap = tp.FeatureTap(m, [1, 2])
-    ctx = torch.randint(4, 4096, (3, 20), generator=torch.Generator().manual_seed(1))
-    feats, cont = tp.greedy_block(m, tap, ctx)
-    with torch.no_grad():
-        gen = m.generate(ctx, max_new_tokens=16, do_sample=False, min_new_tokens=16,
-                         attention_mask=torch.ones_like(ctx), pad_token_id=0)
-        hs = m(input_ids=ctx, output_hidden_states=True).hidden_states
-    assert torch.equal(cont, gen[:, 20:])
-    assert torch.equal(feats, torch.cat([hs[2], hs[3]], -1))
-    tap.remove()
+    _assert_greedy_block_is_hf(tp, m, rows=3)
 
 
 def test_greedy_trajectories_are_greedy_continuations_of_every_prefix(pair):
@@ -253,8 +244,16 @@ def test_hybrid_greedy_block_and_features_match_hf(pair_h):
     tp = _mod("train_pair")
     m = tp.target_class(True).from_pretrained(str(pair_h / "next" / "target"), dtype=torch.float32,
                                               **tp.target_kwargs(True)).eval()
+    _assert_greedy_block_is_hf(tp, m, rows=2)
+
+
+def _assert_greedy_block_is_hf(tp, m, rows: int) -> None:
+    """train_pair's greedy continuation and drafter features equal HF's own generate and hidden states (the
+    outputs of layers 1 and 2: hidden_states[2], [3])."""
+    import torch
+
     tap = tp.FeatureTap(m, [1, 2])
-    ctx = torch.randint(4, 4096, (2, 20), generator=torch.Generator().manual_seed(1))
+    ctx = torch.randint(4, 4096, (rows, 20), generator=torch.Generator().manual_seed(1))
     feats, cont = tp.greedy_block(m, tap, ctx)
     with torch.no_grad():
         gen = m.generate(ctx, max_new_tokens=16, do_sample=False, min_new_tokens=16,
