@@ -67,6 +67,23 @@ def backend_checks() -> list[str]:
     if md.retrieve_next_token.tolist() != [chain] * bs or md.retrieve_next_sibling.unique().tolist() != [-1]:
         out.append(f"graph replay of a linear step: {md.retrieve_next_token.tolist()} is not a chain")
 
+    # A real request of length 1 (its first verify after a one-token prompt) beside graph padding: only the
+    # padding rows take the pad slot; SGLang alone counted the real one as padding too.
+    for lens, real in (([5, 1, 7, 1], 3), ([5, 7, 1, 1], 3), ([1, 1, 1, 1], 4), ([1, 4, 1, 1], 2)):
+        real_tree = SimpleNamespace(**dict(zip(("retrieve_next_token", "retrieve_next_sibling"), tree_arrays(real))),
+                                    draft_token_num=W)
+        for spec in (linear_input(real), real_tree):
+            md = b._replay_metadata(MAX_BS, torch.arange(1, MAX_BS + 1), ForwardMode.TARGET_VERIFY, spec,
+                                    torch.tensor(lens, dtype=torch.int32))
+            want = [r + 10 for r in range(1, real + 1)] + [-1] * (MAX_BS - real)
+            if md.mamba_cache_indices.tolist() != want:
+                out.append(f"graph replay, lengths {lens}, {real} real ({type(spec).__name__}): slots "
+                           f"{md.mamba_cache_indices.tolist()}, want {want}")
+    decode = b._replay_metadata(MAX_BS, torch.arange(1, MAX_BS + 1), ForwardMode.DECODE, None,
+                                torch.tensor([3, 9, 1, 1], dtype=torch.int32))
+    if decode.mamba_cache_indices.tolist() != [11, 12, -1, -1]:
+        out.append(f"graph replay of a decode: slots {decode.mamba_cache_indices.tolist()}")
+
     def eager(spec):
         batch = SimpleNamespace(batch_size=bs, forward_mode=ForwardMode.TARGET_VERIFY, req_pool_indices=reqs,
                                 input_ids=torch.zeros(bs * W, dtype=torch.int64), spec_info=spec,

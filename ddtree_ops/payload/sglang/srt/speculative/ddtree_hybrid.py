@@ -175,3 +175,25 @@ def deepest_nodes(tree: Any) -> torch.Tensor:
     """Each request's deepest valid node, the lowest index among equals (the `deepest` test fault)."""
     depths = torch.where(tree.valid, tree.depths.to(torch.int64), -1)
     return depths.argmax(dim=1)
+
+
+def replay_padding(bs: int, forward_mode: Any, spec_info: Any, counted: Any) -> Any:
+    """How many of a replayed graph batch's `bs` rows are padding (`hybrid_linear_attn_backend.patch`).
+
+    SGLang counts the rows whose length equals the graph's fill value (1). A target verify's lengths are
+    taken before the step, so a real request on its first verify after a one-token prompt has length 1
+    too: it was counted as padding, and its conv / SSM slot (or, when it was not the last row, its
+    neighbour's) was replaced by the pad slot. The step then read and committed no state for it, and its
+    tokens diverged from plain decoding under DFLASH, EAGLE or DDTree alike (seen on the H200 on a
+    trained hybrid pair). A verify knows its real batch: its draft tokens are `draft_token_num` per
+    request, and a tree's arrays have one row per request. `counted` (SGLang's figure) is kept elsewhere."""
+    if spec_info is None or not forward_mode.is_target_verify():
+        return counted
+    tokens, width = getattr(spec_info, "draft_token", None), getattr(spec_info, "draft_token_num", 0)
+    if isinstance(tokens, torch.Tensor) and width and tokens.numel() % width == 0 and tokens.numel():
+        real = tokens.numel() // width
+    elif isinstance(getattr(spec_info, "retrieve_next_token", None), torch.Tensor):
+        real = spec_info.retrieve_next_token.shape[0]
+    else:
+        return counted
+    return bs - real if 0 < real <= bs else counted
