@@ -40,7 +40,7 @@ def main() -> None:
         row: dict = {"id": rid, "prompt_len": len(prompt), "hf": hf, "servers": {}}
         for name, doc in served.items():
             got = (doc["round1"].get(rid) or doc["round2"].get(rid))["output_ids"][: args.tokens]
-            first = next((i for i, (a, b) in enumerate(zip(hf, got)) if a != b), None)
+            first = next((i for i, (a, b) in enumerate(zip(hf, got, strict=False)) if a != b), None)
             row["servers"][name] = {"tokens": got, "first_diff": first}
         print(json.dumps(row))
 

@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from tests.lab.conftest import EXCLUSIVE_WAIT_S, LAB_HOSTS, REPO_ROOT, LabFleet, LabLease
+from tests.lab.remote_sglang import remote_hashes
 
 pytestmark = pytest.mark.lab
 
@@ -30,17 +31,6 @@ PYTHON = {OLD: "/opt/sglang/venv/bin/python", NEW: "/opt/sglang-0.5.23/venv/bin/
 SERVER_INFO = ("import json, urllib.request; print(urllib.request.urlopen("
                "'http://127.0.0.1:30000/server_info', timeout=30).read().decode())")
 # sha256 of files under the host's own sglang (paths relative to its site-packages); null when absent.
-HASH_PROBE = """
-import hashlib, json, sys, importlib.metadata as m
-root = m.distribution("sglang").locate_file("")
-out = {}
-for rel in json.loads(sys.argv[1]):
-    try:
-        out[rel] = hashlib.sha256(open(root / rel, "rb").read()).hexdigest()
-    except FileNotFoundError:
-        out[rel] = None
-print(json.dumps(out))
-"""
 
 
 def cli(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
@@ -86,12 +76,6 @@ def mixed(lab_fleet: LabFleet, lab_lease: LabLease, tmp_path_factory) -> Iterato
         lab_lease.shared()
 
 
-def hashes(lab_fleet: LabFleet, host: str, rels: list[str]) -> dict[str, str | None]:
-    r = lab_fleet.ssh(host, shlex.join([PYTHON[host], "-c", HASH_PROBE, json.dumps(rels)]))
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
-
-
 def server_info(lab_fleet: LabFleet, host: str) -> dict:
     r = lab_fleet.ssh(host, shlex.join([PYTHON[host], "-c", SERVER_INFO]))
     assert r.returncode == 0, r.stderr
@@ -123,7 +107,7 @@ def test_mixed_fleet_push_smoke_promote_rollback(mixed, tmp_path: Path) -> None:
     assert set(VERSIONS.values()) <= set(manifests)
     files = {h: manifests[v]["patched_files"] + manifests[v]["new_files"] for h, v in VERSIONS.items()}
     rels = {h: sorted(f["path"] for f in fs) for h, fs in files.items()}
-    pristine = {h: hashes(lab_fleet, h, rels[h]) for h in VERSIONS}
+    pristine = {h: remote_hashes(lab_fleet, h, rels[h], PYTHON[h]) for h in VERSIONS}
     for h, v in VERSIONS.items():  # the hosts start pristine: patched files are the wheel's, new ones absent
         want = {f["path"]: f.get("pristine_sha256") for f in manifests[v]["patched_files"]}
         assert pristine[h] == {**want, **{f["path"]: None for f in manifests[v]["new_files"]}}, h
@@ -132,7 +116,7 @@ def test_mixed_fleet_push_smoke_promote_rollback(mixed, tmp_path: Path) -> None:
     for h, v in VERSIONS.items():
         assert pushed[h]["status"] == "ok", pushed[h]
         assert pushed[h]["data"]["bundle"]["base_version"] == pushed[h]["data"]["bundle"]["host_version"] == v
-        assert hashes(lab_fleet, h, rels[h]) == {f["path"]: f["sha256"] for f in files[h]}, h
+        assert remote_hashes(lab_fleet, h, rels[h], PYTHON[h]) == {f["path"]: f["sha256"] for f in files[h]}, h
     assert "ddtree_v2_args.py" in json.dumps(rels[NEW]) and "ddtree_v2_args.py" not in json.dumps(rels[OLD])
 
     smoked = by_host(cli_json("smoke", "-i", str(inv)))
@@ -171,4 +155,4 @@ def test_mixed_fleet_push_smoke_promote_rollback(mixed, tmp_path: Path) -> None:
     back = by_host(cli_json("rollback", "-i", str(inv), "--to", "pristine"))
     for h in VERSIONS:
         assert back[h]["status"] == "ok", back[h]
-        assert hashes(lab_fleet, h, rels[h]) == pristine[h], h
+        assert remote_hashes(lab_fleet, h, rels[h], PYTHON[h]) == pristine[h], h

@@ -23,22 +23,12 @@ from ddtree_ops.bundle import build_bundle
 from ddtree_ops.errors import OpsError
 from ddtree_ops.fleet import run_on_hosts
 from ddtree_ops.inventory import load_inventory
+from tests.lab.remote_sglang import remote_hashes, site_path
 
 pytestmark = pytest.mark.lab
 
 STATE_DIR = "/var/lib/ddtree-ops"
 # Hashes files relative to the sglang site-packages of the host's interpreter; null when absent.
-HASH_PROBE = """
-import hashlib, json, sys, importlib.metadata as m
-root = m.distribution("sglang").locate_file("")
-out = {}
-for rel in json.loads(sys.argv[1]):
-    try:
-        out[rel] = hashlib.sha256(open(root / rel, "rb").read()).hexdigest()
-    except FileNotFoundError:
-        out[rel] = None
-print(json.dumps({"root": str(root), "files": out}))
-"""
 
 
 @pytest.fixture(scope="module")
@@ -54,18 +44,6 @@ def bundle(tmp_path_factory) -> release.LocalBundle:
 @pytest.fixture(scope="module")
 def inv(lab_fleet):
     return load_inventory(lab_fleet.inventory_path)
-
-
-def remote_hashes(lab_fleet, host: str, rels: list[str]) -> dict[str, str | None]:
-    python = "/opt/sglang/venv/bin/python"
-    r = lab_fleet.ssh(host, shlex.join([python, "-c", HASH_PROBE, json.dumps(rels)]))
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)["files"]
-
-
-def site_path(lab_fleet, host: str, rel: str) -> str:
-    r = lab_fleet.ssh(host, shlex.join(["/opt/sglang/venv/bin/python", "-c", HASH_PROBE, "[]"]))
-    return json.loads(r.stdout)["root"].rstrip("/") + "/" + rel
 
 
 def paths(bundle: release.LocalBundle) -> list[str]:
