@@ -33,6 +33,7 @@
 #   TP2_EXTRA (default --disable-custom-all-reduce: its v2 kernel would JIT-compile in every TP server at
 #   start; the DDTree gather is an all-gather over NCCL either way) is added to the TP servers' flags.
 # MIX_SET=h (issue 25, with MIX=1): the hybrid set; HYB_MODELS picks its model dir (<dir>/next/{target,draft});
+#   h_dflash_pristine serves upstream DFLASH without the payload (judged beside the payload's DFLASH);
 #   HYB_PAIR=1 serves the trained hybrid pair from .gpu/pair_h (train_pair_device.sh HYBRID=1).
 # GRAPHS=1 (issue 13): graphs_phases.sh. SWEEP=1 (issue 14): sweep_phases.sh, on the trained pair that
 #   train_pair_device.sh made (unpack its pair.tar and heldout_prompts.json into .gpu/pair/).
@@ -155,7 +156,9 @@ if [ "${MIX:-0}" = 1 ]; then
       COMMON=("${KEEP[@]}" --cuda-graph-max-bs 8)
     fi
     VARIANTS=("h_plain|$HM|$H" "h_dflash|$HM|DF $H" "h_full15|$HM|$FULL 15 $H HYB" "h_full64|$HM|$FULL 64 $H HYB"
-              "h_full256|$HM|$FULL 256 $H HYB" "h_full64_deepest|$HM|$FULL 64 $H HYB DEEPEST" "h_twin|$HM|$H")
+              "h_full256|$HM|$FULL 256 $H HYB" "h_full64_deepest|$HM|$FULL 64 $H HYB DEEPEST" "h_twin|$HM|$H"
+              "h_dflash_pristine|$HM|DF $H PRISTINE")  # upstream, no payload: graph replay's one-token-prompt fault
+    rm -rf /tmp/site_pristine && mkdir -p /tmp/site_pristine && tar -C /tmp/site_pristine -xJf .gpu/site312.tar.xz
   fi
 fi
 if [ "${GRAPHS:-0}" = 1 ]; then
@@ -416,6 +419,8 @@ if [ "${MIX:-0}" = 1 ]; then
   { MIXC=(python3 $HERE/production_mix.py compare "$OUT")
     if [ "${MIX_SET:-}" = h ]; then
     "${MIXC[@]}" h_plain --upstream h_dflash h_twin h_dflash h_full15 h_full64 h_full256; echo "rc=$?"
+    echo "--- DFLASH judged itself: with the payload (its graph-replay fix), and upstream without it"
+    "${MIXC[@]}" h_plain h_dflash h_dflash_pristine; echo "rc=$?"
     echo "--- the deliberately wrong commit (expected to fail):"; "${MIXC[@]}" h_plain --upstream h_dflash h_full64_deepest; echo "rc=$?"
     if [ -n "${HYB_SAMPLES:-}" ]; then
       cands=(); for t in h_full15 h_full64 h_full256; do [ -f "$OUT/${t}_proof.json" ] && cands+=("$t"); done
