@@ -30,7 +30,6 @@ VERSIONS = {OLD: "0.5.13.post1", NEW: "0.5.23"}
 PYTHON = {OLD: "/opt/sglang/venv/bin/python", NEW: "/opt/sglang-0.5.23/venv/bin/python"}
 SERVER_INFO = ("import json, urllib.request; print(urllib.request.urlopen("
                "'http://127.0.0.1:30000/server_info', timeout=30).read().decode())")
-# sha256 of files under the host's own sglang (paths relative to its site-packages); null when absent.
 
 
 def cli(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:

@@ -28,7 +28,6 @@ from tests.lab.remote_sglang import remote_hashes, site_path
 pytestmark = pytest.mark.lab
 
 STATE_DIR = "/var/lib/ddtree-ops"
-# Hashes files relative to the sglang site-packages of the host's interpreter; null when absent.
 
 
 @pytest.fixture(scope="module")

@@ -182,10 +182,10 @@ def replay_padding(bs: int, forward_mode: Any, spec_info: Any, counted: Any) -> 
 
     SGLang counts the rows whose length equals the graph's fill value (1). A target verify's lengths are
     taken before the step, so a real request on its first verify after a one-token prompt has length 1
-    too: it was counted as padding, and its conv / SSM slot (or, when it was not the last row, its
-    neighbour's) was replaced by the pad slot. The step then read and committed no state for it, and its
-    tokens diverged from plain decoding under DFLASH, EAGLE or DDTree alike (seen on the H200 on a
-    trained hybrid pair). A verify knows its real batch: its draft tokens are `draft_token_num` per
+    too: it was counted as padding, and the batch's last real row (that request when it joined last,
+    else another) got the pad slot instead of its conv / SSM slot. The step then read and committed no
+    state for that row, and its tokens left plain decoding's under DFLASH and DDTree alike (seen on the
+    H200 on a trained hybrid pair). A verify knows its real batch: its draft tokens are `draft_token_num` per
     request, and a tree's arrays have one row per request. `counted` (SGLang's figure) is kept elsewhere."""
     if spec_info is None or not forward_mode.is_target_verify():
         return counted
