@@ -95,6 +95,35 @@ def test_target_probs_are_plain_samplings_rule(rule: str, ref) -> None:
             assert got[r].tolist() == pytest.approx(want, abs=1e-5), (rule, trial, r)
 
 
+def test_only_filtered_rows_are_sorted(monkeypatch) -> None:
+    """The sort is the cost (a 152k vocabulary, bs x width rows): rows at the identity settings skip it,
+    and a chunk of them alone sorts nothing. Randomised row mixes; the result is the all-rows result."""
+    rng = random.Random(11)
+    sorted_rows: list[int] = []
+    real_sort = ds._sorted_desc
+
+    def spy(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        sorted_rows.append(probs.shape[0])
+        return real_sort(probs)
+
+    monkeypatch.setattr(ds, "_sorted_desc", spy)
+    for _ in range(60):
+        rows, vocab = rng.randint(1, 9), rng.choice([5, 33])
+        logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+        temps = torch.tensor([rng.choice([0.5, 1.0]) for _ in range(rows)])
+        identity = [rng.random() < 0.5 for _ in range(rows)]
+        ks = torch.tensor([TOP_K_ALL if i else rng.choice([1, 3, TOP_K_ALL]) for i in identity])
+        ps = torch.tensor([1.0 if i else rng.choice([0.5, 0.9]) for i in identity])
+        step = rng.choice([1, 2, rows])
+        sorted_rows.clear()
+        got = ds.target_probs(logits, temps, ks, ps, None, max_elements=step * vocab)
+        want_sorted = [sum(1 for i in identity[lo:lo + step] if not i) for lo in range(0, rows, step)]
+        assert sorted_rows == [n for n in want_sorted if n], (identity, step)
+        for r in range(rows):
+            want = ref_pytorch(logits[r].tolist(), float(temps[r]), int(ks[r]), float(ps[r]), 0.0)
+            assert got[r].tolist() == pytest.approx(want, abs=1e-5)
+
+
 @pytest.mark.parametrize("rule", ["pytorch", "flashinfer"])
 def test_identity_settings_filter_nothing_where_a_top_p_1_filter_would(rule: str) -> None:
     """T 1 / top_p 1 / top_k all / min_p 0 is plain's unfiltered softmax, bit for bit. On this row the

@@ -91,8 +91,11 @@ def target_probs(
     Per row ``softmax(logits / temperature)`` (float32, as the sampler divides and softmaxes in place),
     filtered by ``rule`` (see SAMPLING_RULES) and renormalised. A row at the identity settings
     (top_k all, top_p 1, min_p 0) is not filtered at all: plain samples it unfiltered (a filter at
-    top_p 1 would still drop the tail where the float32 running sum passes 1). Rows are processed
-    ``max_elements`` entries at a time, so the sorting scratch is bounded whatever the row count.
+    top_p 1 would still drop the tail where the float32 running sum passes 1), and it is not sorted
+    either: only the filtered rows are (on a 152k vocabulary the sort of every row of a batch-64
+    verify cost 21-27 ms of GPU time a step on the H200, as much as the 8B target's forward).
+    Rows are processed ``max_elements`` entries at a time, so the sorting scratch is bounded whatever
+    the row count.
     """
     if rule not in SAMPLING_RULES:
         raise ValueError(f"unknown sampling rule {rule!r}; one of {SAMPLING_RULES}")
@@ -105,13 +108,17 @@ def target_probs(
     for lo in range(0, rows, step):
         sl = slice(lo, lo + step)
         probs = torch.softmax(logits[sl].float() / temperatures[sl].float().view(-1, 1), dim=-1)
+        out[sl] = probs
         k, p, m = top_ks[sl].to(torch.int64), top_ps[sl].float(), min_ps[sl]
-        filtered = (k < TOP_K_ALL) | (p != 1.0) | (m > 0)
-        sorted_p, order = _sorted_desc(probs)
-        kept = torch.where(keep_fn(sorted_p, k, p, m), sorted_p, torch.zeros_like(sorted_p))
-        kept = torch.zeros_like(probs).scatter_(1, order, kept)
-        kept = kept / kept.sum(-1, keepdim=True)
-        out[sl] = torch.where(filtered.view(-1, 1), kept, probs)
+        # One host sync per chunk, outside any graph: the walk that calls this copies its result back anyway.
+        rows_f = ((k < TOP_K_ALL) | (p != 1.0) | (m > 0)).nonzero().view(-1)
+        if rows_f.numel() == 0:
+            continue
+        sub = probs.index_select(0, rows_f)
+        sorted_p, order = _sorted_desc(sub)
+        keep = keep_fn(sorted_p, k.index_select(0, rows_f), p.index_select(0, rows_f), m.index_select(0, rows_f))
+        kept = torch.zeros_like(sub).scatter_(1, order, torch.where(keep, sorted_p, torch.zeros_like(sorted_p)))
+        out.index_copy_(0, rows_f + lo, kept / kept.sum(-1, keepdim=True))
     return out
 
 
