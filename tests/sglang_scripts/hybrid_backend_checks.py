@@ -71,7 +71,8 @@ def backend_checks() -> list[str]:
     # padding rows take the pad slot; SGLang alone counted the real one as padding too.
     for lens, real in (([5, 1, 7, 1], 3), ([5, 7, 1, 1], 3), ([1, 1, 1, 1], 4), ([1, 4, 1, 1], 2)):
         nxt_real, sib_real = tree_arrays(real)
-        real_tree = SimpleNamespace(retrieve_next_token=nxt_real, retrieve_next_sibling=sib_real, draft_token_num=W)
+        real_tree = SimpleNamespace(retrieve_next_token=nxt_real, retrieve_next_sibling=sib_real, draft_token_num=W,
+                                    draft_token=torch.zeros(real * W, dtype=torch.int64))  # as DDTree's input
         for spec in (linear_input(real), real_tree):
             md = b._replay_metadata(MAX_BS, torch.arange(1, MAX_BS + 1), ForwardMode.TARGET_VERIFY, spec,
                                     torch.tensor(lens, dtype=torch.int32))

@@ -185,15 +185,13 @@ def replay_padding(bs: int, forward_mode: Any, spec_info: Any, counted: Any) -> 
     too: it was counted as padding, and the batch's last real row (that request when it joined last,
     else another) got the pad slot instead of its conv / SSM slot. The step then read and committed no
     state for that row, and its tokens left plain decoding's under DFLASH and DDTree alike (seen on the
-    H200 on a trained hybrid pair). A verify knows its real batch: its draft tokens are `draft_token_num` per
-    request, and a tree's arrays have one row per request. `counted` (SGLang's figure) is kept elsewhere."""
+    H200 on a trained hybrid pair). A verify knows its real batch: its draft tokens (DFLASH's, DDTree's and
+    EAGLE's verify inputs all carry them) are `draft_token_num` per request. `counted` (SGLang's figure) is
+    kept for everything else."""
     if spec_info is None or not forward_mode.is_target_verify():
         return counted
     tokens, width = getattr(spec_info, "draft_token", None), getattr(spec_info, "draft_token_num", 0)
-    if isinstance(tokens, torch.Tensor) and width and tokens.numel() % width == 0 and tokens.numel():
-        real = tokens.numel() // width
-    elif isinstance(getattr(spec_info, "retrieve_next_token", None), torch.Tensor):
-        real = spec_info.retrieve_next_token.shape[0]
-    else:
+    if not isinstance(tokens, torch.Tensor) or not width or tokens.numel() % width:
         return counted
+    real = tokens.numel() // width
     return bs - real if 0 < real <= bs else counted
