@@ -88,13 +88,20 @@ def test_patched_files_carry_the_hooks(built):
     assert b'ret["ddtree"] = ddtree.internal_state()' in files["sglang/srt/managers/scheduler.py"]
 
 
+# The one patch that moves upstream lines instead of only adding to them, and its bound (added, removed): a
+# tree's token loop in the conv kernel runs at run time under its own branch (unrolled, a 257-token tree never
+# finished compiling); the chain keeps upstream's unrolled loop, and the two share the output store, repeated.
+RESTRUCTURING_PATCHES = {"layers_attention_mamba_causal_conv1d_triton.patch": (45, 26)}
+
+
 def test_patches_are_small_unified_diffs():
     for patch in sorted((B.PAYLOAD_DIR / "patches").glob("*.patch")):
         text = patch.read_text()
         fps = B.parse_unified_diff(text, patch.name)
         added = sum(1 for fp in fps for h in fp.hunks for tag, _ in h.lines if tag == "+")
         removed = sum(1 for fp in fps for h in fp.hunks for tag, _ in h.lines if tag == "-")
-        assert removed == 0 and added <= 20, (patch.name, added, removed)
+        max_added, max_removed = RESTRUCTURING_PATCHES.get(patch.name, (20, 0))
+        assert removed <= max_removed and added <= max_added, (patch.name, added, removed)
         for fp in fps:
             for h in fp.hunks:  # the usual 3 lines of context
                 assert [t for t, _ in h.lines[:3]] == [" "] * 3 and [t for t, _ in h.lines[-3:]] == [" "] * 3

@@ -79,8 +79,8 @@ def patched(tmp_path_factory):
     return site, manifest, models
 
 
-def _run(site: Path, *argv: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(site), "PYTHONDONTWRITEBYTECODE": "1"}
+def _run(site: Path, *argv: str, timeout: int = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(site), "PYTHONDONTWRITEBYTECODE": "1", **(env or {})}
     proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=timeout)
     missing = [ln for ln in proc.stderr.splitlines() if "ModuleNotFoundError" in ln]
     assert not missing, (
@@ -311,8 +311,34 @@ def test_tp_ranks_agree_on_every_step_shape(patched):
 
 def test_hybrid_patches_in_sglangs_own_code(patched):
     """The hybrid backend's tree path and memory plan as the payload patches them (issue 25): SGLang's own
-    methods on the CPU, the arrays and plan checked against what a DDTree step and its width need."""
+    methods on the CPU, the arrays and plan checked against what a DDTree step and its width need; the GDN
+    recurrence compiled once per tree width, whatever the batch."""
     site, _, _ = patched
     proc = _run(site, str(SCRIPTS / "hybrid_backend_checks.py"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"failures": []}
+
+
+def test_gdn_verify_kernels_follow_ddtree_parents_bit_for_bit(patched):
+    """Issue 25, G1 on the CPU: the patched tree's Gated DeltaNet verify kernels (the short convolution, its tree
+    tokens in a runtime loop, and the gated delta-rule recurrence) run under Triton's interpreter on random
+    DDTrees: every valid node's output and cached conv window / SSM state equal its root-to-node path's, bit for
+    bit, with DDTree's own first-child / next-sibling arrays, while DFLASH's chain verify of the same tokens
+    differs (the check sees a wrong parent); the accepted node's state, committed, continues the path in a plain
+    decode step, DFLASH's index and the deepest node do not. The GPU runs the same script compiled
+    (bench/gpu/hybrid_kernels_check.py --device cuda)."""
+    site, _, _ = patched
+    script = Path(__file__).resolve().parents[1] / "bench/gpu/hybrid_kernels_check.py"
+    proc = _run(site, str(script), "--device", "cpu", "--batch", "2", timeout=900, env={"TRITON_INTERPRET": "1"})
+    report = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert [c["case"] for c in report["cases"]] == ["budget 15", "budget 64", "keep-chain 31", "64 shrunk to 20, padded"]
+    for case in report["cases"]:
+        exact = case["tree_vs_path"]
+        assert exact["nodes"] > case["batch"] and all(exact[k] == 0 for k in ("conv", "window", "o", "state", "parent")), case
+        assert case["branching"], case  # the trees branch: a wrong parent would show
+        assert case["dflash_chain_vs_path"]["o"] > 0, case
+        commit = case["commit"]
+        assert commit["accepted_conv"] and commit["accepted_o"], commit
+        for wrong in ("dflash_index", "deepest_node"):
+            assert commit[wrong]["requests_with_another_node"] > 0 and commit[wrong]["continued_anyway"] == 0, commit
+    assert report["ok"] and proc.returncode == 0, proc.stderr[-2000:]

@@ -20,7 +20,7 @@ plain decode step for the next token must continue the path (against the path pl
 branch); committing DFLASH's `commit_len - 1` or the deepest node off the path must not.
 
 Runs on the GPU (`--device cuda`: the compiled kernels, bf16 conv inputs as served) and on the CPU under
-Triton's interpreter (`TRITON_INTERPRET=1`, float32; tests/test_hybrid_tree_kernels.py), where the same
+Triton's interpreter (`TRITON_INTERPRET=1`, float32; tests/test_patches_cpu.py, on the payload-patched kernels), where the same
 kernel source runs in numpy. Prints one JSON document; exit 0 only if every check holds.
 
     PYTHONPATH=/tmp/site python3 bench/gpu/hybrid_kernels_check.py --device cuda

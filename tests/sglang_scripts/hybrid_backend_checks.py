@@ -5,6 +5,9 @@
   the chain (eager: no arrays; a graph of the same width: a chain written into its arrays).
 - `handle_max_mamba_cache` (model_runner_kv_cache_mixin.patch): SGLang's own plan counts the per-node states at
   the tree's width in full mode, at the block elsewhere.
+- `fused_sigmoid_gating_delta_rule_update` (layers_attention_fla_fused_sigmoid_gating_recurrent.patch): a tree
+  verify's parent table is sized by the request's width, so the kernel's `NP2_T` (a compile-time constant) is
+  the same at every batch size; a chain verify keeps upstream's size.
 Prints one JSON object: {"failures": [...]}.
 """
 
@@ -146,5 +149,39 @@ def plan_checks() -> list[str]:
     return out
 
 
+def recurrence_shape_checks() -> list[str]:
+    """The compile-time constant each GDN verify launches its recurrence with, on the patched wrapper (the
+    Triton kernel itself is replaced by a recorder: the CPU cannot launch it outside the interpreter)."""
+    import sglang.srt.layers.attention.fla.fused_sigmoid_gating_recurrent as rec
+
+    seen: list[int] = []
+
+    class Recorder:
+        def __getitem__(self, grid: object):
+            return lambda **kw: seen.append(kw["NP2_T"])
+
+    real, rec.fused_sigmoid_gating_delta_rule_update_kernel = rec.fused_sigmoid_gating_delta_rule_update_kernel, Recorder()
+    try:
+        out: list[str] = []
+        for width, tree in ((65, True), (16, False)):
+            for bs in (1, 3, 9, 33):
+                n, hv, k = bs * width, 2, 16
+                q = torch.zeros(1, n, 1, k)
+                kwargs = dict(A_log=torch.zeros(hv), a=torch.zeros(n, hv), dt_bias=torch.zeros(hv), softplus_beta=1.0,
+                              softplus_threshold=20.0, q=q, k=q.clone(), v=torch.zeros(1, n, hv, k), b=torch.zeros(n, hv),
+                              initial_state_source=torch.zeros(bs, hv, k, k), initial_state_indices=torch.arange(bs),
+                              cu_seqlens=torch.arange(bs + 1) * width, disable_state_update=True,
+                              intermediate_states_buffer=torch.zeros(bs, width, hv, k, k),
+                              intermediate_state_indices=torch.arange(bs),
+                              retrieve_parent_token=torch.zeros(bs, width, dtype=torch.int32) if tree else None)
+                rec.fused_sigmoid_gating_delta_rule_update(**kwargs)
+                want = 128 if tree else 1 << (n - 1).bit_length()
+                if seen[-1] != want:
+                    out.append(f"recurrence {'tree' if tree else 'chain'} width {width} batch {bs}: NP2_T {seen[-1]}, want {want}")
+        return out
+    finally:
+        rec.fused_sigmoid_gating_delta_rule_update_kernel = real
+
+
 if __name__ == "__main__":
-    print(json.dumps({"failures": backend_checks() + plan_checks()}))
+    print(json.dumps({"failures": backend_checks() + plan_checks() + recurrence_shape_checks()}))
