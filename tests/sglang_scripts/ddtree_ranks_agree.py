@@ -85,7 +85,14 @@ def _rank(rank: int, init: str, out_path: str) -> None:
         result["ok"] = a["identical"] and a["shrunk"][0] > 0 and not c["identical"] and c["differing_steps"] > 0
         with open(out_path, "w") as f:
             json.dump(result, f)
+    # Neither rank tears gloo down while the other may still be receiving, and neither runs the interpreter's
+    # finalisation with gloo's threads alive: a rank once aborted there ("terminate called without an active
+    # exception", SIGABRT) on a loaded 2-core machine, after its work was done.
+    dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main() -> int:
