@@ -168,6 +168,35 @@ def test_links_in_the_state_dir_redirect_nothing(host: Host, tmp_path: Path, pla
     assert outside.is_dir() and not link.is_symlink()
 
 
+def test_scan_survives_a_concurrent_ops_temp_file_vanishing(host: Host, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second agent scans the state dir while the lock holder renames its state.json temp file
+    into place: the scan listed the temp file, then lstat found it gone. That interleaving crashed
+    the second agent (agent_crash, FileNotFoundError) on a loaded CI machine instead of answering
+    "locked"; here it is forced, on real files, between os.walk's listing and the lstat."""
+    from ddtree_ops.agent.remote import statefs
+
+    pushed(host, tmp_path)
+    planted = host.state_dir / "planted-link"
+    planted.symlink_to(tmp_path / "nowhere")
+    tmp = host.state_dir / ".state.json.x1y2z3.ddtree-tmp"
+    tmp.write_text("{}")
+    real_walk = os.walk
+
+    def walk_then_rename(top, *a, **kw):
+        for entry in real_walk(top, *a, **kw):
+            if tmp.name in entry[2] and tmp.exists():  # the holder's os.replace lands right after the listing
+                os.replace(tmp, host.state_dir / "state.json")
+            yield entry
+
+    monkeypatch.setattr(statefs.os, "walk", walk_then_rename)
+    found = statefs.scan(host.state_dir)
+    # The vanished temp file is simply not there; a planted link is still found.
+    assert [f[0] for f in found] == [str(planted)]
+    tmp.write_text("{}")
+    assert [r["path"] for r in statefs.remove_planted(host.state_dir)] == [str(planted)]
+
+
 def test_dangling_lock_link(host: Host, tmp_path: Path) -> None:
     host.state_dir.mkdir(mode=0o700)
     (host.state_dir / "lock").symlink_to(tmp_path / "nowhere")

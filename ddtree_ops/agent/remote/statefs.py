@@ -79,7 +79,12 @@ def scan(sd: Path) -> list[tuple[str, str, str]]:
     for top, dirs, files in os.walk(sd):
         for name in dirs + files:
             path = os.path.join(top, name)
-            st = os.lstat(path)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                # Gone between listing and lstat: a concurrent op's temp file renamed into place
+                # (state.json, owner.json) or a broken lock's grave removed. Nothing to refuse.
+                continue
             if stat.S_ISLNK(st.st_mode):
                 found.append((path, f"is a symbolic link (to {os.readlink(path)!r}) that ddtree-ops did not make; "
                                     "it is never followed", REPAIR_UNLOCK))
@@ -97,7 +102,10 @@ def remove_planted(sd: Path) -> list[dict]:
     """The repair for planted entries: unlink links and special files (never their targets)."""
     removed = []
     for path, problem, _ in scan(sd):
-        st = os.lstat(path)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
         if stat.S_ISLNK(st.st_mode) or not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
             os.unlink(path)
             removed.append({"path": path, "found": problem, "action": "removed the entry (its target untouched)"})
