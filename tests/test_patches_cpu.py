@@ -312,7 +312,8 @@ def test_tp_ranks_agree_on_every_step_shape(patched):
 def test_hybrid_patches_in_sglangs_own_code(patched):
     """The hybrid backend's tree path and memory plan as the payload patches them (issue 25): SGLang's own
     methods on the CPU, the arrays and plan checked against what a DDTree step and its width need; the GDN
-    recurrence compiled once per tree width, whatever the batch."""
+    recurrence compiled once per tree width, whatever the batch; a verify never re-runs the deferred state clears
+    of the prefill batch the running batch was adopted from."""
     site, _, _ = patched
     proc = _run(site, str(SCRIPTS / "hybrid_backend_checks.py"))
     assert proc.returncode == 0, proc.stderr[-3000:]

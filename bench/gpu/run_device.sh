@@ -157,7 +157,12 @@ if [ "${MIX:-0}" = 1 ]; then
     fi
     VARIANTS=("h_plain|$HM|$H" "h_dflash|$HM|DF $H" "h_full15|$HM|$FULL 15 $H HYB" "h_full64|$HM|$FULL 64 $H HYB"
               "h_full256|$HM|$FULL 256 $H HYB" "h_full64_deepest|$HM|$FULL 64 $H HYB DEEPEST" "h_twin|$HM|$H"
-              "h_dflash_pristine|$HM|DF $H PRISTINE")  # upstream, no payload: graph replay's one-token-prompt fault
+              "h_dflash_pristine|$HM|DF $H PRISTINE"  # upstream, no payload: graph replay's one-token-prompt fault
+              # the recurrent-state pool audited step by step (state_audit/; HYBRID.md §1.11): plain without the
+              # overlap scheduler as the state reference, DFLASH and full 64 on graphs and eager
+              "h_plain_audit|$HM|$H NOOVERLAP AUDIT" "h_plain_audit_eager|$HM|$H NOOVERLAP EAGER AUDIT"
+              "h_dflash_audit|$HM|DF $H AUDIT" "h_dflash_eager|$HM|DF $H EAGER AUDIT"
+              "h_full64_audit|$HM|$FULL 64 $H HYB AUDIT" "h_full64_eager|$HM|$FULL 64 $H HYB EAGER AUDIT")
     rm -rf /tmp/site_pristine && mkdir -p /tmp/site_pristine && tar -C /tmp/site_pristine -xJf .gpu/site312.tar.xz
   fi
 fi
@@ -289,7 +294,7 @@ read -r -a COMMON_EXTRA_ARGS <<< "${COMMON_EXTRA:-}"; COMMON+=("${COMMON_EXTRA_A
 declare -A PID PORT
 launch() {  # TAG MODEL_DIR EXTRA...
   local tag=$1 model=$2; shift 2
-  local args=() envs=(PYTHONPATH=/tmp/site)
+  local args=() envs=(PYTHONPATH=/tmp/site) audit=0
   for a in "$@"; do
     case $a in
       DF) args+=("${DF[@]}" --speculative-draft-model-path "$model/draft") ;;
@@ -305,10 +310,17 @@ launch() {  # TAG MODEL_DIR EXTRA...
       CYCLE) envs+=(SGLANG_DDTREE_TEST_CYCLE_BUDGETS=1 SGLANG_DDTREE_ALLOW_TEST_SWITCHES=1) ;;  # step k takes the k-th ladder budget (0 included)
       CTX4K) args+=(--context-length 4096 --cuda-graph-max-bs 8) ;;  # LIMITS: the second context length (after COMMON's)
       EVERY1) envs+=(SGLANG_DDTREE_SHADOW_EVERY=1) ;;  # shadow builds on every step, not one in 4: the build's cost x4
+      AUDIT) audit=1 ;;  # state_audit/sitecustomize.py: the recurrent-state pool fingerprinted around every step
+      EAGER) args+=(--disable-cuda-graph) ;;
+      NOOVERLAP) args+=(--disable-overlap-schedule) ;;
       TP2) args+=(--tp-size 2 --nccl-port $(( PORT[$tag] + 5 )) "${TP2_EXTRA_ARGS[@]}") ;;
       *) args+=("$a") ;;
     esac
   done
+  if [ $audit = 1 ]; then  # ahead of whichever site tree the server runs from
+    local pp=/tmp/site e; for e in "${envs[@]}"; do [[ $e == PYTHONPATH=* ]] && pp=${e#PYTHONPATH=}; done
+    envs+=(PYTHONPATH=$HERE/state_audit:$pp DDTREE_STATE_AUDIT=$OUT/audit_$tag.jsonl)
+  fi
   # SGLang picks a free torch.distributed port at random when not told, and servers starting together
   # can pick the same one (EADDRINUSE, seen in a LIMITS call): each gets its own, beside its HTTP port.
   [[ " ${args[*]} " == *" --nccl-port "* ]] || args+=(--nccl-port $(( PORT[$tag] + 5 )))
@@ -351,7 +363,7 @@ client() {  # TAG WAIT_S: the proof's client for this server
   if [ "${MIX:-0}" = 1 ]; then
     local set=${tag%%_*} make=()
     [[ $tag == *_rt ]] && set=rt
-    [[ $tag == *_plain* ]] && make=(--make)
+    [[ $tag == *_plain* && $tag != *_audit* ]] && make=(--make)  # an audited plain twin reads the workload
     timeout "$wait_s" python3 $HERE/production_mix.py run --port "${PORT[$tag]}" --tag "$tag" --out "$OUT/$tag.json" \
       --workload "$OUT/workload_$set.json" --wait "$wait_s" --pid "${PID[$tag]}" "${make[@]}" > "$OUT/client_$tag.log" 2>&1
     # HYB_SAMPLES=N (issue 25, MIX_SET=h): then N samples per prompt at T 1 / top_p 1 and the liveness rounds
@@ -422,6 +434,16 @@ if [ "${MIX:-0}" = 1 ]; then
     echo "--- DFLASH judged itself: with the payload (its graph-replay fix), and upstream without it"
     "${MIXC[@]}" h_plain h_dflash h_dflash_pristine; echo "rc=$?"
     echo "--- the deliberately wrong commit (expected to fail):"; "${MIXC[@]}" h_plain --upstream h_dflash h_full64_deepest; echo "rc=$?"
+    if ls "$OUT"/audit_* >/dev/null 2>&1; then
+      echo "--- audited servers (plain without the overlap scheduler; DFLASH and full 64 on graphs and eager)"
+      "${MIXC[@]}" h_plain h_plain_audit h_plain_audit_eager h_dflash_audit h_dflash_eager h_full64_audit h_full64_eager
+      echo "rc=$?"
+      # sublayer outputs are seen eagerly only (a graph replays no Python): eager candidates against eager plain
+      python3 $HERE/state_audit/analyze.py "$OUT" --workload "$OUT/workload_h.json" --plain h_plain_audit \
+        --cand h_dflash_audit h_full64_audit; echo "rc=$?"
+      python3 $HERE/state_audit/analyze.py "$OUT" --workload "$OUT/workload_h.json" --plain h_plain_audit_eager \
+        --cand h_dflash_eager h_full64_eager; echo "rc=$?"
+    fi
     if [ -n "${HYB_SAMPLES:-}" ]; then
       cands=(); for t in h_full15 h_full64 h_full256; do [ -f "$OUT/${t}_proof.json" ] && cands+=("$t"); done
       echo "--- samples at T 1 / top_p 1 ($HYB_SAMPLES per prompt) and liveness"

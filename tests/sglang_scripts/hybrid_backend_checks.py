@@ -2,7 +2,8 @@
 
 - `MambaAttnBackendBase` (hybrid_linear_attn_backend.patch): which backends take the tree path; a DDTree step's
   first-child / next-sibling arrays reach the eager metadata and the graph buffers; a linear DFLASH step runs
-  the chain (eager: no arrays; a graph of the same width: a chain written into its arrays).
+  the chain (eager: no arrays; a graph of the same width: a chain written into its arrays); a verify does not run
+  the prefill's deferred state clears again.
 - `handle_max_mamba_cache` (model_runner_kv_cache_mixin.patch): SGLang's own plan counts the per-node states at
   the tree's width in full mode, at the block elsewhere.
 - `fused_sigmoid_gating_delta_rule_update` (layers_attention_fla_fused_sigmoid_gating_recurrent.patch): a tree
@@ -119,6 +120,24 @@ def backend_checks() -> list[str]:
     return out
 
 
+def deferred_clear_checks() -> list[str]:
+    """A prefill batch adopted as the running batch keeps its clear indices until a request leaves it: the
+    prefill zeroes its new requests' states, a verify of the running batch must not zero them again."""
+    out: list[str] = []
+    for mode, want in ((ForwardMode.EXTEND, [[5, 6]]), (ForwardMode.TARGET_VERIFY, []), (ForwardMode.DECODE, [])):
+        cleared: list[list[int]] = []
+        b = object.__new__(GDNAttnBackend)
+        b.is_draft_worker = False
+        b.req_to_token_pool = SimpleNamespace(mamba_pool=SimpleNamespace(
+            clear_slots=lambda idx, seen=cleared: seen.append(idx.tolist()), copy_from=lambda *a: None))
+        batch = SimpleNamespace(forward_mode=mode, mamba_clear_indices=torch.tensor([5, 6]),
+                                mamba_cow_src_indices=None, mamba_cow_dst_indices=None)
+        b._execute_deferred_mamba_cow_and_clear(batch)
+        if cleared != want:
+            out.append(f"deferred clear on {mode.name}: cleared {cleared}, want {want}")
+    return out
+
+
 def plan_checks() -> list[str]:
     """SGLang's joint solve for the mamba pool, on the patched method."""
     out: list[str] = []
@@ -184,4 +203,4 @@ def recurrence_shape_checks() -> list[str]:
 
 
 if __name__ == "__main__":
-    print(json.dumps({"failures": backend_checks() + plan_checks() + recurrence_shape_checks()}))
+    print(json.dumps({"failures": backend_checks() + deferred_clear_checks() + plan_checks() + recurrence_shape_checks()}))
