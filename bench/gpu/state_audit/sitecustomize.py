@@ -1,12 +1,15 @@
-"""Bench-only audit of a hybrid server's recurrent-state pool, step by step (issue 25, HYBRID.md §1.11).
+"""Bench-only audit of a hybrid server, step by step (issue 25, HYBRID.md §1.11).
 
 Loaded by Python at start-up when this directory leads PYTHONPATH (run_device.sh's AUDIT token); active
-only when DDTREE_STATE_AUDIT names an output path. It wraps `Scheduler.run_batch` and writes one JSON line
-per batch: the rows (request, prompt hash, mamba slot, length before the step), the batch's pending
-clear indices, and a fingerprint of every slot's conv window and SSM state before and after the step.
-`analyze.py` then follows each request's slot: a slot that changes while its owner is not stepping
-(clobbered), a verify whose commit leaves the slot as it was (lost), and the first length at which a
-speculative server's state leaves plain decoding's for the same request.
+only when DDTREE_STATE_AUDIT names an output path. It wraps `Scheduler.run_batch` and `ModelRunner.forward`
+and writes one JSON line per batch: the rows (request, prompt hash, mamba slot, length before the step), the
+batch's pending clear indices, a fingerprint of every slot's conv window and SSM state before and after the
+step, committed KV that changed since it was committed (and the K/V sums of what the step committed), the
+verify input against the batch's own lengths, KV slot integrity, and the target's top-2 logits (with, on an
+eager server, every sublayer's output) for each decode row / verify row's first token. `analyze.py` then
+follows each request: a slot that changes while its owner is not stepping (clobbered), a verify whose commit
+leaves the slot as it was (lost), the first length at which a speculative server's state leaves plain
+decoding's for the same request, and the first sublayer where a token leaves plain's.
 
 Nothing here changes what the server computes; it only reads the pool between steps (after a device
 sync), so it slows steps and must never run in a speed measurement. Needs the non-overlap scheduler:
@@ -284,10 +287,12 @@ def _install(module) -> None:
             "rpi": batch.req_pool_indices.tolist(),
         }
         running = getattr(self, "running_batch", None)
-        if batch.forward_mode.is_extend() and running is not None and running.reqs and batch.out_cache_loc is not None:
-            # a prefill's new slots against the running batch's committed ones (and the free list)
-            rec["prefill_issues"] = _slot_integrity(self, running.req_pool_indices, running.seq_lens.tolist(),
-                                                    batch.out_cache_loc, 1)
+        live = [i for i, r in enumerate(running.reqs) if not r.finished()] if running is not None else []
+        if batch.forward_mode.is_extend() and live and batch.out_cache_loc is not None:
+            # a prefill's new slots against the committed ones of the running requests (finished ones have
+            # released theirs but stay in the batch until it is filtered) and the free list
+            rec["prefill_issues"] = _slot_integrity(self, running.req_pool_indices[live],
+                                                    [int(running.seq_lens[i]) for i in live], batch.out_cache_loc, 1)
         torch.cuda.synchronize()
         rec["pre"] = _fingerprint(pool)
         return rec
