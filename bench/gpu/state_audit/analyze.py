@@ -7,9 +7,11 @@ Per server, from its own records alone:
   - clobber:  a slot that changed in a step none of whose rows owns it;
   - shared:   two rows of one step on the same slot;
   - lost:     a verify row whose slot did not change (its commit wrote nothing);
-  - stale clear: a decode / verify batch still carrying clear indices (an eager verify would zero them).
-Against plain (same request, same number of tokens in the state): the first length where the candidate's
-SSM fingerprint leaves plain's by more than --tol (relative), with the step that produced it.
+  - stale clear: a decode / verify batch still carrying clear indices (an eager verify ran them before 0.8.4);
+  - committed KV changed, verify input / slot integrity issues (as sitecustomize.py recorded them).
+Against plain (same request): the first length, while their tokens agree, where the candidate's conv / SSM
+fingerprint leaves plain's by more than --tol (relative), with the step that produced it; for the --focus
+requests, each position's top-2 logits and first sublayer off plain's, and the committed K/V sums by position.
 Exit 0 always: this is a diagnosis, not a gate."""
 
 from __future__ import annotations
@@ -71,12 +73,10 @@ def self_checks(recs: list[dict], names: dict[int, str]) -> list[str]:
         for ev in rec.get("verify_issues") or []:
             rows = [who[r] for r in ev.get("rows", []) if r < len(who)]
             events.append(f"ct {rec['ct']} graph={rec['graph']}: verify input {ev} rows {rows} (batch {list(zip(who, rec['seq'], strict=True))})")
+        for ev in rec.get("slot_issues") or []:
+            at = [(who[r], pos) for r, pos in ev.get("at", [])]
+            events.append(f"ct {rec['ct']} {rec['mode']} graph={rec['graph']}: slots after the step: {ev['what']} {at or ev}")
         for ev in rec.get("kv") or []:
-            if "integrity" in ev:
-                at = [(who[r], pos) for r, pos in ev["integrity"].get("at", [])]
-                events.append(f"ct {rec['ct']} {rec['mode']} graph={rec['graph']}: verify input after the step "
-                              f"{ev['integrity']['what']} {at or ev['integrity']}")
-                continue
             events.append(f"ct {rec['ct']} {rec['mode']} graph={rec['graph']}: {names.get(rec['phash'][ev['row']], ev['rid'])} "
                           f"committed KV changed: positions moved {ev['moved']} changed {ev['changed']} (slots "
                           f"{ev['slots']}, of {ev['n']}; batch {len(rec['slots'])}, seq {rec['seq'][ev['row']]})")
@@ -184,7 +184,7 @@ def main() -> None:
             continue
         events = self_checks(recs, names)
         print(f"   self-check events: {len(events)}")
-        loud = [e for e in events if "committed KV" in e or "verify input" in e]
+        loud = [e for e in events if any(k in e for k in ("committed KV", "verify input", "slots after"))]
         for e in [e for e in events if e not in loud][:12] + loud[:30]:
             print("   ", e)
         if tag == a.plain:

@@ -313,9 +313,8 @@ def _install(module) -> None:
         """A committed position's KV must never change: compare every row's earlier positions (their
         token slots and KV sums) with what was seen when they were committed, then remember the new ones."""
         rpi, events = rec.pop("_rpi"), []
-        after = [_tokens_after(rec, i) for i in range(len(rec["rids"]))]
-        for ev in _slot_integrity(self, rpi, after, None, 0):
-            events.append({"rid": "*", "row": 0, "moved": [], "changed": [], "slots": [], "n": 0, "integrity": ev})
+        rec["slot_issues"] = _slot_integrity(self, rpi, [_tokens_after(rec, i) for i in range(len(rec["rids"]))],
+                                             None, 0)
         rows = self.req_to_token_pool.req_to_token[rpi]
         for i, rid in enumerate(rec["rids"]):
             n = _tokens_after(rec, i)
