@@ -103,29 +103,30 @@ def _slot_integrity(owner, rpi, lengths: list[int], new_slots, width: int) -> li
             out.append((r, i - sum(len(h) for h in held[:r])))
         return out
 
-    if held_all is not None and held_all.numel():
-        if held_all.unique().numel() != held_all.numel():
-            _, inv, cnt = held_all.unique(return_inverse=True, return_counts=True)
-            issues.append({"what": "held slots shared", "at": where(cnt[inv] > 1, owner_of)})
-        if free is not None and free.numel():
-            m = torch.isin(held_all, free)
-            if m.any():
-                issues.append({"what": "held slots free", "at": where(m, owner_of)})
-    if free is not None and free.numel() and free.unique().numel() != free.numel():
+    def flag(what: str, mask, of) -> None:
+        if mask.any():
+            issues.append({"what": what, "at": where(mask, of)})
+
+    def repeated(t):
+        _, inv, cnt = t.unique(return_inverse=True, return_counts=True)
+        return cnt[inv] > 1
+
+    def some(t) -> bool:
+        return t is not None and t.numel() > 0
+
+    if some(held_all):
+        flag("held slots shared", repeated(held_all), owner_of)
+        if some(free):
+            flag("held slots free", torch.isin(held_all, free), owner_of)
+    if some(free) and free.unique().numel() != free.numel():
         issues.append({"what": "free list duplicates", "n": int(free.numel() - free.unique().numel())})
     if new_slots is not None and width:
         new = new_slots.to(torch.int64)
-        if new.unique().numel() != new.numel():
-            _, inv, cnt = new.unique(return_inverse=True, return_counts=True)
-            issues.append({"what": "new slots repeated", "at": where(cnt[inv] > 1, None)})
-        if held_all is not None and held_all.numel():
-            m = torch.isin(new, held_all)
-            if m.any():
-                issues.append({"what": "new slots held", "at": where(m, None)})
-        if free is not None and free.numel():
-            m = torch.isin(new, free)
-            if m.any():
-                issues.append({"what": "new slots still free", "at": where(m, None)})
+        flag("new slots repeated", repeated(new), None)
+        if some(held_all):
+            flag("new slots held", torch.isin(new, held_all), None)
+        if some(free):
+            flag("new slots still free", torch.isin(new, free), None)
     return issues
 
 
