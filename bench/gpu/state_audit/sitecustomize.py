@@ -279,8 +279,6 @@ def _install(module) -> None:
             "mode": batch.forward_mode.name,
             "rids": [r.rid for r in batch.reqs],
             "phash": [hash(tuple(r.origin_input_ids)) & 0xFFFFFFFF for r in batch.reqs],
-            "plen": [len(r.origin_input_ids) for r in batch.reqs],
-            "olen": [len(r.output_ids) for r in batch.reqs],
             "slots": pool.req_index_to_mamba_index_mapping[batch.req_pool_indices].tolist(),
             "seq": batch.seq_lens.tolist(),
             "clear": clear.tolist() if clear is not None else None,
@@ -314,11 +312,10 @@ def _install(module) -> None:
         """A committed position's KV must never change: compare every row's earlier positions (their
         token slots and KV sums) with what was seen when they were committed, then remember the new ones."""
         rpi, events = rec.pop("_rpi"), []
-        rec["slot_issues"] = _slot_integrity(self, rpi, [_tokens_after(rec, i) for i in range(len(rec["rids"]))],
-                                             None, 0)
+        after = [_tokens_after(rec, i) for i in range(len(rec["rids"]))]
+        rec["slot_issues"] = _slot_integrity(self, rpi, after, None, 0)
         rows = self.req_to_token_pool.req_to_token[rpi]
-        for i, rid in enumerate(rec["rids"]):
-            n = _tokens_after(rec, i)
+        for i, (rid, n) in enumerate(zip(rec["rids"], after, strict=True)):
             slots = rows[i, :n].to(torch.int64)
             sums = _kv_sums(self, slots)
             if rid in kv_seen:
