@@ -85,6 +85,46 @@ def test_verify_input_checks_name_each_planted_fault_and_nothing_else(seed):
     assert found() == {"held slots free"}
 
 
+def _attention_metadata(runner, fb):
+    """The triton backend's verify metadata for that batch: KV ranges from req_to_token, 16-wide query blocks,
+    mask ranges of prefix + block per query row."""
+    width, seq = fb.spec_info.draft_token_num, fb.seq_lens.tolist()
+    r2t = runner.req_to_token_pool.req_to_token
+    indices = torch.cat([r2t[int(r), :n].to(torch.int64) for r, n in zip(fb.req_pool_indices, seq, strict=True)])
+    indptr = torch.tensor([0] + list(torch.tensor(seq).cumsum(0)))
+    masks = torch.tensor([0] + list(torch.tensor([width * (n + width) for n in seq]).cumsum(0)))
+    md = NS(kv_indptr=indptr, kv_indices=indices, qo_indptr=torch.arange(len(seq) + 1) * width, mask_indptr=masks)
+    return NS(**vars(runner), attn_backend=NS(full_attn_backend=NS(forward_metadata=md))), md
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_attention_metadata_check_names_each_planted_fault_and_nothing_else(seed):
+    rng = random.Random(seed)
+    runner, fb = _verify_batch(rng)
+    runner, md = _attention_metadata(runner, fb)
+    assert hooks._check_attention_metadata(runner, fb) == []
+    row = rng.randrange(fb.batch_size)
+
+    def found(**change) -> list[dict]:
+        backend = NS(forward_metadata=NS(**{**vars(md), **change}))
+        return hooks._check_attention_metadata(NS(**{**vars(runner), "attn_backend": NS(full_attn_backend=backend)}), fb)
+
+    idx = md.kv_indices.clone()
+    at = int(md.kv_indptr[row]) + rng.randrange(int(fb.seq_lens[row]))
+    idx[at] = 99999  # one committed position read from a slot that is not the request's
+    (issue,) = found(kv_indices=idx)
+    assert issue["what"] == "kv_indices" and [r["row"] for r in issue["rows"]] == [row]
+    short = md.kv_indptr.clone()
+    short[row + 1:] -= 1  # the row's range one position short: the kernel would not see its last token
+    assert "kv_indices" in {i["what"] for i in found(kv_indptr=short)}
+    qo = md.qo_indptr.clone()
+    qo[-1] -= 1
+    assert [i["what"] for i in found(qo_indptr=qo)] == ["qo_indptr"]
+    mi = md.mask_indptr.clone()
+    mi[-1] += 1
+    assert [i["what"] for i in found(mask_indptr=mi)] == ["mask_indptr"]
+
+
 def test_slot_integrity_sees_a_slot_handed_out_twice_in_one_step():
     runner, fb = _verify_batch(random.Random(7))
     new = fb.out_cache_loc.clone()

@@ -1,6 +1,7 @@
 # Sourced by run_device.sh when LIMITS=1 (issue 23): the servers are in TAGS, the first one warms up.
 # Sets: r (random model, --context-length 1024, --cuda-graph-max-bs 32), q (the same model at 4096 and 8),
-# p (peaked model, 1024 / 32). Every server: CUDA graphs, no overlap scheduler (run_device.sh's LIMITS flags).
+# p (peaked model, 1024 / 32), h (LIMITS_SET=h alone: the trained hybrid pair, 1024 / 32: mix and limits).
+# Every server: CUDA graphs, no overlap scheduler (run_device.sh's LIMITS flags).
 # A1: each set's plain server makes its workloads (production_mix.py --make; plain returns top-5 logprobs).
 # A2, clients of different servers in parallel (the verdicts do not depend on timing):
 #   r: the production mix, then the limits workload (a full graph batch of 32 near the context limit);
@@ -48,12 +49,14 @@ export WAIT_HEALTHY=$(( DEADLINE - $(date +%s) - 90 )); [ "$WAIT_HEALTHY" -ge 60
 ( work r_plain mix --make; work r_plain limits --make ) & P1=$!
 ( work q_plain limits --make ) & P2=$!
 ( work p_plain penalties --make; work p_plain mix --make ) & P3=$!
-wait $P1 $P2 $P3
+( work h_plain mix --make; work h_plain limits --make ) & P4=$!
+wait $P1 $P2 $P3 $P4
 ts "A1 done (workloads made)"
 # A2
 JOBS=()
 for t in r_dflash r_full15 r_full64 r_full256 r_auto; do has $t && { ( work $t mix; work $t limits ) & JOBS+=($!); }; done
 for t in q_dflash q_full64 q_full512 q_auto; do has $t && { ( work $t limits ) & JOBS+=($!); }; done
+for t in h_dflash h_full15 h_full64 h_full256; do has $t && { ( work $t mix; work $t limits ) & JOBS+=($!); }; done
 TP=${T1:+1}; TP=${TP:-0.95}; TT=${T1:-0.8}
 has p_dflash && { ( work p_dflash penalties; work p_dflash mix ) & JOBS+=($!); }
 has p_full64 && { ( work p_full64 penalties; work p_full64 mix; samples p_full64 $TT $TP ) & JOBS+=($!); }
@@ -64,7 +67,7 @@ for t in p_dflash_pristine p_full64_old; do has $t && { ( work $t penalties ) & 
 [ ${#JOBS[@]} = 0 ] || wait "${JOBS[@]}"
 ts "A2 done"
 for t in "${!PID[@]}"; do
-  case $t in r_dflash_pristine|q_full512_old) continue ;; esac
+  case $t in r_dflash_pristine|q_full512_old|h_dflash_pristine) continue ;; esac
   kill -TERM -- "-${PID[$t]}" 2>/dev/null
   grep -hE "DDTree (enabled|full: verify)|Traceback|Error|refused" "$OUT/server_$t.log" | head -4 | sed "s/^/[$t] /" | cut -c1-300
 done
@@ -72,8 +75,9 @@ wait $SKC_PID 2>/dev/null
 # C: what crashes, alone on the GPU, bounded
 ( WORK_TIMEOUT=90 work r_dflash_pristine limits --greedy-only ) & C1=$!  # a hung server must not eat the call
 ( WORK_TIMEOUT=90 work q_full512_old limits --greedy-only ) & C2=$!
-wait $C1 $C2
-for t in r_dflash_pristine q_full512_old; do
+( WORK_TIMEOUT=90 work h_dflash_pristine limits --greedy-only ) & C3=$!
+wait $C1 $C2 $C3
+for t in r_dflash_pristine q_full512_old h_dflash_pristine; do
   has $t && grep -hE "RuntimeError|Traceback|expanded size" "$OUT/server_$t.log" | head -3 | sed "s/^/[$t] /" | cut -c1-300
 done
 stop_all; trap - EXIT
@@ -92,17 +96,32 @@ MIXC=(python3 $HERE/production_mix.py compare "$OUT")
     "${MIXC[@]}" q_plain --suffix _limits --expect-dead $(served q_full512_old) -- \
       $(served q_dflash q_full64 q_full512 q_auto q_full512_old); echo "rc=$?"
   fi
-  echo "--- penalties (greedy) and the logprob probe"
-  "${MIXC[@]}" p_plain --suffix _penalties --expect-fault $(served p_dflash_pristine p_full64_old) -- \
-    $(served p_dflash p_full64 p_auto p_dflash_pristine p_full64_old); echo "rc=$?"
-  python3 -c "import json,sys; [print(t, json.load(open(f'$OUT/{t}_penalties.json')).get('logprob_probe')) for t in sys.argv[1:]]" \
-    $(served p_plain p_dflash p_full64 p_auto)
-  echo "--- production mix (p, context 1024, graphs on)"
-  "${MIXC[@]}" p_plain --suffix _mix -- $(served p_dflash p_full64 p_auto); echo "rc=$?"
-  echo "--- samples at T $TT / top_p $TP"
-  "${PROOF[@]}" compare "$OUT" --plain p_plain_t$TT --cand p_full64_t$TT \
-    $(has p_full64_bias && echo --biased p_full64_bias_t$TT); echo "rc=$?"
-  has p_auto && { "${PROOF[@]}" compare "$OUT" --plain p_plain_t$TT --cand p_auto_t$TT; echo "rc=$?"; }
+  if has p_plain; then
+    echo "--- penalties (greedy) and the logprob probe"
+    "${MIXC[@]}" p_plain --suffix _penalties --expect-fault $(served p_dflash_pristine p_full64_old) -- \
+      $(served p_dflash p_full64 p_auto p_dflash_pristine p_full64_old); echo "rc=$?"
+    python3 -c "import json,sys; [print(t, json.load(open(f'$OUT/{t}_penalties.json')).get('logprob_probe')) for t in sys.argv[1:]]" \
+      $(served p_plain p_dflash p_full64 p_auto)
+    echo "--- production mix (p, context 1024, graphs on)"
+    "${MIXC[@]}" p_plain --suffix _mix -- $(served p_dflash p_full64 p_auto); echo "rc=$?"
+    echo "--- samples at T $TT / top_p $TP"
+    "${PROOF[@]}" compare "$OUT" --plain p_plain_t$TT --cand p_full64_t$TT \
+      $(has p_full64_bias && echo --biased p_full64_bias_t$TT); echo "rc=$?"
+    has p_auto && { "${PROOF[@]}" compare "$OUT" --plain p_plain_t$TT --cand p_auto_t$TT; echo "rc=$?"; }
+  fi
+  if has h_plain; then  # LIMITS_SET=h: the hybrid pair; what the margin rule leaves goes to the float32 oracle
+    echo "--- hybrid pair: production mix (context 1024, graphs on up to 32)"
+    "${MIXC[@]}" h_plain --suffix _mix --upstream h_dflash -- $(served h_dflash h_full15 h_full64 h_full256); echo "rc=$?"
+    echo "--- hybrid pair: limits, a graph batch of 32 at --context-length 1024"
+    "${MIXC[@]}" h_plain --suffix _limits --upstream h_dflash --expect-dead $(served h_dflash_pristine) -- \
+      $(served h_dflash h_full15 h_full64 h_full256 h_dflash_pristine); echo "rc=$?"
+    for k in mix limits; do
+      echo "--- hybrid pair, $k: route ties (float32 oracle, CPU)"
+      python3 $HERE/route_ties.py "$OUT" --model /tmp/pair_h/next/target --plain h_plain --suffix "_$k" \
+        --workload "$OUT/workload_${k}_h.json" --upstream h_dflash --cand $(served h_dflash h_full15 h_full64 h_full256)
+      echo "rc=$?"
+    done
+  fi
 } 2>&1 | tee "$OUT/summary.txt"
 ts "done"
 stop_watchdog

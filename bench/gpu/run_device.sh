@@ -34,12 +34,14 @@
 #   start; the DDTree gather is an all-gather over NCCL either way) is added to the TP servers' flags.
 # MIX_SET=h (issue 25, with MIX=1): the hybrid set; HYB_MODELS picks its model dir (<dir>/next/{target,draft});
 #   h_dflash_pristine serves upstream DFLASH without the payload (judged beside the payload's DFLASH);
-#   HYB_PAIR=1 serves the trained hybrid pair from .gpu/pair_h (train_pair_device.sh HYBRID=1).
+#   HYB_PAIR=1 serves the trained hybrid pair from .gpu/pair_h (train_pair_device.sh HYBRID=1);
+#   the summary ends with route_ties.py (what the margin rule leaves, judged by float32 with router near-ties flipped).
 # GRAPHS=1 (issue 13): graphs_phases.sh. SWEEP=1 (issue 14): sweep_phases.sh, on the trained pair that
 #   train_pair_device.sh made (unpack its pair.tar and heldout_prompts.json into .gpu/pair/).
 # AUTO=1 (issue 24): auto_phases.sh: --speculative-ddtree-budget auto vs DFLASH and fixed budgets at batch 1..64 on
 #   the trained pair and its real-size shell (make_shell.py); needs the pair in .gpu/pair like SWEEP=1.
-# LIMITS=1 (issue 23): limits_phases.sh: full graph batches at the context limit (1024 and 4096), penalties,
+# LIMITS=1 (issue 23): limits_phases.sh (LIMITS_SET=p the peaked set alone, LIMITS_SET=h the hybrid pair):
+#   full graph batches at the context limit (1024 and 4096), penalties,
 #   samples at T 1 / top_p 1, the logprob probe, the production mix; upstream DFLASH (and, with
 #   dist/old/, the previous payload's full 64) on the limits workload, expected to crash.
 set -u
@@ -155,8 +157,9 @@ if [ "${MIX:-0}" = 1 ]; then
       KEEP=(); for c in "${COMMON[@]}"; do [ "$c" = --disable-cuda-graph ] || KEEP+=("$c"); done
       COMMON=("${KEEP[@]}" --cuda-graph-max-bs 8)
     fi
+    # the wrong commit before budget 256: its mix is quick, 256's samples the slowest (a tight deadline cuts 256)
     VARIANTS=("h_plain|$HM|$H" "h_dflash|$HM|DF $H" "h_full15|$HM|$FULL 15 $H HYB" "h_full64|$HM|$FULL 64 $H HYB"
-              "h_full256|$HM|$FULL 256 $H HYB" "h_full64_deepest|$HM|$FULL 64 $H HYB DEEPEST" "h_twin|$HM|$H"
+              "h_full64_deepest|$HM|$FULL 64 $H HYB DEEPEST" "h_full256|$HM|$FULL 256 $H HYB" "h_twin|$HM|$H"
               "h_dflash_pristine|$HM|DF $H PRISTINE"  # upstream, no payload: graph replay's one-token-prompt fault
               # the recurrent-state pool audited step by step (state_audit/; HYBRID.md §1.11): plain without the
               # overlap scheduler as the state reference, DFLASH and full 64 on graphs and eager
@@ -230,6 +233,16 @@ if [ "${LIMITS:-0}" = 1 ]; then
   # power check, and the penalties on upstream DFLASH and the previous payload (expected to fault).
   [ "${LIMITS_SET:-}" = p ] && VARIANTS=("p_full64|/tmp/tiny_p|$FULL 64" "p_plain|/tmp/tiny_p|" "p_dflash|/tmp/tiny_p|DF"
     "p_full64_bias|/tmp/tiny_p|$FULL 64 BIAS" "p_dflash_pristine|/tmp/tiny_p|DF PRISTINE" "p_full64_old|/tmp/tiny_p|$FULL 64 OLD")
+  # LIMITS_SET=h (issue 25): the trained hybrid pair (.gpu/pair_h, radix cache off, full mode under the proof's
+  # switch): the production mix and a graph batch of 32 at the context limit, upstream DFLASH last (expected dead)
+  if [ "${LIMITS_SET:-}" = h ]; then
+    [ -f .gpu/pair_h/next/target/config.json ] && [ -f .gpu/pair_h/next/draft/config.json ] \
+      || { echo "LIMITS_SET=h needs .gpu/pair_h/next/{target,draft}: run train_pair_device.sh with HYBRID=1"; exit 1; }
+    rm -rf /tmp/pair_h && cp -r .gpu/pair_h /tmp/pair_h
+    H="--disable-radix-cache"; HM=/tmp/pair_h/next
+    VARIANTS=("h_full64|$HM|$FULL 64 $H HYB" "h_plain|$HM|$H" "h_dflash|$HM|DF $H" "h_full15|$HM|$FULL 15 $H HYB"
+              "h_full256|$HM|$FULL 256 $H HYB" "h_dflash_pristine|$HM|DF $H PRISTINE")
+  fi
   if [ -z "$OLD_BUNDLE" ]; then VARIANTS=("${VARIANTS[@]/*_old|*}"); fi
   rm -rf /tmp/site_pristine && mkdir -p /tmp/site_pristine && tar -C /tmp/site_pristine -xJf .gpu/site312.tar.xz
   ( python3 $HERE/sampling_kernels_check.py walk > "$OUT/sampling_kernels_check.log" 2>&1; echo "rc=$?" >> "$OUT/sampling_kernels_check.log"
@@ -367,7 +380,7 @@ client() {  # TAG WAIT_S: the proof's client for this server
     timeout "$wait_s" python3 $HERE/production_mix.py run --port "${PORT[$tag]}" --tag "$tag" --out "$OUT/$tag.json" \
       --workload "$OUT/workload_$set.json" --wait "$wait_s" --pid "${PID[$tag]}" "${make[@]}" > "$OUT/client_$tag.log" 2>&1
     # HYB_SAMPLES=N (issue 25, MIX_SET=h): then N samples per prompt at T 1 / top_p 1 and the liveness rounds
-    if [ -n "${HYB_SAMPLES:-}" ] && [[ $tag == h_plain || $tag == h_full* ]]; then
+    if [ -n "${HYB_SAMPLES:-}" ] && [[ $tag == h_plain || ( $tag == h_full* && $tag != *_deepest ) ]]; then
       timeout $(( DEADLINE - $(date +%s) - 20 )) python3 $HERE/graphs_proof.py run --port "${PORT[$tag]}" --tag "$tag" \
         --out "$OUT/${tag}_proof.json" --wait 30 --pid "${PID[$tag]}" --samples "$HYB_SAMPLES" --temperature 1 --top-p 1 \
         --liveness >> "$OUT/proof_$tag.log" 2>&1; ts "$tag samples + liveness rc=$?"
@@ -434,6 +447,11 @@ if [ "${MIX:-0}" = 1 ]; then
     echo "--- DFLASH judged itself: with the payload (its graph-replay fix), and upstream without it"
     "${MIXC[@]}" h_plain h_dflash h_dflash_pristine; echo "rc=$?"
     echo "--- the deliberately wrong commit (expected to fail):"; "${MIXC[@]}" h_plain --upstream h_dflash h_full64_deepest; echo "rc=$?"
+    # what the margin rule leaves, judged by the float32 reference with MoE router near-ties flipped (route_ties.py);
+    # the wrong commit's faults must survive it
+    echo "--- route ties (float32 oracle, CPU)"
+    python3 $HERE/route_ties.py "$OUT" --model "$HM/target" --plain h_plain --upstream h_dflash \
+      --cand h_dflash h_full15 h_full64 h_full256 h_full64_deepest --expect-fault h_full64_deepest; echo "rc=$?"
     if ls "$OUT"/audit_* >/dev/null 2>&1; then
       echo "--- audited servers (plain without the overlap scheduler; DFLASH and full 64 on graphs and eager)"
       "${MIXC[@]}" h_plain h_plain_audit h_plain_audit_eager h_dflash_audit h_dflash_eager h_full64_audit h_full64_eager

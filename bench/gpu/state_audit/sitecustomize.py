@@ -5,8 +5,9 @@ only when DDTREE_STATE_AUDIT names an output path. It wraps `Scheduler.run_batch
 and writes one JSON line per batch: the rows (request, prompt hash, mamba slot, length before the step), the
 batch's pending clear indices, a fingerprint of every slot's conv window and SSM state before and after the
 step, committed KV that changed since it was committed (and the K/V sums of what the step committed), the
-verify input against the batch's own lengths, KV slot integrity, and the target's top-2 logits (with, on an
-eager server, every sublayer's output) for each decode row / verify row's first token. `analyze.py` then
+verify input against the batch's own lengths (and, eagerly, what the attention kernel was given), KV slot
+integrity, and the target's top-2 logits (with, on an eager server, every sublayer's output) for each decode
+row / verify row's first token. `analyze.py` then
 follows each request: a slot that changes while its owner is not stepping (clobbered), a verify whose commit
 leaves the slot as it was (lost), the first length at which a speculative server's state leaves plain
 decoding's for the same request, and the first sublayer where a token leaves plain's.
@@ -174,6 +175,44 @@ def _check_verify_input(runner, fb) -> list[dict]:
     return issues
 
 
+def _check_attention_metadata(runner, fb) -> list[dict]:
+    """What the full-attention kernel read in a verify (its metadata outlives the forward): each row's KV
+    index range must be its request's committed slots, its query block `draft_token_num` wide and its mask
+    range sized for prefix + block. The verify-input checks above see what the batch says; this sees what
+    the kernel was given."""
+    import torch
+
+    backend = getattr(runner.attn_backend, "full_attn_backend", runner.attn_backend)
+    md = getattr(backend, "forward_metadata", None)
+    if md is None or getattr(md, "kv_indptr", None) is None:
+        return [{"what": "attention metadata", "backend": type(backend).__name__, "missing": True}]
+    bs, width = fb.batch_size, int(fb.spec_info.draft_token_num)
+    seq = fb.seq_lens[:bs].to(torch.int64).tolist()
+    indptr = md.kv_indptr[: bs + 1].to(torch.int64).tolist()
+    issues, rows = [], []
+    table = runner.req_to_token_pool.req_to_token
+    for i, n in enumerate(seq):
+        got = md.kv_indices[indptr[i]:indptr[i + 1]].to(torch.int64)
+        want = table[int(fb.req_pool_indices[i]), :n].to(torch.int64)
+        if indptr[i + 1] - indptr[i] != n or not torch.equal(got, want):
+            rows.append({"row": i, "len": indptr[i + 1] - indptr[i], "want": n,
+                         "first_off": (got != want).nonzero().flatten()[:4].tolist() if got.numel() == n else None})
+    if rows:
+        issues.append({"what": "kv_indices", "backend": type(backend).__name__, "rows": rows[:8]})
+    qo = getattr(md, "qo_indptr", None)
+    if qo is not None and qo[: bs + 1].tolist() != [i * width for i in range(bs + 1)]:
+        issues.append({"what": "qo_indptr", "got": qo[: bs + 1].tolist()})
+    mi = getattr(md, "mask_indptr", None)
+    if mi is not None:
+        want, acc = [0], 0
+        for n in seq:
+            acc += width * (n + width)
+            want.append(acc)
+        if mi[: bs + 1].tolist() != want:
+            issues.append({"what": "mask_indptr", "got": mi[: bs + 1].tolist(), "want": want})
+    return issues
+
+
 _LAYER_ROWS: list[dict] = []  # per step: each decode row's / verify row's first token, per sublayer output
 _CAPTURE: dict = {}  # the forward in flight: which token rows to fingerprint, and what each sublayer gave
 
@@ -237,6 +276,11 @@ def _install_verify_checks(module) -> None:
         finally:
             fp = _CAPTURE.pop("fp", None)
             _CAPTURE.pop("rows", None)
+        if mode.is_target_verify() and target and not getattr(out, "can_run_graph", False):
+            try:
+                _VERIFY_ISSUES.extend(_check_attention_metadata(self, forward_batch))
+            except Exception as e:  # noqa: BLE001
+                _VERIFY_ISSUES.append({"what": "attention check failed", "error": repr(e)[:300]})
         if pick is not None:
             try:
                 logits = out.logits_output.next_token_logits[pick].float()
