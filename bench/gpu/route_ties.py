@@ -7,7 +7,7 @@ misses one kind of rounding: a router whose k-th and (k+1)-th experts' logits li
 other picks either expert depending on the GEMM's accumulation order (a verify's 16-row block is not a decode's
 one row), and a recurrent layer carries the other expert's output into every later position of that request. The
 divergence shows up positions later, where plain's margin is no longer small (mix20 on the trained hybrid pair:
-layer 0's router at position 2, logits 0.3 % apart, moves position 5).
+layer 0's router at the row of output token 1, its 2nd and 3rd logits 0.003 apart, moves position 5).
 
 For each divergence production_mix.py does not call the same or a tie, on the tokens both servers share up to it
 (the prompt and plain's output before the divergent position), HF transformers in float32:
