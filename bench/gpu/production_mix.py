@@ -360,6 +360,18 @@ def classify(plain: dict, cand: dict, upstream: dict | None = None) -> tuple[str
     return "fault", {**detail, "why": "no top-k logprobs at that position"}
 
 
+def judged(plain: dict, cand: dict, upstream: dict | None):
+    """(request id, plain's result, class, detail) for every greedy request plain finished: sampled requests
+    are the sample tests' and aborted ones have no full output to compare."""
+    skip = set(plain.get("sampled") or [])
+    for rnd in ("round1", "round2"):
+        for rid, p in plain[rnd].items():
+            if "aborted_after_chunks" in p or rid in skip:
+                continue
+            shared = upstream[rnd].get(rid) if upstream else None
+            yield (rid, p, *classify(p, cand[rnd].get(rid, {"error": "missing"}), shared))
+
+
 def cmd_compare(a: argparse.Namespace) -> int:
     def load(tag: str) -> dict | None:
         p = os.path.join(a.out_dir, f"{tag}{a.suffix}.json")
@@ -389,16 +401,10 @@ def cmd_compare(a: argparse.Namespace) -> int:
             print(f"{tag:>16}: {row['verdict']} alive={cand.get('alive')} "
                   f"errors={sum('error' in v for r in ('round1', 'round2') for v in cand.get(r, {}).values())}")
             continue
-        skip = set(plain.get("sampled") or [])
-        for rnd in ("round1", "round2"):
-            for rid, p in plain[rnd].items():
-                if "aborted_after_chunks" in p or rid in skip:
-                    continue
-                shared = upstream[rnd].get(rid) if upstream and tag != a.upstream else None
-                kind, detail = classify(p, cand[rnd].get(rid, {"error": "missing"}), shared)
-                row[kind] += 1
-                if kind != "same":
-                    row[kind + "s"].append({"id": rid, **detail})
+        for rid, _, kind, detail in judged(plain, cand, upstream if tag != a.upstream else None):
+            row[kind] += 1
+            if kind != "same":
+                row[kind + "s"].append({"id": rid, **detail})
         aborts = [v for v in cand["round1"].values() if "aborted_after_chunks" in v]
         if "logprob_probe" in cand:
             row["logprob_probe"] = cand["logprob_probe"]

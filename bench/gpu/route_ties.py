@@ -116,10 +116,7 @@ class RouterOracle:
 
 def load(out_dir: str, tag: str, suffix: str = "") -> dict | None:
     path = os.path.join(out_dir, f"{tag}{suffix}.json")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
+    return production_mix._read(path) if os.path.exists(path) else None
 
 
 def judge(out_dir: str, oracle: RouterOracle, plain_tag: str, cands: list[str], upstream_tag: str | None,
@@ -138,23 +135,17 @@ def judge(out_dir: str, oracle: RouterOracle, plain_tag: str, cands: list[str], 
             report[tag] = {"missing": True}
             continue
         rows = []
-        skip = set(plain.get("sampled") or [])  # judged by the sample tests, as production_mix.py does
-        for rnd in ("round1", "round2"):
-            for rid, p in (plain.get(rnd) or {}).items():
-                if "aborted_after_chunks" in p or rid in skip:
-                    continue
-                u = upstream[rnd].get(rid) if upstream and tag != upstream_tag else None
-                kind, detail = production_mix.classify(p, cand[rnd].get(rid, {"error": "missing"}), u)
-                if kind in ("same", "tie"):
-                    continue
-                if "cand_tok" not in detail:  # an error, a finish that differs: nothing for the oracle to weigh
-                    rows.append({"id": rid, "class": "fault", **detail})
-                    continue
-                pos = detail["pos"]
-                why = oracle.explain(prompts[rid] + p["output_ids"][:pos], detail["cand_tok"], rel)
-                rows.append({"id": rid, "was": kind, "pos": pos, "prompt_len": len(prompts[rid]),
-                             "plain_tok": detail["plain_tok"], "cand_tok": detail["cand_tok"], "gap": detail["gap"],
-                             **why, "class": "route tie" if why["explained_by"] else "fault"})
+        for rid, p, kind, detail in production_mix.judged(plain, cand, upstream if tag != upstream_tag else None):
+            if kind in ("same", "tie"):
+                continue
+            if "cand_tok" not in detail:  # an error, a finish that differs: nothing for the oracle to weigh
+                rows.append({"id": rid, "class": "fault", **detail})
+                continue
+            pos = detail["pos"]
+            why = oracle.explain(prompts[rid] + p["output_ids"][:pos], detail["cand_tok"], rel)
+            rows.append({"id": rid, "was": kind, "pos": pos, "prompt_len": len(prompts[rid]),
+                         "plain_tok": detail["plain_tok"], "cand_tok": detail["cand_tok"], "gap": detail["gap"],
+                         **why, "class": "route tie" if why["explained_by"] else "fault"})
         report[tag] = {"divergences": rows, "faults": sum(r["class"] == "fault" for r in rows),
                        "route_ties": sum(r["class"] == "route tie" for r in rows)}
     return report
