@@ -11,7 +11,8 @@ layer 0's router at the row of output token 1, its 2nd and 3rd logits 0.003 apar
 
 For each divergence production_mix.py does not call the same or a tie, on the tokens both servers share up to it
 (the prompt and plain's output before the divergent position), HF transformers in float32:
-  1. computes the reference's token there (if it is the candidate's, the divergence is plain's own rounding);
+  1. computes the reference's token there (if it is the candidate's, plain rounded away from float32: the
+     divergence is counted with the route ties, its reason saying so);
   2. reads every MoE layer's router logits at every row, and flips, one at a time, each (row, layer) whose k-th and
      (k+1)-th logits differ by at most --rel of their dot products' magnitude (the two experts swap places;
      nothing else changes);
