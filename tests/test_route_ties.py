@@ -3,9 +3,9 @@
 A real transformers Qwen3-Next (tiny, CPU, float32) with one router near-tie planted at a prompt row: a candidate
 whose expert choice there went the other way (flipped by this test's own router, not the oracle's) agrees with
 the reference for three generated tokens and then leaves it, beyond plain's margin (what the margin rule calls a
-fault). The oracle must class that divergence a route
-tie and name the planted router; a tighter threshold than the planted gap must leave it a fault; and a token no
-single flip produces (the reference's least likely one) must stay a fault.
+fault). The oracle must class that divergence a route tie and name the planted router; a tighter threshold than
+the planted gap must leave it a fault; and a token no single flip produces (the reference's least likely one)
+must stay a fault.
 """
 
 from __future__ import annotations

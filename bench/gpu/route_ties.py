@@ -38,10 +38,11 @@ def near_ties(router_logits, magnitude, top_k: int, rel: float) -> list[tuple[in
     logit by a fraction of that magnitude, so a pair this close can come out either way."""
     import torch
 
-    order = router_logits.float().argsort(dim=-1, descending=True)
+    logits = router_logits.float()
+    order = logits.argsort(dim=-1, descending=True)
     rows = torch.arange(order.shape[0])
     a, b = order[:, top_k - 1], order[:, top_k]
-    gap = router_logits.float()[rows, a] - router_logits.float()[rows, b]
+    gap = logits[rows, a] - logits[rows, b]
     scale = magnitude[rows, a] + magnitude[rows, b]
     frac = gap / scale.clamp_min(1e-30)
     return [(r, float(gap[r]), float(frac[r])) for r in (frac <= rel).nonzero().flatten().tolist()]
@@ -69,9 +70,11 @@ class RouterOracle:
 
         def hook(mod, inp, out):
             logits = out[0] if isinstance(out, tuple) else out
-            h = inp[0].detach().reshape(-1, mod.weight.shape[-1]).float()
-            self.seen[layer] = (logits.detach(), h.abs() @ mod.weight.detach().float().abs().T)
-            if self.flip is None or self.flip[0] != layer:
+            if self.flip is None:  # only the unflipped run's routers are read (explain); flipped runs skip the cost
+                h = inp[0].detach().reshape(-1, mod.weight.shape[-1]).float()
+                self.seen[layer] = (logits.detach(), h.abs() @ mod.weight.detach().float().abs().T)
+                return None
+            if self.flip[0] != layer:
                 return None
             row = self.flip[1]
             order = logits[row].float().argsort(descending=True)
@@ -101,7 +104,7 @@ class RouterOracle:
     def explain(self, tokens: list[int], cand_tok: int, rel: float) -> dict:
         """Why the reference after `tokens` could pick `cand_tok`: itself, or one router near-tie flipped."""
         ref = self.next_token(tokens)
-        seen = dict(self.seen)
+        seen = dict(self.seen)  # the unflipped run's; flipped runs leave it as it is
         found = {"reference": ref, "flips_tried": 0, "explained_by": None}
         if ref == cand_tok:
             found["explained_by"] = "the float32 reference picks the candidate's token"
