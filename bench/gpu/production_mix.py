@@ -89,7 +89,8 @@ def generate(base: str, req: dict, *, logprobs: bool) -> dict:
     meta = j.get("meta_info", {})
     out = {"output_ids": j.get("output_ids"), "s": time.time() - t,
            "finish": (meta.get("finish_reason") or {}).get("type"),
-           "accept": meta.get("spec_accept_length"), "verify_ct": meta.get("spec_verify_ct")}
+           "accept": meta.get("spec_accept_length"), "verify_ct": meta.get("spec_verify_ct"),
+           "cached": meta.get("cached_tokens")}
     if logprobs:
         out["topk"] = [[[lp, tid] for lp, tid, *_ in pos[:TOP_K]] for pos in meta.get("output_top_logprobs") or []]
     return out
@@ -228,7 +229,7 @@ def logprob_probe(base: str) -> dict:
     return out
 
 
-def make_round2(round1: list[dict], plain_out: dict[str, dict], ctx: int) -> list[dict]:
+def make_round2(round1: list[dict], plain_out: dict[str, dict], ctx: int, limit: int = 14) -> list[dict]:
     out = []
     for req in round1:
         got = plain_out.get(req["id"], {})
@@ -240,7 +241,7 @@ def make_round2(round1: list[dict], plain_out: dict[str, dict], ctx: int) -> lis
         if room < 1:
             continue
         out.append({"id": f"r2_{req['id']}", "prompt": prompt, "max_new": min(64, room), "at_ms": 0})
-        if len(out) >= 14:
+        if len(out) >= limit:
             break
     return out
 
@@ -295,7 +296,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     res["round1"] = run_concurrently(base, workload["round1"], logprobs=a.make)
     res["round1_s"] = time.time() - t
     if a.make and a.kind == "mix":
-        workload["round2"] = make_round2(workload["round1"], res["round1"], workload["ctx"])
+        workload["round2"] = make_round2(workload["round1"], res["round1"], workload["ctx"], a.round2)
         _write(a.workload, workload)
     t = time.time()
     res["round2"] = run_concurrently(base, workload["round2"], logprobs=a.make)
@@ -315,8 +316,9 @@ def cmd_run(a: argparse.Namespace) -> int:
         res["alive"] = False
     _write(a.out, res)
     errors = [k for rnd in ("round1", "round2") for k, v in res[rnd].items() if "error" in v]
+    cached = {rnd: sum(v.get("cached") or 0 for v in res[rnd].values()) for rnd in ("round1", "round2")}
     print(f"[mix] {a.tag}: round1 {res['round1_s']:.1f}s round2 {res['round2_s']:.1f}s errors={errors} "
-          f"idle_kv={res['idle_kv_tokens']} alive={res['alive']}", flush=True)
+          f"idle_kv={res['idle_kv_tokens']} alive={res['alive']} cached_tokens={cached}", flush=True)
     return 0
 
 
@@ -464,6 +466,8 @@ def main() -> int:
     r.add_argument("--workload", required=True)
     r.add_argument("--make", action="store_true", help="plain server: build the workload and return top-5 logprobs")
     r.add_argument("--kind", choices=("mix", "limits", "penalties"), default="mix")
+    r.add_argument("--round2", type=int, default=14,
+                   help="mix with --make: at most this many round-2 requests (each resumes a round-1 request from the cache)")
     r.add_argument("--context-length", type=int, default=1024)
     r.add_argument("--graph-bs", type=int, default=32, help="limits: requests per batch (--cuda-graph-max-bs)")
     r.add_argument("--greedy-only", action="store_true", help="send the workload's sampled requests greedily")

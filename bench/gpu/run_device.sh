@@ -33,6 +33,7 @@
 #   TP2_EXTRA (default --disable-custom-all-reduce: its v2 kernel would JIT-compile in every TP server at
 #   start; the DDTree gather is an all-gather over NCCL either way) is added to the TP servers' flags.
 # MIX_SET=h (issue 25, with MIX=1): the hybrid set; HYB_MODELS picks its model dir (<dir>/next/{target,draft});
+#   HYB_RADIX=1 serves it with the radix cache (extra_buffer tracking every HYB_TRACK tokens) instead of without;
 #   h_dflash_pristine serves upstream DFLASH without the payload (judged beside the payload's DFLASH);
 #   HYB_PAIR=1 serves the trained hybrid pair from .gpu/pair_h (train_pair_device.sh HYBRID=1);
 #   the summary ends with route_ties.py (what the margin rule leaves, judged by float32 with router near-ties flipped).
@@ -153,6 +154,11 @@ if [ "${MIX:-0}" = 1 ]; then
       rm -rf /tmp/pair_h && cp -r .gpu/pair_h /tmp/pair_h; HYB_MODELS=/tmp/pair_h
     fi
     H="--disable-radix-cache"; HM=${HYB_MODELS:-/tmp/tiny_hp}/next
+    # HYB_RADIX=1 (G5 / G6): every server with the radix cache, recurrent states tracked every HYB_TRACK (64)
+    # tokens (extra_buffer); round 2 of the mix resumes from the states round 1 left in the cache
+    if [ "${HYB_RADIX:-0}" = 1 ]; then
+      H="--mamba-scheduler-strategy extra_buffer --mamba-track-interval ${HYB_TRACK:-64}"; export MIX_ROUND2=${MIX_ROUND2:-40}
+    fi
     if [ "${MIX_GRAPHS:-0}" = 1 ]; then  # G4: the same with CUDA graphs (batches above 8 run eagerly)
       KEEP=(); for c in "${COMMON[@]}"; do [ "$c" = --disable-cuda-graph ] || KEEP+=("$c"); done
       COMMON=("${KEEP[@]}" --cuda-graph-max-bs 8)
@@ -161,11 +167,13 @@ if [ "${MIX:-0}" = 1 ]; then
     VARIANTS=("h_plain|$HM|$H" "h_dflash|$HM|DF $H" "h_full15|$HM|$FULL 15 $H HYB" "h_full64|$HM|$FULL 64 $H HYB"
               "h_full64_deepest|$HM|$FULL 64 $H HYB DEEPEST" "h_full256|$HM|$FULL 256 $H HYB" "h_twin|$HM|$H"
               "h_dflash_pristine|$HM|DF $H PRISTINE"  # upstream, no payload: graph replay's one-token-prompt fault
+              "h_dflash_old|$HM|DF $H OLD"  # dist/old/'s payload (HYB_RADIX=1 with 0.8.4: DFLASH's radix tracking unfixed)
               # the recurrent-state pool audited step by step (state_audit/; HYBRID.md §1.11): plain without the
               # overlap scheduler as the state reference, DFLASH and full 64 on graphs and eager
               "h_plain_audit|$HM|$H NOOVERLAP AUDIT" "h_plain_audit_eager|$HM|$H NOOVERLAP EAGER AUDIT"
               "h_dflash_audit|$HM|DF $H AUDIT" "h_dflash_eager|$HM|DF $H EAGER AUDIT"
               "h_full64_audit|$HM|$FULL 64 $H HYB AUDIT" "h_full64_eager|$HM|$FULL 64 $H HYB EAGER AUDIT")
+    if [ -z "$OLD_BUNDLE" ]; then VARIANTS=("${VARIANTS[@]/*_old|*}"); fi
     rm -rf /tmp/site_pristine && mkdir -p /tmp/site_pristine && tar -C /tmp/site_pristine -xJf .gpu/site312.tar.xz
   fi
 fi
@@ -357,7 +365,7 @@ query() {  # TAG
   if [[ $tag == h_*_full ]] && [ "$left" -gt 60 ]; then left=60; fi
   client "$tag" "$left"
   local rc=$?
-  ts "$tag client rc=$rc $(grep -c . "$OUT/client_$tag.log") lines"
+  ts "$tag client rc=$rc $(grep -c . "$OUT/client_$tag.log") lines: $(grep '^\[mix\]' "$OUT/client_$tag.log" | tail -1 | cut -c1-300)"
   grep -E "DDTree|Traceback|Error|refused" "$OUT/server_$tag.log" | grep -v "server_args=" | cut -c1-400 | tail -6
   # Free the GPU share and CPU as soon as a server has answered.
   kill -TERM -- "-${PID[$tag]}" 2>/dev/null
@@ -376,7 +384,7 @@ client() {  # TAG WAIT_S: the proof's client for this server
   if [ "${MIX:-0}" = 1 ]; then
     local set=${tag%%_*} make=()
     [[ $tag == *_rt ]] && set=rt
-    [[ $tag == *_plain* && $tag != *_audit* ]] && make=(--make)  # an audited plain twin reads the workload
+    [[ $tag == *_plain* && $tag != *_audit* ]] && make=(--make --round2 ${MIX_ROUND2:-14})  # an audited plain twin reads the workload
     timeout "$wait_s" python3 $HERE/production_mix.py run --port "${PORT[$tag]}" --tag "$tag" --out "$OUT/$tag.json" \
       --workload "$OUT/workload_$set.json" --wait "$wait_s" --pid "${PID[$tag]}" "${make[@]}" > "$OUT/client_$tag.log" 2>&1
     # HYB_SAMPLES=N (issue 25, MIX_SET=h): then N samples per prompt at T 1 / top_p 1 and the liveness rounds
@@ -446,6 +454,8 @@ if [ "${MIX:-0}" = 1 ]; then
     "${MIXC[@]}" h_plain --upstream h_dflash h_twin h_dflash h_full15 h_full64 h_full256; echo "rc=$?"
     echo "--- DFLASH judged itself: with the payload (its graph-replay fix), and upstream without it"
     "${MIXC[@]}" h_plain h_dflash h_dflash_pristine; echo "rc=$?"
+    if [ -f "$OUT/h_dflash_old.json" ]; then echo "--- DFLASH of the previous payload ($OLD_BUNDLE)"
+      "${MIXC[@]}" h_plain h_dflash_old; echo "rc=$?"; fi
     echo "--- the deliberately wrong commit (expected to fail):"; "${MIXC[@]}" h_plain --upstream h_dflash h_full64_deepest; echo "rc=$?"
     # what the margin rule leaves, judged by the float32 reference with MoE router near-ties flipped (route_ties.py);
     # the wrong commit's faults must survive it

@@ -6,6 +6,9 @@
   the prefill's deferred state clears again.
 - `handle_max_mamba_cache` (model_runner_kv_cache_mixin.patch): SGLang's own plan counts the per-node states at
   the tree's width in full mode, at the block elsewhere.
+- `ScheduleBatch.prepare_for_decode` (managers_schedule_batch.patch): a DFLASH (spec v1) step names every
+  request's radix-tracking slot again after the running batch changed (filter / merge dropped them), with
+  `--mamba-scheduler-strategy extra_buffer` only.
 - `fused_sigmoid_gating_delta_rule_update` (layers_attention_fla_fused_sigmoid_gating_recurrent.patch): a tree
   verify's parent table is sized by the request's width, so the kernel's `NP2_T` (a compile-time constant) is
   the same at every batch size; a chain verify keeps upstream's size.
@@ -20,8 +23,11 @@ from types import SimpleNamespace
 import torch
 from sglang.srt.layers.attention.hybrid_linear_attn_backend import Mamba2AttnBackend, MambaAttnBackendBase
 from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend
+from sglang.srt.managers.schedule_batch import ScheduleBatch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.model_executor.model_runner_kv_cache_mixin import ModelRunnerKVCacheMixin
+from sglang.srt.server_args import set_global_server_args_for_scheduler
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.ddtree_args import hybrid_tree_verify
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 
@@ -138,6 +144,43 @@ def deferred_clear_checks() -> list[str]:
     return out
 
 
+def track_index_checks() -> list[str]:
+    """After filter_batch / merge_batch (track indices None, a prefill's mask left over), a DFLASH step's
+    prepare_for_decode must name each remaining request's track slot in batch order, and drop the mask."""
+    import sglang.srt.managers.schedule_batch as schedule_batch
+
+    class Unpinned:  # SGLang pins the index upload; a CPU-only torch has no pinned memory
+        def __getattr__(self, name: str) -> object:
+            return getattr(torch, name)
+
+        @staticmethod
+        def tensor(*args: object, pin_memory: bool = False, **kwargs: object) -> torch.Tensor:
+            return torch.tensor(*args, **kwargs)
+
+    schedule_batch.torch = Unpinned()
+    out: list[str] = []
+    # req pool index r -> its ping-pong track slots (one slot without the overlap scheduler, as DFLASH runs)
+    mapping = torch.tensor([[100 + r] for r in range(8)], dtype=torch.int64)
+    for strategy, want in (("extra_buffer", [105, 102, 107]), ("no_buffer", None)):
+        set_global_server_args_for_scheduler(SimpleNamespace(
+            enable_mamba_extra_buffer=lambda s=strategy: s == "extra_buffer"))
+        batch = object.__new__(ScheduleBatch)
+        batch.reqs = [SimpleNamespace(mamba_next_track_idx=0) for _ in range(3)]
+        batch.req_pool_indices = torch.tensor([5, 2, 7])
+        batch.req_to_token_pool = SimpleNamespace(req_index_to_mamba_ping_pong_track_buffer_mapping=mapping)
+        batch.spec_algorithm = SpeculativeAlgorithm.from_string("DFLASH")
+        batch.spec_info, batch.input_embeds, batch.attn_cp_metadata = None, None, None
+        batch.mamba_track_indices, batch.mamba_track_mask = None, torch.tensor([True, False, True])
+        batch.prepare_for_decode()
+        got = None if batch.mamba_track_indices is None else batch.mamba_track_indices.tolist()
+        if got != want:
+            out.append(f"{strategy}: DFLASH step tracks into {got}, want {want}")
+        if strategy == "extra_buffer" and batch.mamba_track_mask is not None:
+            out.append("extra_buffer: a prefill's track mask reached a DFLASH verify")
+    schedule_batch.torch = torch
+    return out
+
+
 def plan_checks() -> list[str]:
     """SGLang's joint solve for the mamba pool, on the patched method."""
     out: list[str] = []
@@ -203,4 +246,4 @@ def recurrence_shape_checks() -> list[str]:
 
 
 if __name__ == "__main__":
-    print(json.dumps({"failures": backend_checks() + deferred_clear_checks() + plan_checks() + recurrence_shape_checks()}))
+    print(json.dumps({"failures": backend_checks() + deferred_clear_checks() + track_index_checks() + plan_checks() + recurrence_shape_checks()}))

@@ -389,8 +389,9 @@ def _local_model_config(server_args: Any) -> dict | None:
 
 def check_hybrid_full_mode(server_args: Any) -> None:
     """What full mode on a hybrid target is wired and proven for (bench/gpu/HYBRID.md §3.4): SGLang's
-    Triton GDN kernels, one GPU, a fixed budget, no radix cache (its mamba tracking under DFLASH is
-    unproven upstream). Called at argument parsing and again by the worker on the runtime config."""
+    Triton GDN kernels, one GPU, a fixed budget, and the radix cache only with `extra_buffer` tracking
+    (the step's tracked state is the accepted path's node, `ddtree_hybrid.path_steps`). Called at
+    argument parsing and again by the worker on the runtime config."""
     for flag, attr in (("--linear-attn-backend", "linear_attn_backend"),
                        ("--linear-attn-decode-backend", "linear_attn_decode_backend"),
                        ("--linear-attn-prefill-backend", "linear_attn_prefill_backend")):
@@ -401,10 +402,13 @@ def check_hybrid_full_mode(server_args: Any) -> None:
                 f"path is the one DDTree's commit follows); got {flag} {value}. Use {flag} triton or {FLAG_MODE} "
                 "shadow-linear."
             )
-    if not getattr(server_args, "disable_radix_cache", False):
+    strategy = getattr(server_args, "mamba_scheduler_strategy", None)
+    if not getattr(server_args, "disable_radix_cache", False) and strategy != "extra_buffer":
+        # SGLang refuses the others with speculative decoding today; a later release that lets one through
+        # would cache recurrent states DDTree's commit does not track.
         raise DDTreeConfigError(
-            f"{FLAG_MODE} full on a hybrid target runs without the radix cache (its recurrent-state tracking "
-            f"under DFLASH is not proven): add --disable-radix-cache, or use {FLAG_MODE} shadow-linear."
+            f"{FLAG_MODE} full on a hybrid target with the radix cache tracks recurrent states only with "
+            f"--mamba-scheduler-strategy extra_buffer (got {strategy}): add it, or --disable-radix-cache."
         )
     if int(getattr(server_args, "tp_size", 1) or 1) != 1:
         raise DDTreeConfigError(
