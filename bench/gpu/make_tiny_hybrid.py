@@ -8,6 +8,10 @@ Writes OUT_DIR/next/target  a tiny random Qwen3-Next (Gated DeltaNet + attention
                             config key added: SGLang serves it as plain Qwen3, only the offline
                             config check (ddtree_utils.is_hybrid_model) calls it hybrid. A fallback
                             in case this SGLang build cannot load Qwen3-Next.
+       OUT_DIR/dense/target  a tiny random dense Qwen3.5 hybrid (Gated DeltaNet + gated attention, dense MLP,
+                            no MoE) that SGLang loads as Qwen3_5ForConditionalGeneration (its only dense
+                            Qwen3.5 entry class: a vision-language wrapper, so a 1-block vision tower and
+                            image / video processor configs come with it; runtime hybrid_gdn_config);
        OUT_DIR/*/draft       the DFlash draft (hidden 256, target layers [1, 2]).
 """
 import json
@@ -73,6 +77,136 @@ def make_next(out_dir):
     print(f"qwen3-next target: {out_dir} params={sum(p.numel() for p in model.parameters())}")
 
 
+# ---- the dense Qwen3.5 hybrid (no MoE)
+# The special tokens a Qwen3.5 processor looks up by name (transformers' Qwen3VLProcessor, SGLang's
+# QwenVLImageProcessor): in the tokenizer, so their ids lie inside the tiny vocabulary and config.json's
+# image / video / vision_start / vision_end ids name real tokens. Text-only requests never contain them.
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+# Qwen3.5's rotary: partial (0.25 of head_dim 64: 16 dims, 8 frequencies), multimodal RoPE sections
+# interleaved as in Qwen3.5 / 3.6 (there [11, 11, 10] of 32 frequencies; here 8 = 3 + 3 + 2). Text-only
+# positions are equal in all three sections, so this is plain RoPE on text; SGLang serves it as an mrope
+# model (model_runner.model_is_mrope, ForwardBatch.mrope_positions), the path a real Qwen3.5 / 3.6 takes.
+DENSE_ROPE = {"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.25,
+              "mrope_section": [3, 3, 2], "mrope_interleaved": True}
+# The smallest vision tower: one block, head_dim 32, a 4 x 4 position grid; it only has to exist
+# (SGLang's Qwen3VLForConditionalGeneration builds it unconditionally). out_hidden_size = the text hidden.
+DENSE_VISION = {"depth": 1, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "in_channels": 3,
+                "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": tm.HIDDEN,
+                "num_position_embeddings": 16}
+
+
+def dense_text_config(eos: int):
+    """The dense Qwen3.5 hybrid's text config (transformers' Qwen3_5TextConfig; also train_pair.py
+    --dense-hybrid's Qwen3_5ForCausalLM): next_config's shape (hidden 256, 4 layers, vocab 4096, GDN layers
+    0-2 with the same head dims, gated attention layer 3, untied head) with make_tiny_models' dense SwiGLU
+    MLP (intermediate 512) in every layer instead of MoE."""
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        vocab_size=tm.VOCAB, hidden_size=tm.HIDDEN, intermediate_size=tm.INTER,
+        num_hidden_layers=tm.TARGET_LAYERS, num_attention_heads=tm.HEADS,
+        num_key_value_heads=tm.KV_HEADS, head_dim=tm.HEAD_DIM, max_position_embeddings=tm.MAX_POS,
+        linear_conv_kernel_dim=4, linear_key_head_dim=64, linear_value_head_dim=64,
+        linear_num_key_heads=2, linear_num_value_heads=4, rms_norm_eps=1e-6, hidden_act="silu",
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        rope_parameters=dict(DENSE_ROPE),
+        bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, tie_word_embeddings=False,
+    )
+
+
+def dense_config(eos: int, vision_ids: dict):
+    """The checkpoint's Qwen3_5Config: dense_text_config + DENSE_VISION; vision_ids maps VISION_TOKENS to ids."""
+    from transformers import Qwen3_5Config
+
+    return Qwen3_5Config(
+        text_config=dense_text_config(eos).to_dict(), vision_config=dict(DENSE_VISION),
+        image_token_id=vision_ids["<|image_pad|>"], video_token_id=vision_ids["<|video_pad|>"],
+        vision_start_token_id=vision_ids["<|vision_start|>"], vision_end_token_id=vision_ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+
+
+def vision_token_ids(tok_dir: str) -> dict:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(tok_dir, "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in VISION_TOKENS}
+    assert all(i is not None and i < tm.VOCAB for i in ids.values()), ids
+    return ids
+
+
+def fix_saved_dense_config(out_dir: str) -> None:
+    """What SGLang 0.5.13.post1 reads and transformers 5.x does not write (configs/qwen3_5.py builds the text
+    config on its Qwen3NextConfig, the vision config on Qwen3VLVisionConfig):
+      * text_config.full_attention_interval: Qwen3NextConfig.layers_block_type derives the layer kinds from it
+        alone (layer_types is ignored), as for Qwen3-Next (fix_saved_config);
+      * vision_config.deepstack_visual_indexes = []: Qwen3VLVisionConfig's default is [8, 16, 24], which would
+        make SGLang build three deepstack mergers (weights not in the checkpoint) and add deepstack inputs;
+        Qwen3.5 checkpoints have none;
+      * text_config.mamba_ssm_dtype "float32" and attn_output_gate true: SGLang's defaults already, written as
+        Qwen3.5 / 3.6 checkpoints write them."""
+    p = os.path.join(out_dir, "config.json")
+    with open(p) as f:
+        saved = json.load(f)
+    saved["text_config"]["full_attention_interval"] = FULL_ATTENTION_INTERVAL
+    saved["text_config"]["mamba_ssm_dtype"] = "float32"
+    saved["text_config"]["attn_output_gate"] = True
+    saved["vision_config"]["deepstack_visual_indexes"] = []
+    with open(p, "w") as f:
+        json.dump(saved, f, indent=2)
+
+
+def write_processor_configs(out_dir: str) -> None:
+    """preprocessor_config.json + video_preprocessor_config.json. SGLang enables multimodal for this
+    architecture (ModelConfig: enable_multimodal defaults on) and its tokenizer manager then loads the
+    processor (AutoProcessor -> transformers' Qwen3VLProcessor) from the model directory before serving any
+    request; the tokenizer files are the ones already there. Patch / merge sizes are the vision config's."""
+    from transformers import Qwen2VLImageProcessor, Qwen3VLVideoProcessor
+
+    kw = {"patch_size": DENSE_VISION["patch_size"], "merge_size": DENSE_VISION["spatial_merge_size"],
+          "temporal_patch_size": DENSE_VISION["temporal_patch_size"],
+          "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+    Qwen2VLImageProcessor(**kw).save_pretrained(out_dir)
+    Qwen3VLVideoProcessor(**kw).save_pretrained(out_dir)
+
+
+def save_dense_target(text_model, out_dir: str, seed: int = tm.SEED) -> None:
+    """Save a trained / random Qwen3_5ForCausalLM (the text model) as the Qwen3_5ForConditionalGeneration
+    checkpoint SGLang loads: its weights under model.language_model.* + lm_head.weight, a seeded random
+    vision tower under model.visual.*, bf16; config fixed (fix_saved_dense_config) and processor configs
+    written. out_dir must already hold the tokenizer (with VISION_TOKENS)."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    cfg = dense_config(text_model.config.eos_token_id, vision_token_ids(out_dir))
+    torch.manual_seed(seed + 11)
+    vl = Qwen3_5ForConditionalGeneration(cfg)
+    with torch.no_grad():
+        vl.model.language_model.load_state_dict(text_model.model.state_dict(), strict=True)
+        vl.lm_head.weight.copy_(text_model.lm_head.weight)
+    vl = vl.to(torch.bfloat16)
+    vl.save_pretrained(out_dir, safe_serialization=True)
+    fix_saved_dense_config(out_dir)
+    write_processor_configs(out_dir)
+
+
+def make_dense(out_dir):
+    from transformers import Qwen3_5ForCausalLM
+
+    os.makedirs(out_dir, exist_ok=True)
+    n_vocab, eos = tm.build_tokenizer(out_dir, extra_specials=VISION_TOKENS)
+    cfg = dense_text_config(eos)
+    torch.manual_seed(tm.SEED)
+    model = Qwen3_5ForCausalLM(cfg)
+    with torch.no_grad():  # as make_next: make_tiny_models' recipe, PEAKED=1 biases towards its peak token
+        model.lm_head.weight.normal_(0.0, 0.5)
+        model.model.embed_tokens.weight.normal_(0.0, 1.0)
+        if tm.PEAKED:
+            model.model.embed_tokens.weight[:, 0] = 8.0
+            model.lm_head.weight[tm.PEAK_TOKEN, 0] = 3.0
+    save_dense_target(model.to(torch.bfloat16), out_dir)
+    print(f"qwen3.5 dense hybrid target: {out_dir} params={sum(p.numel() for p in model.parameters())} (text)")
+
+
 def make_marker(out_dir):
     tm.make_target(out_dir)
     p = os.path.join(out_dir, "config.json")
@@ -93,6 +227,11 @@ if __name__ == "__main__":
         print(f"qwen3-next target failed: {type(e).__name__}: {e}")
     # No dense (MoE-free) Qwen3-Next: SGLang 0.5.13.post1 builds every Qwen3-Next layer as MoE (is_layer_sparse
     # = True; `mlp_only_layers` weights fail to load, seen on the H200); its dense GDN family is Qwen3.5, served
-    # only through the vision-language wrapper.
+    # only through the vision-language wrapper: dense/.
+    try:
+        make_dense(os.path.join(out, "dense", "target"))
+        shutil.copytree(os.path.join(out, "next", "draft"), os.path.join(out, "dense", "draft"), dirs_exist_ok=True)
+    except Exception as e:  # next/ and marker/ stand without it
+        print(f"qwen3.5 dense target failed: {type(e).__name__}: {e}")
     make_marker(os.path.join(out, "marker", "target"))
     shutil.copytree(os.path.join(out, "next", "draft"), os.path.join(out, "marker", "draft"), dirs_exist_ok=True)

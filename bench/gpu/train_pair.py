@@ -2,7 +2,7 @@
 """Train a small Qwen3 (or, --hybrid, Qwen3-Next) target and a DFlash drafter against it, reproducibly
 (issue 14 item 1; --hybrid: issue 25).
 
-    python bench/gpu/train_pair.py OUT_DIR [--seconds N] [--tiny] [--hybrid] [--device cuda|cpu] \
+    python bench/gpu/train_pair.py OUT_DIR [--seconds N] [--tiny] [--hybrid | --dense-hybrid] [--device cuda|cpu] \
         [--report OUT_DIR/train_report.json]
 
 Writes, in the layout bench/gpu/make_tiny_models.py writes (so SGLang 0.5.13.post1 serves them with
@@ -32,6 +32,18 @@ over the 64 rows of a chunk per GDN layer, ~14k ops per training step vs ~1.3k f
 the GPU steps are launch-bound and fewer in the same time.
 CPU check (~30 s on 2 idle cores, tests/test_train_pair_cpu.py runs it):
     python bench/gpu/train_pair.py /tmp/ph --hybrid --tiny --device cpu
+
+--dense-hybrid (issue 25, a hybrid WITHOUT MoE): the target trains as transformers' Qwen3_5ForCausalLM with
+make_tiny_hybrid.dense_text_config (next_config's shape and GDN layers, a dense SwiGLU MLP of 512 in every
+layer, Qwen3.5's partial interleaved mRoPE) and is saved as the Qwen3_5ForConditionalGeneration checkpoint
+SGLang 0.5.13.post1 loads (its only dense Qwen3.5 entry class): the text weights under
+model.language_model.*, lm_head.weight, a seeded random one-block vision tower, config.json completed and the
+image / video processor configs written (make_tiny_hybrid.save_dense_target); the tokenizer also holds
+make_tiny_hybrid.VISION_TOKENS (after <|MASK|>). The pair goes to OUT_DIR/dense/target + OUT_DIR/dense/draft.
+No router loss (no MoE); subnormals flushed on CPU as for --hybrid. The reload check reads the saved VL
+checkpoint back through Qwen3_5ForCausalLM (transformers maps model.language_model.* onto it, the vision
+tower ignored); tests/test_dense_hybrid_target.py loads it as Qwen3_5ForConditionalGeneration as well.
+    python bench/gpu/train_pair.py /tmp/pd --dense-hybrid --tiny --device cpu
 
 Corpus: the .py files of the running Python's standard library (site-packages / dist-packages left
 out) plus every .py under each --extra-corpus DIR, read as UTF-8 (undecodable or > 1 MB files
@@ -412,9 +424,14 @@ def greedy_trajectories(target, tap: FeatureTap, stream: torch.Tensor, rows: int
     return torch.cat(out), torch.tensor(ps)
 
 
-def target_class(hybrid: bool):
+def target_class(hybrid: bool, dense_hybrid: bool = False):
     """transformers' class that trains, saves and reloads the target: Qwen3ForCausalLM, or with --hybrid
-    Qwen3NextForCausalLM (Gated DeltaNet layers 0-2 + gated attention layer 3, MoE MLPs)."""
+    Qwen3NextForCausalLM (Gated DeltaNet layers 0-2 + gated attention layer 3, MoE MLPs), or with
+    --dense-hybrid Qwen3_5ForCausalLM (the same layers, dense MLPs; saved through the VL class)."""
+    if dense_hybrid:
+        from transformers import Qwen3_5ForCausalLM
+
+        return Qwen3_5ForCausalLM
     if hybrid:
         from transformers import Qwen3NextForCausalLM
 
@@ -580,7 +597,12 @@ def main(argv=None) -> int:
                     help="greedy trajectories for the drafter (default 4096, tiny 4; time-capped with --seconds)")
     ap.add_argument("--hybrid", action="store_true",
                     help="Qwen3-Next target (make_tiny_hybrid.next_config), pair in OUT_DIR/next/{target,draft}")
+    ap.add_argument("--dense-hybrid", action="store_true",
+                    help="dense Qwen3.5 hybrid target (make_tiny_hybrid.dense_text_config, saved as "
+                         "Qwen3_5ForConditionalGeneration), pair in OUT_DIR/dense/{target,draft}")
     a = ap.parse_args(argv)
+    if a.hybrid and a.dense_hybrid:
+        ap.error("--hybrid and --dense-hybrid exclude each other")
 
     t_start = time.perf_counter()
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -588,7 +610,7 @@ def main(argv=None) -> int:
     if cuda:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
-    if a.hybrid and not cuda:
+    if (a.hybrid or a.dense_hybrid) and not cuda:
         # The Gated DeltaNet decays (exp of cumulative log-gates, transformers' torch fallback) underflow
         # into subnormal floats as the gates train, and x86 arithmetic on subnormals is ~10-100x slower:
         # the tiny CPU run's target steps went from 0.2 s to 3 s. Flushing them to zero changes values
@@ -607,7 +629,7 @@ def main(argv=None) -> int:
     d_steps = a.draft_steps or (15 if tiny else None)
     out = Path(a.out_dir)
     # --hybrid: make_tiny_hybrid's layout, so run_device.sh's HYB_MODELS=OUT_DIR serves OUT_DIR/next
-    pair_dir = out / "next" if a.hybrid else out
+    pair_dir = out / "next" if a.hybrid else (out / "dense" if a.dense_hybrid else out)
     tdir, ddir = pair_dir / "target", pair_dir / "draft"
     tdir.mkdir(parents=True, exist_ok=True)
     ddir.mkdir(parents=True, exist_ok=True)
@@ -624,7 +646,8 @@ def main(argv=None) -> int:
         held, train = train[-1:], train[:-1]
     label_to_path = dict(files)
     tok_files = [label_to_path[lb] for lb, _ in train if lb.startswith("stdlib/") and lb.count("/") == 1][:200]
-    n_vocab, eos = mtm.build_tokenizer(str(tdir), files=tok_files, extra_specials=[MASK_TOKEN])
+    n_vocab, eos = mtm.build_tokenizer(str(tdir), files=tok_files,
+                                       extra_specials=[MASK_TOKEN] + (mth.VISION_TOKENS if a.dense_hybrid else []))
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tdir / "tokenizer.json"))
@@ -648,8 +671,8 @@ def main(argv=None) -> int:
     train_stream_d = train_stream.to(device)
 
     # ---- target
-    target_cls = target_class(a.hybrid)
-    cfg = mth.next_config(eos) if a.hybrid else mtm.target_config(eos)
+    target_cls = target_class(a.hybrid, a.dense_hybrid)
+    cfg = mth.next_config(eos) if a.hybrid else (mth.dense_text_config(eos) if a.dense_hybrid else mtm.target_config(eos))
     torch.manual_seed(a.seed)
     target = (target_cls._from_config(cfg, **target_kwargs(a.hybrid)) if a.hybrid else target_cls(cfg)).to(device)
     target.train()
@@ -686,7 +709,10 @@ def main(argv=None) -> int:
     rc_tap = FeatureTap(target, [0])
     rc_before = greedy_block(target, rc_tap, rc_ctx)[1]
     rc_tap.remove()
-    target.save_pretrained(str(tdir), safe_serialization=True)
+    if a.dense_hybrid:  # the Qwen3_5ForConditionalGeneration checkpoint (+ vision tower, processor configs)
+        mth.save_dense_target(target, str(tdir), seed=a.seed)
+    else:
+        target.save_pretrained(str(tdir), safe_serialization=True)
     if a.hybrid:
         mth.fix_saved_config(str(tdir))  # full_attention_interval, which SGLang's Qwen3-Next config reads
     # the saved checkpoint, as SGLang / HF load it
@@ -801,7 +827,8 @@ def main(argv=None) -> int:
 
     report = {
         "script": "bench/gpu/train_pair.py", "argv": sys.argv[1:] if argv is None else list(argv),
-        "seed": a.seed, "tiny": tiny, "hybrid": a.hybrid, "device": str(device),
+        "seed": a.seed, "tiny": tiny, "hybrid": a.hybrid, **({"dense_hybrid": True} if a.dense_hybrid else {}),
+        "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": __import__("transformers").__version__},
@@ -835,7 +862,7 @@ def main(argv=None) -> int:
                  "dtype": str(dtype), "wall_s": ev_wall},
         "reproduce": f"python bench/gpu/train_pair.py OUT --seed {a.seed} --target-steps {t_done} "
                      f"--draft-steps {d_done} --traj-rows {tr_rows}" + (" --tiny" if tiny else "")
-                     + (" --hybrid" if a.hybrid else "")
+                     + (" --hybrid" if a.hybrid else "") + (" --dense-hybrid" if a.dense_hybrid else "")
                      + f" --draft-layers {a.draft_layers}"
                      + "".join(f" --extra-corpus {d}" for d in a.extra_corpus),
         "wall_s": time.perf_counter() - t_start,
