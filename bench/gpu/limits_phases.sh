@@ -1,6 +1,7 @@
 # Sourced by run_device.sh when LIMITS=1 (issue 23): the servers are in TAGS, the first one warms up.
 # Sets: r (random model, --context-length 1024, --cuda-graph-max-bs 32), q (the same model at 4096 and 8),
-# p (peaked model, 1024 / 32), h (LIMITS_SET=h alone: the trained hybrid pair, 1024 / 32: mix and limits).
+# p (peaked model, 1024 / 32), h (LIMITS_SET=h alone: the trained hybrid pair, 1024 / 32: mix and limits;
+# LIMITS_SET=hd: the dense hybrid, with the deepest-node commit that must fail).
 # Every server: CUDA graphs, no overlap scheduler (run_device.sh's LIMITS flags).
 # A1: each set's plain server makes its workloads (production_mix.py --make; plain returns top-5 logprobs).
 # A2, clients of different servers in parallel (the verdicts do not depend on timing):
@@ -56,7 +57,7 @@ ts "A1 done (workloads made)"
 JOBS=()
 for t in r_dflash r_full15 r_full64 r_full256 r_auto; do has $t && { ( work $t mix; work $t limits ) & JOBS+=($!); }; done
 for t in q_dflash q_full64 q_full512 q_auto; do has $t && { ( work $t limits ) & JOBS+=($!); }; done
-for t in h_dflash h_full15 h_full64 h_full256; do has $t && { ( work $t mix; work $t limits ) & JOBS+=($!); }; done
+for t in h_dflash h_full15 h_full64 h_full256 h_full64_deepest; do has $t && { ( work $t mix; work $t limits ) & JOBS+=($!); }; done
 TP=${T1:+1}; TP=${TP:-0.95}; TT=${T1:-0.8}
 has p_dflash && { ( work p_dflash penalties; work p_dflash mix ) & JOBS+=($!); }
 has p_full64 && { ( work p_full64 penalties; work p_full64 mix; samples p_full64 $TT $TP ) & JOBS+=($!); }
@@ -109,13 +110,19 @@ MIXC=(python3 $HERE/production_mix.py compare "$OUT")
       $(has p_full64_bias && echo --biased p_full64_bias_t$TT); echo "rc=$?"
     has p_auto && { "${PROOF[@]}" compare "$OUT" --plain p_plain_t$TT --cand p_auto_t$TT; echo "rc=$?"; }
   fi
-  if has h_plain; then  # LIMITS_SET=h: the hybrid pair; what the margin rule leaves goes to the float32 oracle
-    echo "--- hybrid pair: production mix (context 1024, graphs on up to 32)"
+  if has h_plain; then  # LIMITS_SET=h / hd: the hybrids; on the MoE pair what the margin rule leaves goes to the float32 oracle
+    echo "--- hybrid ($LIMITS_SET): production mix (context 1024, graphs on up to 32)"
     "${MIXC[@]}" h_plain --suffix _mix --upstream h_dflash -- $(served h_dflash h_full15 h_full64 h_full256); echo "rc=$?"
-    echo "--- hybrid pair: limits, a graph batch of 32 at --context-length 1024"
+    echo "--- hybrid ($LIMITS_SET): limits, a graph batch of 32 at --context-length 1024"
     "${MIXC[@]}" h_plain --suffix _limits --upstream h_dflash --expect-dead $(served h_dflash_pristine) -- \
       $(served h_dflash h_full15 h_full64 h_full256 h_dflash_pristine); echo "rc=$?"
-    for k in mix limits; do
+    if has h_full64_deepest; then
+      for k in mix limits; do
+        echo "--- hybrid ($LIMITS_SET), $k: the deliberately wrong commit (expected to fail)"
+        "${MIXC[@]}" h_plain --suffix "_$k" --upstream h_dflash --expect-fault h_full64_deepest -- h_full64_deepest; echo "rc=$?"
+      done
+    fi
+    [ "$LIMITS_SET" = h ] && for k in mix limits; do
       echo "--- hybrid pair, $k: route ties (float32 oracle, CPU)"
       python3 $HERE/route_ties.py "$OUT" --model /tmp/pair_h/next/target --plain h_plain --suffix "_$k" \
         --workload "$OUT/workload_${k}_h.json" --upstream h_dflash --cand $(served h_dflash h_full15 h_full64 h_full256)

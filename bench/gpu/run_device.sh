@@ -41,7 +41,8 @@
 #   train_pair_device.sh made (unpack its pair.tar and heldout_prompts.json into .gpu/pair/).
 # AUTO=1 (issue 24): auto_phases.sh: --speculative-ddtree-budget auto vs DFLASH and fixed budgets at batch 1..64 on
 #   the trained pair and its real-size shell (make_shell.py); needs the pair in .gpu/pair like SWEEP=1.
-# LIMITS=1 (issue 23): limits_phases.sh (LIMITS_SET=p the peaked set alone, LIMITS_SET=h the hybrid pair):
+# LIMITS=1 (issue 23): limits_phases.sh (LIMITS_SET=p the peaked set alone, LIMITS_SET=h the hybrid pair,
+#   LIMITS_SET=hd the hybrid without MoE):
 #   full graph batches at the context limit (1024 and 4096), penalties,
 #   samples at T 1 / top_p 1, the logprob probe, the production mix; upstream DFLASH (and, with
 #   dist/old/, the previous payload's full 64) on the limits workload, expected to crash.
@@ -49,6 +50,8 @@ set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 source "$HERE/device_env.sh"
 export SGLANG_DISABLE_REQUEST_LOGGING=1 SGLANG_DDTREE_LOG_EVERY=${SGLANG_DDTREE_LOG_EVERY:-8}
+# a multimodal target (the dense hybrid) forks a processor pool of this many per server (default: every core)
+export SGLANG_CPU_WORKERS=${SGLANG_CPU_WORKERS:-2}
 if command -v nvcc >/dev/null; then export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}; fi
 DEADLINE=$(( T0 + ${BUDGET_S:-560} ))
 
@@ -243,13 +246,21 @@ if [ "${LIMITS:-0}" = 1 ]; then
     "p_full64_bias|/tmp/tiny_p|$FULL 64 BIAS" "p_dflash_pristine|/tmp/tiny_p|DF PRISTINE" "p_full64_old|/tmp/tiny_p|$FULL 64 OLD")
   # LIMITS_SET=h (issue 25): the trained hybrid pair (.gpu/pair_h, radix cache off, full mode under the proof's
   # switch): the production mix and a graph batch of 32 at the context limit, upstream DFLASH last (expected dead)
-  if [ "${LIMITS_SET:-}" = h ]; then
-    [ -f .gpu/pair_h/next/target/config.json ] && [ -f .gpu/pair_h/next/draft/config.json ] \
-      || { echo "LIMITS_SET=h needs .gpu/pair_h/next/{target,draft}: run train_pair_device.sh with HYBRID=1"; exit 1; }
-    rm -rf /tmp/pair_h && cp -r .gpu/pair_h /tmp/pair_h
-    H="--disable-radix-cache"; HM=/tmp/pair_h/next
+  # LIMITS_SET=hd: the same on the hybrid without MoE (make_tiny_hybrid.py's random dense Qwen3.5, served as
+  # Qwen3_5ForConditionalGeneration; HYB_MODELS=/tmp/tiny_hp for the peaked one), plus the deepest-node commit
+  # (must fail); no route ties can occur, so the margin rule alone judges
+  if [ "${LIMITS_SET:-}" = h ] || [ "${LIMITS_SET:-}" = hd ]; then
+    H="--disable-radix-cache"
+    if [ "$LIMITS_SET" = h ]; then
+      [ -f .gpu/pair_h/next/target/config.json ] && [ -f .gpu/pair_h/next/draft/config.json ] \
+        || { echo "LIMITS_SET=h needs .gpu/pair_h/next/{target,draft}: run train_pair_device.sh with HYBRID=1"; exit 1; }
+      rm -rf /tmp/pair_h && cp -r .gpu/pair_h /tmp/pair_h; HM=/tmp/pair_h/next
+    else
+      HM=${HYB_MODELS:-/tmp/tiny_h}/dense
+    fi
     VARIANTS=("h_full64|$HM|$FULL 64 $H HYB" "h_plain|$HM|$H" "h_dflash|$HM|DF $H" "h_full15|$HM|$FULL 15 $H HYB"
               "h_full256|$HM|$FULL 256 $H HYB" "h_dflash_pristine|$HM|DF $H PRISTINE")
+    [ "$LIMITS_SET" = hd ] && VARIANTS+=("h_full64_deepest|$HM|$FULL 64 $H HYB DEEPEST")
   fi
   if [ -z "$OLD_BUNDLE" ]; then VARIANTS=("${VARIANTS[@]/*_old|*}"); fi
   rm -rf /tmp/site_pristine && mkdir -p /tmp/site_pristine && tar -C /tmp/site_pristine -xJf .gpu/site312.tar.xz
@@ -402,7 +413,9 @@ client() {  # TAG WAIT_S: the proof's client for this server
 first=${TAGS[0]}; rest=("${TAGS[@]:1}")
 start_servers() {  # MARGIN_S: the first server alone (it warms the JIT caches), then the rest together;
   # wait until all are up or dead, MARGIN_S before the deadline at the latest
-  IFS='|' read -r tag model extra <<< "$first"; launch "$tag" "$model" $extra
+  IFS='|' read -r tag model extra <<< "$first"
+  [ -d "$model/target" ] || wait $MAKE_PID  # a model the background job makes
+  launch "$tag" "$model" $extra
   python3 $HERE/wait_all.py 300 "${PORT[$tag]}:${PID[$tag]}"
   ts "$first up (warm-up)"
   wait $MAKE_PID; ts "other models made"

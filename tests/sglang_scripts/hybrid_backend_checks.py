@@ -27,9 +27,9 @@ from sglang.srt.managers.schedule_batch import ScheduleBatch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.model_executor.model_runner_kv_cache_mixin import ModelRunnerKVCacheMixin
 from sglang.srt.server_args import set_global_server_args_for_scheduler
-from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.ddtree_args import hybrid_tree_verify
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 W, MAX_BS = 9, 4
 
