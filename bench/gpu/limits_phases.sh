@@ -1,7 +1,8 @@
 # Sourced by run_device.sh when LIMITS=1 (issue 23): the servers are in TAGS, the first one warms up.
 # Sets: r (random model, --context-length 1024, --cuda-graph-max-bs 32), q (the same model at 4096 and 8),
 # p (peaked model, 1024 / 32), h (LIMITS_SET=h alone: the trained hybrid pair, 1024 / 32: mix and limits;
-# LIMITS_SET=hd: the dense hybrid, with the deepest-node commit that must fail).
+# LIMITS_SET=hd: the dense hybrid, random (h) and peaked (k: drafts accepted, deep commits), each with the
+# deepest-node commit that must fail).
 # Every server: CUDA graphs, no overlap scheduler (run_device.sh's LIMITS flags).
 # A1: each set's plain server makes its workloads (production_mix.py --make; plain returns top-5 logprobs).
 # A2, clients of different servers in parallel (the verdicts do not depend on timing):
@@ -51,13 +52,16 @@ export WAIT_HEALTHY=$(( DEADLINE - $(date +%s) - 90 )); [ "$WAIT_HEALTHY" -ge 60
 ( work q_plain limits --make ) & P2=$!
 ( work p_plain penalties --make; work p_plain mix --make ) & P3=$!
 ( work h_plain mix --make; work h_plain limits --make ) & P4=$!
-wait $P1 $P2 $P3 $P4
+( work k_plain mix --make; work k_plain limits --make ) & P5=$!
+wait $P1 $P2 $P3 $P4 $P5
 ts "A1 done (workloads made)"
 # A2
 JOBS=()
 for t in r_dflash r_full15 r_full64 r_full256 r_auto; do has $t && { ( work $t mix; work $t limits ) & JOBS+=($!); }; done
 for t in q_dflash q_full64 q_full512 q_auto; do has $t && { ( work $t limits ) & JOBS+=($!); }; done
-for t in h_dflash h_full15 h_full64 h_full256 h_full64_deepest; do has $t && { ( work $t mix; work $t limits ) & JOBS+=($!); }; done
+for t in h_dflash h_full15 h_full64 h_full256 h_full64_deepest k_dflash k_full64 k_full256 k_full64_deepest; do
+  has $t && { ( work $t mix; work $t limits ) & JOBS+=($!); }
+done
 TP=${T1:+1}; TP=${TP:-0.95}; TT=${T1:-0.8}
 has p_dflash && { ( work p_dflash penalties; work p_dflash mix ) & JOBS+=($!); }
 has p_full64 && { ( work p_full64 penalties; work p_full64 mix; samples p_full64 $TT $TP ) & JOBS+=($!); }
@@ -120,6 +124,14 @@ MIXC=(python3 $HERE/production_mix.py compare "$OUT")
       for k in mix limits; do
         echo "--- hybrid ($LIMITS_SET), $k: the deliberately wrong commit (expected to fail)"
         "${MIXC[@]}" h_plain --suffix "_$k" --upstream h_dflash --expect-fault h_full64_deepest -- h_full64_deepest; echo "rc=$?"
+      done
+    fi
+    if has k_plain; then
+      echo "--- dense hybrid, peaked (k): production mix and limits"
+      for k in mix limits; do
+        "${MIXC[@]}" k_plain --suffix "_$k" --upstream k_dflash -- $(served k_dflash k_full64 k_full256); echo "rc=$?"
+        echo "--- k, $k: the deliberately wrong commit (expected to fail)"
+        "${MIXC[@]}" k_plain --suffix "_$k" --upstream k_dflash --expect-fault k_full64_deepest -- k_full64_deepest; echo "rc=$?"
       done
     fi
     [ "$LIMITS_SET" = h ] && for k in mix limits; do

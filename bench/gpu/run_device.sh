@@ -102,7 +102,8 @@ else
 PEAKED=1 python3 $HERE/make_tiny_models.py /tmp/tiny_p 2>&1 | grep -v -i "warn\|Writing model"
 ( PEAKED=0 python3 $HERE/make_tiny_models.py /tmp/tiny_r > "$OUT/make_r.log" 2>&1;
   python3 $HERE/make_tiny_hybrid.py /tmp/tiny_h > "$OUT/make_h.log" 2>&1
-  if [ "${MIX_SET:-}" = h ]; then PEAKED=1 python3 $HERE/make_tiny_hybrid.py /tmp/tiny_hp > "$OUT/make_hp.log" 2>&1; fi ) &
+  if [ "${MIX_SET:-}" = h ] || [ "${LIMITS_SET:-}" = hd ]; then
+    PEAKED=1 python3 $HERE/make_tiny_hybrid.py /tmp/tiny_hp > "$OUT/make_hp.log" 2>&1; fi ) &
 MAKE_PID=$!
 ts "peaked models made"
 fi
@@ -260,7 +261,11 @@ if [ "${LIMITS:-0}" = 1 ]; then
     fi
     VARIANTS=("h_full64|$HM|$FULL 64 $H HYB" "h_plain|$HM|$H" "h_dflash|$HM|DF $H" "h_full15|$HM|$FULL 15 $H HYB"
               "h_full256|$HM|$FULL 256 $H HYB" "h_dflash_pristine|$HM|DF $H PRISTINE")
-    [ "$LIMITS_SET" = hd ] && VARIANTS+=("h_full64_deepest|$HM|$FULL 64 $H HYB DEEPEST")
+    if [ "$LIMITS_SET" = hd ]; then
+      KM=/tmp/tiny_hp/dense  # the peaked twin: drafts accepted, so full mode commits deep nodes
+      VARIANTS+=("h_full64_deepest|$HM|$FULL 64 $H HYB DEEPEST" "k_plain|$KM|$H" "k_dflash|$KM|DF $H"
+                 "k_full64|$KM|$FULL 64 $H HYB" "k_full256|$KM|$FULL 256 $H HYB" "k_full64_deepest|$KM|$FULL 64 $H HYB DEEPEST")
+    fi
   fi
   if [ -z "$OLD_BUNDLE" ]; then VARIANTS=("${VARIANTS[@]/*_old|*}"); fi
   rm -rf /tmp/site_pristine && mkdir -p /tmp/site_pristine && tar -C /tmp/site_pristine -xJf .gpu/site312.tar.xz
