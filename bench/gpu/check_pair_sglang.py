@@ -3,8 +3,8 @@
 
     python bench/gpu/check_pair_sglang.py PAIR_DIR [--out check.json] [--contexts 3]
 
-PAIR_DIR holds target/ and draft/ (train_pair.py or make_tiny_models.py), or next/target + next/draft
-(train_pair.py --hybrid, make_tiny_hybrid.py): a Qwen3-Next target, whose SGLang capture is not run here
+PAIR_DIR holds target/ and draft/ (train_pair.py or make_tiny_models.py), or next/ or dense/ {target, draft}
+(train_pair.py --hybrid / --dense-hybrid, make_tiny_hybrid.py): a hybrid target, whose SGLang capture is not run here
 (its layers need SGLang's GDN backend and Triton kernels; the capture itself is the same residual stream
 as Qwen3's, see train_pair.py's docstring), so only the draft and the HF features are checked. Needs sglang 0.5.13.post1
 importable (the dev venv, or /tmp/site on the GPU machine: run it there with CUDA_VISIBLE_DEVICES=
@@ -140,8 +140,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     pair = Path(a.pair_dir)
-    if not (pair / "target").is_dir() and (pair / "next" / "target").is_dir():
-        pair = pair / "next"  # train_pair.py --hybrid / make_tiny_hybrid.py layout
+    for layout in ("next", "dense"):  # train_pair.py --hybrid / --dense-hybrid, make_tiny_hybrid.py
+        if not (pair / "target").is_dir() and (pair / layout / "target").is_dir():
+            pair = pair / layout
     tdir, ddir = pair / "target", pair / "draft"
 
     import torch
@@ -158,8 +159,10 @@ def main(argv=None) -> int:
     mask_id = int(dcfg_json["dflash_config"]["mask_token_id"])
     block = int(dcfg_json["dflash_config"].get("block_size", dcfg_json.get("block_size", 16)))
 
-    hybrid = json.loads((tdir / "config.json").read_text()).get("model_type") == "qwen3_next"
-    hf = tp.target_class(hybrid).from_pretrained(str(tdir), dtype=torch.float32, **tp.target_kwargs(hybrid)).eval()
+    model_type = json.loads((tdir / "config.json").read_text()).get("model_type")
+    hybrid, dense_hybrid = model_type == "qwen3_next", model_type == "qwen3_5"
+    hf = tp.target_class(hybrid, dense_hybrid).from_pretrained(
+        str(tdir), dtype=torch.float32, **tp.target_kwargs(hybrid)).eval()
     tap = tp.FeatureTap(hf, ids)
     ours = tp.load_draft(ddir).float().eval()
 
@@ -176,8 +179,8 @@ def main(argv=None) -> int:
     # SGLang's target, for the captured features (best effort)
     sg_target, sg_target_error = None, None
     try:
-        if hybrid:
-            raise NotImplementedError("Qwen3-Next target: SGLang's GDN layers need its linear-attention backend "
+        if hybrid or dense_hybrid:
+            raise NotImplementedError(f"{model_type} target: SGLang's GDN layers need its linear-attention backend "
                                       "(Triton) and a real forward batch")
         from sglang.srt.models.qwen3 import Qwen3ForCausalLM as SgQwen3
 

@@ -248,17 +248,24 @@ if [ "${LIMITS:-0}" = 1 ]; then
   # LIMITS_SET=h (issue 25): the trained hybrid pair (.gpu/pair_h, radix cache off, full mode under the proof's
   # switch): the production mix and a graph batch of 32 at the context limit, upstream DFLASH last (expected dead)
   # LIMITS_SET=hd: the same on the hybrid without MoE (make_tiny_hybrid.py's random dense Qwen3.5, served as
-  # Qwen3_5ForConditionalGeneration; HYB_MODELS=/tmp/tiny_hp for the peaked one), plus the deepest-node commit
-  # (must fail); no route ties can occur, so the margin rule alone judges
+  # Qwen3_5ForConditionalGeneration; HYB_PAIR=1 the trained dense pair from .gpu/pair_hd), plus the deepest-node
+  # commit (must fail), and the peaked dense twin as the k set; no route ties can occur, so the margin rule alone judges
   if [ "${LIMITS_SET:-}" = h ] || [ "${LIMITS_SET:-}" = hd ]; then
     H="--disable-radix-cache"
     if [ "$LIMITS_SET" = h ]; then
       [ -f .gpu/pair_h/next/target/config.json ] && [ -f .gpu/pair_h/next/draft/config.json ] \
         || { echo "LIMITS_SET=h needs .gpu/pair_h/next/{target,draft}: run train_pair_device.sh with HYBRID=1"; exit 1; }
       rm -rf /tmp/pair_h && cp -r .gpu/pair_h /tmp/pair_h; HM=/tmp/pair_h/next
+    elif [ "${HYB_PAIR:-0}" = 1 ]; then  # the trained dense pair (train_pair_device.sh HYBRID=dense's pair_hd.tar)
+      [ -f .gpu/pair_hd/dense/target/config.json ] && [ -f .gpu/pair_hd/dense/draft/config.json ] \
+        || { echo "LIMITS_SET=hd HYB_PAIR=1 needs .gpu/pair_hd/dense/{target,draft}: run train_pair_device.sh with HYBRID=dense"; exit 1; }
+      rm -rf /tmp/pair_hd && cp -r .gpu/pair_hd /tmp/pair_hd; HM=/tmp/pair_hd/dense
     else
       HM=${HYB_MODELS:-/tmp/tiny_h}/dense
     fi
+    # SGLang warms a multimodal target up with an image through the chat API (a chat template the tiny tokenizer
+    # lacks; the vision tower is not what this proves): every request here is text, so no warm-up request
+    [ "$LIMITS_SET" = hd ] && H="$H --skip-server-warmup"
     VARIANTS=("h_full64|$HM|$FULL 64 $H HYB" "h_plain|$HM|$H" "h_dflash|$HM|DF $H" "h_full15|$HM|$FULL 15 $H HYB"
               "h_full256|$HM|$FULL 256 $H HYB" "h_dflash_pristine|$HM|DF $H PRISTINE")
     if [ "$LIMITS_SET" = hd ]; then

@@ -14,12 +14,17 @@
 # HYBRID=1 (issue 25): train_pair.py --hybrid, a Qwen3-Next target (PAIR default /tmp/pair_h, TRAIN_SECONDS
 # default 400: its torch-fallback GDN steps are launch-bound); back: pair_h.tar (next/target + next/draft +
 # heldout_prompts.json: unpack it into .gpu/pair_h/, which run_device.sh MIX_SET=h HYB_PAIR=1 serves).
+# HYBRID=dense: train_pair.py --dense-hybrid, the hybrid without MoE (PAIR default /tmp/pair_hd, TRAIN_SECONDS
+# default 400); back: pair_hd.tar (dense/target + dense/draft + heldout_prompts.json: unpack it into .gpu/pair_hd/,
+# which run_device.sh LIMITS=1 LIMITS_SET=hd HYB_PAIR=1 serves).
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 source "$HERE/device_env.sh"
 HYBRID=${HYBRID:-0}
 if [ "$HYBRID" = 1 ]; then
   PAIR=${PAIR:-/tmp/pair_h}; HYB_ARGS=(--hybrid); export TRAIN_SECONDS=${TRAIN_SECONDS:-400}
+elif [ "$HYBRID" = dense ]; then
+  PAIR=${PAIR:-/tmp/pair_hd}; HYB_ARGS=(--dense-hybrid); export TRAIN_SECONDS=${TRAIN_SECONDS:-400}
 else
   PAIR=${PAIR:-/tmp/pair}; HYB_ARGS=()
 fi
@@ -45,6 +50,8 @@ ts "train_pair rc=$RC"
 cp "$PAIR/heldout_prompts.json" "$OUT/"
 if [ "$HYBRID" = 1 ]; then
   tar -C "$PAIR" -cf "$OUT/pair_h.tar" next heldout_prompts.json
+elif [ "$HYBRID" = dense ]; then
+  tar -C "$PAIR" -cf "$OUT/pair_hd.tar" dense heldout_prompts.json
 else
   tar -C "$PAIR" -cf "$OUT/pair.tar" target draft
 fi
