@@ -88,9 +88,9 @@ VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video
 # model (model_runner.model_is_mrope, ForwardBatch.mrope_positions), the path a real Qwen3.5 / 3.6 takes.
 DENSE_ROPE = {"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.25,
               "mrope_section": [3, 3, 2], "mrope_interleaved": True}
-# The smallest vision tower: one block, head_dim 32, a 4 x 4 position grid; it only has to exist
-# (SGLang's Qwen3VLForConditionalGeneration builds it unconditionally). out_hidden_size = the text hidden.
-# head_dim 64: the vision attention picks its GPU backend at start, and 64 is a width every backend takes
+# A small vision tower: one block, a 4 x 4 position grid; it only has to exist (SGLang's
+# Qwen3VLForConditionalGeneration builds it unconditionally). head_dim 64: the vision attention picks its GPU
+# backend at start, and 64 is a width every backend takes. out_hidden_size = the text hidden.
 DENSE_VISION = {"depth": 1, "hidden_size": 128, "intermediate_size": 256, "num_heads": 2, "in_channels": 3,
                 "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": tm.HIDDEN,
                 "num_position_embeddings": 16}

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Train a small Qwen3 (or, --hybrid, Qwen3-Next) target and a DFlash drafter against it, reproducibly
-(issue 14 item 1; --hybrid: issue 25).
+"""Train a small Qwen3 (or, --hybrid, Qwen3-Next; --dense-hybrid, a dense Qwen3.5) target and a DFlash drafter
+against it, reproducibly (issue 14 item 1; --hybrid and --dense-hybrid: issue 25).
 
     python bench/gpu/train_pair.py OUT_DIR [--seconds N] [--tiny] [--hybrid | --dense-hybrid] [--device cuda|cpu] \
         [--report OUT_DIR/train_report.json]
