@@ -2,7 +2,9 @@
 # Sets: r (random model, --context-length 1024, --cuda-graph-max-bs 32), q (the same model at 4096 and 8),
 # p (peaked model, 1024 / 32), h (LIMITS_SET=h alone: the trained hybrid pair, 1024 / 32: mix and limits;
 # LIMITS_SET=hd: the dense hybrid, random (h) and peaked (k: drafts accepted, deep commits), each with the
-# deepest-node commit that must fail).
+# deepest-node commit that must fail; k also samples at T 1 and proves liveness. With HYB_PAIR=1 the trained dense
+# pair is h, and again x with the radix cache (mix with 40 round-2 requests, limits, samples, liveness); then B,
+# the pair's speed one server at a time).
 # Every server: CUDA graphs, no overlap scheduler (run_device.sh's LIMITS flags).
 # A1: each set's plain server makes its workloads (production_mix.py --make; plain returns top-5 logprobs).
 # A2, clients of different servers in parallel (the verdicts do not depend on timing):
@@ -45,6 +47,19 @@ samples() {  # TAG T TOP_P: 2000 x 3 prompts of 3 tokens (T 1 / top_p 1: no filt
     >> "$OUT/proof_$1.log" 2>&1
   ts "$1 samples T $2 top_p $3 rc=$?"
 }
+live() {  # TAG FLAGS...: graphs_proof.py's liveness rounds (8 sampled + 8 greedy, 20 rounds, 15 s bound) or --perf
+  has "$1" || return 0
+  timeout $(( DEADLINE - $(date +%s) - 40 )) "${PROOF[@]}" run --port "${PORT[$1]}" --tag "$1" --out "$OUT/${1}_proof.json" \
+    --wait 60 --pid "${PID[$1]}" "${@:2}" >> "$OUT/proof_$1.log" 2>&1
+  ts "$1 ${*:2} rc=$?"
+}
+hybrid() {  # TAG: a hybrid server's workloads; on the accepting sets (k, x) samples at T 1 and liveness as well
+  work "$1" mix; work "$1" limits
+  case $1 in
+    [kx]_full64|[kx]_full256) samples "$1" 1 1; live "$1" --liveness ;;
+    [kx]_dflash) live "$1" --liveness ;;
+  esac
+}
 T1=$([ "${LIMITS_SET:-}" = p ] || echo 1)  # the peaked set's own call samples at T 0.8, the full call at T 1
 # A1 (a server still starting after wait_all's limit gets until the deadline's last 90 s, 60 s at least)
 export WAIT_HEALTHY=$(( DEADLINE - $(date +%s) - 90 )); [ "$WAIT_HEALTHY" -ge 60 ] || WAIT_HEALTHY=60
@@ -53,15 +68,18 @@ export WAIT_HEALTHY=$(( DEADLINE - $(date +%s) - 90 )); [ "$WAIT_HEALTHY" -ge 60
 ( work p_plain penalties --make; work p_plain mix --make ) & P3=$!
 ( work h_plain mix --make; work h_plain limits --make ) & P4=$!
 ( work k_plain mix --make; work k_plain limits --make ) & P5=$!
-wait $P1 $P2 $P3 $P4 $P5
+( work x_plain mix --make --round2 40; work x_plain limits --make ) & P6=$!  # round 2 over the radix cache
+wait $P1 $P2 $P3 $P4 $P5 $P6
 ts "A1 done (workloads made)"
 # A2
 JOBS=()
 for t in r_dflash r_full15 r_full64 r_full256 r_auto; do has $t && { ( work $t mix; work $t limits ) & JOBS+=($!); }; done
 for t in q_dflash q_full64 q_full512 q_auto; do has $t && { ( work $t limits ) & JOBS+=($!); }; done
-for t in h_dflash h_full15 h_full64 h_full256 h_full64_deepest k_dflash k_full64 k_full256 k_full64_deepest; do
-  has $t && { ( work $t mix; work $t limits ) & JOBS+=($!); }
+for t in h_dflash h_full15 h_full64 h_full256 h_full64_deepest k_dflash k_full64 k_full256 k_full64_deepest \
+         x_dflash x_full64 x_full256 x_full64_deepest; do
+  has $t && { ( hybrid $t ) & JOBS+=($!); }
 done
+for t in k_plain x_plain; do has $t && { ( samples $t 1 1 ) & JOBS+=($!); }; done
 TP=${T1:+1}; TP=${TP:-0.95}; TT=${T1:-0.8}
 has p_dflash && { ( work p_dflash penalties; work p_dflash mix ) & JOBS+=($!); }
 has p_full64 && { ( work p_full64 penalties; work p_full64 mix; samples p_full64 $TT $TP ) & JOBS+=($!); }
@@ -71,6 +89,10 @@ has p_full64_bias && { ( samples p_full64_bias $TT $TP ) & JOBS+=($!); }
 for t in p_dflash_pristine p_full64_old; do has $t && { ( work $t penalties ) & JOBS+=($!); }; done
 [ ${#JOBS[@]} = 0 ] || wait "${JOBS[@]}"
 ts "A2 done"
+# B (LIMITS_SET=hd HYB_PAIR=1): the trained dense pair's speed, one server at a time (batch 1, 8, 32)
+if [ "${LIMITS_SET:-}" = hd ] && [ "${HYB_PAIR:-0}" = 1 ]; then
+  for t in h_dflash h_full15 h_full64 h_full256 h_plain; do [ $(( DEADLINE - $(date +%s) )) -gt 90 ] && live $t --perf; done
+fi
 for t in "${!PID[@]}"; do
   case $t in r_dflash_pristine|q_full512_old|h_dflash_pristine) continue ;; esac
   kill -TERM -- "-${PID[$t]}" 2>/dev/null
@@ -133,6 +155,24 @@ MIXC=(python3 $HERE/production_mix.py compare "$OUT")
         echo "--- k, $k: the deliberately wrong commit (expected to fail)"
         "${MIXC[@]}" k_plain --suffix "_$k" --upstream k_dflash --expect-fault k_full64_deepest -- k_full64_deepest; echo "rc=$?"
       done
+    fi
+    if has x_plain; then
+      echo "--- dense pair with the radix cache (x: extra_buffer; round 2 of the mix resumes from cached states)"
+      for k in mix limits; do
+        "${MIXC[@]}" x_plain --suffix "_$k" --upstream x_dflash -- $(served x_dflash x_full64 x_full256); echo "rc=$?"
+        echo "--- x, $k: the deliberately wrong commit (expected to fail)"
+        "${MIXC[@]}" x_plain --suffix "_$k" --upstream x_dflash --expect-fault x_full64_deepest -- x_full64_deepest; echo "rc=$?"
+      done
+    fi
+    for s in k x; do
+      has ${s}_plain || continue
+      echo "--- $s: samples at T 1 / top_p 1 (3 tokens), liveness"
+      "${PROOF[@]}" compare "$OUT" --plain ${s}_plain_t1 --cand $(for t in $(served ${s}_full64 ${s}_full256); do printf '%s_t1 ' $t; done) \
+        --liveness $(served ${s}_dflash ${s}_full64 ${s}_full256); echo "rc=$?"
+    done
+    if [ "${HYB_PAIR:-0}" = 1 ]; then
+      echo "--- dense pair: speed, one server at a time (radix cache off)"
+      "${PROOF[@]}" compare "$OUT" --plain h_plain --perf $(served h_plain h_dflash h_full15 h_full64 h_full256) --ratio-to h_dflash; echo "rc=$?"
     fi
     [ "$LIMITS_SET" = h ] && for k in mix limits; do
       echo "--- hybrid pair, $k: route ties (float32 oracle, CPU)"

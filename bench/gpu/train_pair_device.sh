@@ -8,7 +8,9 @@
 #    stdlib + EXTRA (default /tmp/site/sglang: the carried SGLang sources, the same bytes on every machine;
 #    EXTRA= for the stdlib alone)
 # 3) check_pair_sglang.py on the trained pair, on the CPU (CUDA_VISIBLE_DEVICES=): our drafter = SGLang's
-# Env: TRAIN_SECONDS (default 240), EXTRA, TRAIN_ARGS (more train_pair.py flags), PAIR (/tmp/pair), DEVICE (cuda).
+# Env: TRAIN_SECONDS (default 240), EXTRA, TRAIN_ARGS (more train_pair.py flags), PAIR (/tmp/pair), DEVICE (cuda),
+# SITE (/tmp/site: where the carry unpacks; another folder lets run_device.sh, which unpacks and patches /tmp/site,
+# run in the same call: `OUT=$OUT/train SITE=/tmp/site_train ... &`).
 # Back in $OUT: run.log (tee), train.log, train_report.json, heldout_prompts.json, check_sglang.json and
 # pair.tar (target/ + draft/, ~12 MB: unpack it into .gpu/pair/ here to carry it into later proof calls).
 # HYBRID=1 (issue 25): train_pair.py --hybrid, a Qwen3-Next target (PAIR default /tmp/pair_h, TRAIN_SECONDS
@@ -29,13 +31,14 @@ else
   PAIR=${PAIR:-/tmp/pair}; HYB_ARGS=()
 fi
 ts "start"; nvidia-smi -L 2>/dev/null || echo "no nvidia-smi"; python3 -V
+SITE=${SITE:-/tmp/site}
 if [ -f .gpu/site312.tar.xz ]; then
-  rm -rf /tmp/site && mkdir -p /tmp/site && tar -C /tmp/site -xJf .gpu/site312.tar.xz || { echo "extract failed"; exit 1; }
-  export PYTHONPATH=/tmp/site
+  rm -rf "$SITE" && mkdir -p "$SITE" && tar -C "$SITE" -xJf .gpu/site312.tar.xz || { echo "extract failed"; exit 1; }
+  export PYTHONPATH=$SITE
 else
   echo "no .gpu/site312.tar.xz: the image's own transformers is used"
 fi
-EXTRA=${EXTRA-/tmp/site/sglang}
+EXTRA=${EXTRA-$SITE/sglang}
 EXTRA_ARGS=()
 if [ -n "$EXTRA" ] && [ -d "$EXTRA" ]; then EXTRA_ARGS=(--extra-corpus "$EXTRA"); fi
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
