@@ -18,8 +18,8 @@
 #   payload's full 512 on q's: both expected to crash; greedy only (upstream also stalls on mixed batches).
 # Then production_mix.py compare per workload, graphs_proof.py compare for the samples, the GPU checks.
 PROOF=(python3 $HERE/graphs_proof.py)
-pack() {  # only a few files come back from the device: keep the summaries, pack the rest
-  ( cd "$OUT" && find . -maxdepth 1 -type f ! -name summary.txt ! -name run.log ! -name logs.tgz -printf '%P\n' \
+pack() {  # only a few files come back from the device: keep the summaries, pack the rest (an earlier pack inside)
+  ( cd "$OUT" && { [ ! -f logs.tgz ] || mv logs.tgz "logs_until_$(date +%s).tgz"; } && find . -maxdepth 1 -type f ! -name summary.txt ! -name run.log ! -name logs.tgz -printf '%P\n' \
       | tar -czf /tmp/ddtree_logs.tgz -T - && mv /tmp/ddtree_logs.tgz logs.tgz \
     && find . -maxdepth 1 -type f ! -name logs.tgz ! -name summary.txt ! -name run.log -delete )
 }

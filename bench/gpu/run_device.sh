@@ -97,6 +97,8 @@ if [ "${SWEEP:-0}" = 1 ] || [ "${AUTO:-0}" = 1 ]; then  # the trained pair trave
       || { tail -20 "$OUT/make_shell.log"; echo "make_shell failed"; exit 1; }
     tail -4 "$OUT/make_shell.log"; ts "shell made"
   fi
+elif [ "${LIMITS_SET:-}" = hd ] && [ "${HYB_PAIR:-0}" = 1 ]; then
+  true & MAKE_PID=$!  # every server serves the carried pair: no model to make
 else
 # The peaked set first (the warm-up server uses it); the others are made while it starts.
 PEAKED=1 python3 $HERE/make_tiny_models.py /tmp/tiny_p 2>&1 | grep -v -i "warn\|Writing model"
@@ -436,6 +438,24 @@ start_servers() {  # MARGIN_S: the first server alone (it warms the JIT caches),
   launch "$tag" "$model" $extra
   python3 $HERE/wait_all.py 300 "${PORT[$tag]}:${PID[$tag]}"
   ts "$first up (warm-up)"
+  # A server that skips SGLang's own warm-up request leaves Triton's JIT cache (on disk, shared) cold, and the
+  # servers started next would each compile the prefill, decode and verify kernels on their first requests:
+  # a few text requests (greedy and sampled, three lengths) through the first server compile them once.
+  [[ " $extra " == *" --skip-server-warmup "* ]] && python3 - "${PORT[$tag]}" <<'PY'
+import json, sys, threading, time, urllib.request
+port, t0 = sys.argv[1], time.time()
+def one(n: int, temperature: float) -> None:
+    body = {"text": "def f(x):\n    return x + 1\n" * n, "sampling_params": {"max_new_tokens": 24, "temperature": temperature}}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(req, timeout=150).read()
+    except Exception as e:  # the proof's own requests will show a broken server
+        print(f"JIT warm-up request ({n}, T {temperature}) failed: {e}")
+threads = [threading.Thread(target=one, args=a) for a in ((1, 0.0), (12, 0.0), (40, 1.0))]
+[t.start() for t in threads]; [t.join() for t in threads]
+print(f"JIT warm-up requests done in {time.time() - t0:.1f} s")
+PY
   wait $MAKE_PID; ts "other models made"
   for v in "${rest[@]}"; do IFS='|' read -r tag model extra <<< "$v"; launch "$tag" "$model" $extra; done
   local ports=() t
