@@ -56,8 +56,11 @@ serial: counts or percentages, the last repeats). The rollout stops after a batc
 failed than --max-fail allows; hosts not reached are untouched and listed.
 
 Stage order: full needs a passed shadow-linear on that host (unless --force); full on a hybrid
-target is refused before any change. A host whose release is not a DDTree payload is refused
-(push first), and so is a unit changed by hand since ddtree-ops installed it (unless --adopt).
+target is refused before any change unless the installed payload has proven its layer type on its
+architecture (Gated DeltaNet on Qwen3-Next and dense Qwen3.5 today; `--mode full --dry-run` shows
+each host's verdict).
+A host whose release is not a DDTree payload is refused (push first), and so is a unit changed by
+hand since ddtree-ops installed it (unless --adopt).
 --dry-run reports the refusals a real run would make, and exits as it would.
 """
 
@@ -126,8 +129,9 @@ def register(app: typer.Typer) -> None:
                                                      help="An inconclusive gate fails the host (default), or "
                                                           "pauses: the host stays as it is and the rollout stops.")] = "fail",
         allow_hybrid_unsafe: Annotated[bool, typer.Option("--allow-hybrid-unsafe",
-                                                          help="Refused: the payload does not support full mode "
-                                                               "on hybrid targets yet.")] = False,
+                                                          help="Refused: there is no unsafe override. Full mode "
+                                                               "on a hybrid target runs where the payload has "
+                                                               "proven its layer type and architecture.")] = False,
         prompts: Annotated[Path | None, typer.Option("--prompts", metavar="FILE",
                                                      help='More canary prompts, JSON lines {"text": ..., '
                                                           '"max_new_tokens": N}.')] = None,

@@ -707,8 +707,8 @@ def promote(inventory: Inventory, hosts: Sequence[HostConfig], opts: PromoteOpti
         raise UsageError("allow_hybrid_unsafe is set in the inventory, but the payload refuses "
                          "--speculative-ddtree-allow-hybrid-unsafe at argument parsing: there is no unsafe "
                          "override; full mode runs on a hybrid target only where its layer type is proven",
-                         hint="remove allow_hybrid_unsafe; promote hybrid targets to shadow-linear (`smoke` "
-                              "shows which hybrid layer types full mode refuses)",
+                         hint="remove allow_hybrid_unsafe; `promote --mode full --dry-run` shows which hybrid "
+                              "targets the payload refuses (promote those to shadow-linear)",
                          code="hybrid_unsafe_unsupported")
     for h in hosts:  # inventory-level mistakes stop the whole run before any host is touched
         service.render_unit(h, opts.mode)

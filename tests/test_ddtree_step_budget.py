@@ -4,7 +4,9 @@ edges and against a brute-force oracle; and the windowed-attention / hybrid refu
 from __future__ import annotations
 
 import importlib.util
+import json
 import random
+import subprocess
 import sys
 from pathlib import Path
 from unittest import mock
@@ -195,26 +197,50 @@ def test_plain_attention_models_are_not_refused(config: dict) -> None:
 
 
 def test_hybrid_models_are_refused_without_an_escape_hatch() -> None:
-    refusal = du.full_mode_refusal({"model_type": "qwen3_next"})
+    refusal = du.full_mode_refusal({"model_type": "qwen3_5_moe"})
     assert refusal and "hybrid" in refusal and "allow" not in refusal
 
 
-@pytest.mark.parametrize("config", [
-    {"model_type": "qwen3_next"},
-    {"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text"}},
-    {"model_type": "x", "architectures": ["Qwen3_5MoeForConditionalGeneration"]},
-    {"model_type": "qwen3_6_moe"},
+@pytest.mark.parametrize(("config", "architecture"), [
+    ({"model_type": "qwen3_next"}, "qwen3-next"),
+    ({"model_type": "x", "architectures": ["Qwen3NextForCausalLM"]}, "qwen3-next"),
+    ({"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text"}}, "qwen3.5"),
+    ({"model_type": "x", "architectures": ["Qwen3_5ForConditionalGeneration"]}, "qwen3.5"),
+    ({"model_type": "x", "architectures": ["Qwen3_5MoeForConditionalGeneration"]}, "qwen3.5-moe"),
+    ({"model_type": "qwen3_5_moe", "text_config": {"model_type": "qwen3_5_moe_text"}}, "qwen3.5-moe"),
+    ({"model_type": "qwen3_6_moe"}, "qwen3.6-moe"),
 ])
-def test_gated_deltanet_hybrids_follow_the_support_table(config: dict) -> None:
-    """GDN targets (Qwen3-Next, 3.5, 3.6) are wired but unproven: refused with the layer type named, served
-    only under the proof's switch; the table's status decides, nothing else."""
-    assert du.hybrid_layer_type(config) == "gated-deltanet"
-    refusal = du.full_mode_refusal(config)
-    assert refusal and "layer type gated-deltanet" in refusal and "shadow-linear" in refusal
-    assert du.full_mode_refusal(config, allow_unproven_hybrid=True) is None
-    proven = {"gated-deltanet": ("proven", "shown")}
-    with mock.patch.dict(du.HYBRID_TREE_SUPPORT, proven):
-        assert du.full_mode_refusal(config) is None
+def test_gated_deltanet_hybrids_follow_the_support_table(config: dict, architecture: str) -> None:
+    """GDN targets are told apart by architecture, and the table's status for (layer type, architecture)
+    decides, nothing else: proven serves, unproven is refused with both named (served only under the
+    proof's switch)."""
+    kind = ("gated-deltanet", architecture)
+    assert du.hybrid_kind(config) == kind and du.hybrid_layer_type(config) == "gated-deltanet"
+    for status in ("proven", "unproven"):
+        with mock.patch.dict(du.HYBRID_TREE_SUPPORT, {kind: (status, "the evidence")}):
+            refusal = du.full_mode_refusal(config)
+            if status == "proven":
+                assert refusal is None
+            else:
+                assert refusal and f"layer type gated-deltanet on {architecture}: the evidence" in refusal
+                assert "shadow-linear" in refusal
+                assert du.full_mode_refusal(config, allow_unproven_hybrid=True) is None
+    with mock.patch.dict(du.HYBRID_TREE_SUPPORT, {}, clear=True):  # off the table: refused by name
+        refusal = du.full_mode_refusal(config, allow_unproven_hybrid=True)
+        assert refusal and "no tree-verify support in DDTree" in refusal and "no hybrid layer type is proven" in refusal
+
+
+def test_the_support_table_lifts_only_what_the_h200_proved() -> None:
+    """What the GPU proofs showed (bench/RESULTS.md): GDN layers serve full mode on Qwen3-Next and dense
+    Qwen3.5; the MoE Qwen3.5 / 3.6 checkpoints, never served in a proof, stay unproven; refusals list what is
+    proven."""
+    for arch in ("qwen3-next", "qwen3.5"):
+        assert du.hybrid_support("gated-deltanet", arch)[0] == "proven"
+    for arch in ("qwen3.5-moe", "qwen3.6-moe"):
+        assert du.hybrid_support("gated-deltanet", arch)[0] == "unproven"
+    assert du.hybrid_support("mamba2", "nemotron-h")[0] == "refused"
+    refusal = du.full_mode_refusal({"model_type": "qwen3_5_moe"})
+    assert refusal and "full mode runs on gated-deltanet on qwen3-next, gated-deltanet on qwen3.5 only" in refusal
 
 
 @pytest.mark.parametrize("config", [
@@ -253,3 +279,24 @@ def test_padded_step_budget_randomised() -> None:
         assert got == want, (budget, bs, row, limits, got, want)
         outcomes.add("none" if got is None else "zero" if got == 0 else "full" if got == budget else "shrunk")
     assert outcomes == {"none", "zero", "full", "shrunk"}
+
+
+@pytest.mark.parametrize(("config", "refused_with"), [
+    ({"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"]}, None),
+    ({"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text"}}, None),
+    ({"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"]},
+     "layer type gated-deltanet on qwen3.5-moe"),
+    ({"model_type": "x", "layer_types": ["linear_attention", "full_attention"]}, "no tree-verify support in DDTree"),
+])
+def test_promotes_payload_verdict_follows_the_support_table(config: dict, refused_with: str | None) -> None:
+    """promote asks the host's installed payload, through units.FULL_MODE_PROBE (its own Python, the module file
+    loaded by path), before any change: the verdict is the support table's, proven architectures pass."""
+    from ddtree_ops.agent.remote.units import FULL_MODE_PROBE
+
+    proc = subprocess.run([sys.executable, "-c", FULL_MODE_PROBE, du.__file__, json.dumps(config)],
+                          capture_output=True, text=True, timeout=120)
+    refusal = json.loads(proc.stdout.strip().splitlines()[-1])["refusal"]
+    if refused_with is None:
+        assert refusal is None
+    else:
+        assert refusal and refused_with in refusal and "shadow-linear" in refusal

@@ -6,8 +6,8 @@ dense/target (random, and PEAKED) and train_pair.py --dense-hybrid's (trained, -
     fills every parameter from the checkpoint through its own load_weights, and loads the processor a
     multimodal architecture needs (tests/sglang_scripts/dense_target_check.py: what is SGLang's, what
     stands in);
-  * the payload's offline check (ddtree_utils) classes it as gated-deltanet: full mode `unproven`, served
-    under the test switch only, not refused by name.
+  * the payload's offline check (ddtree_utils) classes it as gated-deltanet on qwen3.5, which the H200 proof
+    lifted (bench/RESULTS.md): full mode served; the same layers in Qwen3.5's MoE checkpoint stay unproven.
 """
 
 from __future__ import annotations
@@ -217,14 +217,17 @@ def test_sglang_loads_the_processor_a_vl_architecture_needs(sglang_view, which):
     assert isinstance(v["processor_image_token_id"], int) and v["processor_image_token_id"] < 4096
 
 
-def test_payload_classes_it_gated_deltanet_unproven(made, trained):
+def test_payload_classes_it_gated_deltanet_on_qwen35_proven(made, trained):
     du = load_ddtree_utils()
     for d in (made["random"], trained / "dense" / "target"):
         cfg = json.loads((d / "config.json").read_text())
         hybrid, why = du.is_hybrid_model(cfg)
         assert hybrid, why
-        assert du.hybrid_layer_type(cfg) == "gated-deltanet"
-        assert du.HYBRID_TREE_SUPPORT["gated-deltanet"][0] == "unproven"
-        refusal = du.full_mode_refusal(cfg)
-        assert refusal and "layer type gated-deltanet" in refusal  # refused by its status, not by name
-        assert du.full_mode_refusal(cfg, allow_unproven_hybrid=True) is None  # served under the test switch
+        assert du.hybrid_kind(cfg) == ("gated-deltanet", "qwen3.5")
+        assert du.full_mode_refusal(cfg) is None
+        # the MoE checkpoint of the same family: same layers, no proof, refused with both named
+        moe = {**cfg, "model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+               "text_config": {**cfg["text_config"], "model_type": "qwen3_5_moe_text"}}
+        refusal = du.full_mode_refusal(moe)
+        assert refusal and "layer type gated-deltanet on qwen3.5-moe" in refusal
+        assert du.full_mode_refusal(moe, allow_unproven_hybrid=True) is None  # served under the test switch

@@ -59,6 +59,8 @@ GDN_CONFIG = {
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "num_experts": 4, "num_experts_per_tok": 2,
     "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128, "torch_dtype": "bfloat16",
 }
+# The same layers under an architecture no GPU proof has served (Qwen3.5's MoE checkpoint): full mode unproven
+GDN_UNPROVEN_CONFIG = {**GDN_CONFIG, "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text"}
 # (Jamba: Mamba layers SGLang's argument checks let through to ours; its Nemotron-H is refused by SGLang
 # itself for the triton backend.)
 MAMBA2_CONFIG = {**QWEN3_CONFIG, "architectures": ["JambaForCausalLM"], "model_type": "jamba",
@@ -73,7 +75,8 @@ def patched(tmp_path_factory):
     site = copy_sglang_tree(root / "site")
     manifest = B.install_bundle(built.bundle_path, site)
     models = root / "models"
-    for name, cfg in (("target", QWEN3_CONFIG), ("draft", DRAFT_CONFIG), ("gdn", GDN_CONFIG), ("mamba2", MAMBA2_CONFIG)):
+    for name, cfg in (("target", QWEN3_CONFIG), ("draft", DRAFT_CONFIG), ("gdn", GDN_CONFIG),
+                      ("gdn_unproven", GDN_UNPROVEN_CONFIG), ("mamba2", MAMBA2_CONFIG)):
         (models / name).mkdir(parents=True)
         (models / name / "config.json").write_text(json.dumps(cfg))
     return site, manifest, models
@@ -108,6 +111,7 @@ def _cases(models: Path) -> tuple[list[dict], dict[str, object]]:
           "--speculative-num-draft-tokens", "16"]
     full = [*df, "--attention-backend", "triton", "--speculative-ddtree-mode", "full"]
     gdn_full = [*full, "--model-path", str(models / "gdn")]
+    gdn_unproven_full = [*full, "--model-path", str(models / "gdn_unproven")]
     mamba2_full = [*full, "--model-path", str(models / "mamba2")]
     good = {
         "plain": base,
@@ -162,8 +166,9 @@ def _cases(models: Path) -> tuple[list[dict], dict[str, object]]:
         "allow flag with full": ([*full, "--speculative-ddtree-allow-hybrid-unsafe"],
                                  "--speculative-ddtree-allow-hybrid-unsafe is refused: full mode on a hybrid"),
         # hybrids at argument parsing, before any pool exists (bench/gpu/HYBRID.md §3.4)
-        "full on GDN, unproven": ([*gdn_full, "--disable-radix-cache"],
-                                  "layer type gated-deltanet: SGLang's GDN tree kernels follow DDTree's parents"),
+        "full on GDN, unproven": ([*gdn_unproven_full, "--disable-radix-cache"],
+                                  "layer type gated-deltanet on qwen3.5-moe: SGLang's GDN tree kernels follow "
+                                  "DDTree's parents"),
         "full on Mamba": ([*mamba2_full, "--disable-radix-cache"],
                             "have no tree-verify support in DDTree"),
         "full on flashinfer": ([*df, "--speculative-ddtree-mode", "full", "--attention-backend", "flashinfer"],
@@ -215,6 +220,9 @@ def _cases(models: Path) -> tuple[list[dict], dict[str, object]]:
     cases += [{"name": k, "argv": v, "env": env} for k, (env, v, _) in switched.items()]
     cases += [{"name": k, "argv": full, "env": env} for k, env in allowed.items()]
     cases.append({"name": "GDN full 64 under the proof's switch", "env": unproven,
+                  "argv": [*gdn_unproven_full, "--disable-radix-cache", "--speculative-ddtree-budget", "64"]})
+    # Qwen3-Next's GDN layers are proven (ddtree_utils.HYBRID_TREE_SUPPORT): served without any switch
+    cases.append({"name": "GDN full 64 on a proven architecture",
                   "argv": [*gdn_full, "--disable-radix-cache", "--speculative-ddtree-budget", "64"]})
     # ServerArgs built in Python (Engine kwargs) goes through the same checks.
     cases.append({"name": "kwargs bad mode", "kwargs": {"model_path": str(models / "target"), "device": "cpu",
@@ -222,6 +230,7 @@ def _cases(models: Path) -> tuple[list[dict], dict[str, object]]:
     expect: dict[str, object] = {k: "ok" for k in good} | {k: msg for k, (_, msg) in bad.items()}
     expect |= {k: msg for k, (_, _, msg) in switched.items()} | {k: "ok" for k in allowed}
     expect["GDN full 64 under the proof's switch"] = "ok"
+    expect["GDN full 64 on a proven architecture"] = "ok"
     expect["kwargs bad mode"] = "--speculative-ddtree-mode must be one of off, shadow-linear, full; got 'fast'"
     cases.append({"name": "kwargs keep chain not a bool", "kwargs": {
         "model_path": str(models / "target"), "device": "cpu", "speculative_algorithm": "DFLASH",

@@ -248,7 +248,7 @@ def test_pushed_payload_runs_all_modes_refuses_bad_flags_and_drains(lab_fleet, i
     for unit in (bad_budget, hybrid_full, hybrid_allowed):
         assert unit.wait_failed()["Result"] == "exit-code"
     assert "--speculative-ddtree-budget must be in 1..512" in bad_budget.journal()
-    # refused at argument parsing (the local config.json), before any pool: no hybrid layer type is proven yet
+    # refused at argument parsing (the local config.json), before any pool: an unknown hybrid layer type
     journal = hybrid_full.journal()
     assert "DDTree full mode refused: the target model is hybrid" in journal and "linear_attention" in journal
     # no escape hatch: the allow flag itself is refused at parsing

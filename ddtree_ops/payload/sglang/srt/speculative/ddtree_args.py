@@ -114,9 +114,10 @@ def add_ddtree_cli_args(parser: argparse.ArgumentParser) -> None:
         FLAG_ALLOW_HYBRID,
         action="store_true",
         default=False,
-        help="Not supported yet: refused when given. Full mode on hybrid (Mamba/GDN/linear-attention) "
-        "targets needs tree-aware recurrent-state commits, which this payload does not have; "
-        "hybrid targets run shadow-linear.",
+        help="Refused when given: there is no unsafe override. Full mode on a hybrid (Mamba/GDN/linear-"
+        "attention) target runs where its layer type and architecture are proven (ddtree_utils."
+        "HYBRID_TREE_SUPPORT: Gated DeltaNet on Qwen3-Next and dense Qwen3.5); other hybrid targets run "
+        "shadow-linear.",
     )
 
 

@@ -27,7 +27,7 @@ from sglang.srt.speculative.ddtree_args import (
     mamba_commit_fault,
     test_switch,
 )
-from sglang.srt.speculative.ddtree_utils import HYBRID_TREE_SUPPORT, DDTreeRefused
+from sglang.srt.speculative.ddtree_utils import DDTreeRefused, hybrid_kind, hybrid_support
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +54,15 @@ def runtime_refusal(model_runner: Any, evidence: str) -> str | None:
             f"states only through {', '.join(HYBRID_TREE_BACKENDS)} on {', '.join(_RUNTIME_CONFIG)} layers. "
             f"Use {FLAG_MODE} shadow-linear."
         )
-    status, why = HYBRID_TREE_SUPPORT.get(layer_type, ("refused", "no tree-verify support"))
+    # the architecture from the checkpoint SGLang loaded (the runtime config says only the layer type)
+    hf_config = getattr(getattr(model_runner, "model_config", None), "hf_config", None)
+    config = hf_config.to_dict() if hasattr(hf_config, "to_dict") else {}
+    architecture = (hybrid_kind(config) or (None, "an unknown architecture"))[1]
+    status, why = hybrid_support(layer_type, architecture)
     if status != "proven" and not (status == "unproven" and test_switch(TEST_UNPROVEN_HYBRID)):
         return (
             f"DDTree full mode refused: the target model is hybrid ({evidence}), layer type {layer_type} "
-            f"({name}): {why}. Use {FLAG_MODE} shadow-linear."
+            f"({name}) on {architecture}: {why}. Use {FLAG_MODE} shadow-linear."
         )
     try:
         check_hybrid_full_mode(model_runner.server_args)

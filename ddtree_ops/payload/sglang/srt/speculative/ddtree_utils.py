@@ -72,10 +72,13 @@ __all__ = [
     "build_ddtree",
     "follow_verified_tree",
     "full_mode_refusal",
+    "hybrid_kind",
     "hybrid_layer_type",
     "hybrid_refusal",
+    "hybrid_support",
     "is_hybrid_model",
     "keep_top1_chain",
+    "proven_hybrids",
     "uses_windowed_attention",
     "select_tree_from_topk",
     "shrink_tree",
@@ -847,36 +850,70 @@ class DDTreeRefused(RuntimeError):
     """DDTree full mode cannot run on this target / backend; the message says why and what to do."""
 
 
-# Full DDTree on a hybrid target, by the recurrent layer type SGLang runs for it (bench/gpu/HYBRID.md):
-# the layer type's verify kernels must follow a tree's parents, the accepted node's state must be the
-# one committed, and a GPU proof must show plain decoding's tokens. `proven`: served. `unproven`: the
-# wiring exists, served only where the proof itself asks (test switch SGLANG_DDTREE_TEST_UNPROVEN_HYBRID).
-# Every other hybrid is refused, its layer type named.
-HYBRID_GDN_MODEL_TYPES = frozenset(
-    {"qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_6", "qwen3_6_moe"}
-)
-_GDN_ARCH_MARKERS = ("qwen3next", "qwen3_5", "qwen3_6")
-HYBRID_TREE_SUPPORT = {
-    "gated-deltanet": (
-        "unproven",
-        "SGLang's GDN tree kernels follow DDTree's parents and the accepted node's state is committed "
-        "(bench/gpu/HYBRID.md); token identity with plain decoding is not yet shown on a GPU",
-    ),
+# Full DDTree on a hybrid target, by the recurrent layer type SGLang runs for it and the architecture
+# around it (bench/gpu/HYBRID.md): the layer type's verify kernels must follow a tree's parents, the
+# accepted node's state must be the one committed, and a GPU proof on that architecture must show plain
+# decoding's tokens. `proven`: served. `unproven`: the wiring exists, served only where a proof itself
+# asks (test switch SGLANG_DDTREE_TEST_UNPROVEN_HYBRID). Every other hybrid is refused, its layer type named.
+GATED_DELTANET = "gated-deltanet"
+# model_type -> architecture; the Qwen3.5 / 3.6 checkpoints carry theirs in text_config too
+_GDN_ARCHITECTURES = {
+    "qwen3_next": "qwen3-next",
+    "qwen3_5": "qwen3.5", "qwen3_5_text": "qwen3.5",
+    "qwen3_5_moe": "qwen3.5-moe", "qwen3_5_moe_text": "qwen3.5-moe",
+    "qwen3_6": "qwen3.6", "qwen3_6_moe": "qwen3.6-moe",
 }
+HYBRID_GDN_MODEL_TYPES = frozenset(_GDN_ARCHITECTURES)
+# architectures class name (lower case) -> architecture, most specific first
+_GDN_ARCH_MARKERS = (("qwen3next", "qwen3-next"), ("qwen3_5moe", "qwen3.5-moe"), ("qwen3_5", "qwen3.5"),
+                     ("qwen3_6moe", "qwen3.6-moe"), ("qwen3_6", "qwen3.6"))
+_GDN_UNPROVEN = (
+    "SGLang's GDN tree kernels follow DDTree's parents and the accepted node's state is committed "
+    "(bench/gpu/HYBRID.md); token identity with plain decoding is not yet shown on a GPU for this architecture"
+)
+HYBRID_TREE_SUPPORT: dict[tuple[str, str], tuple[str, str]] = {
+    # H200, payload 0.8.5 (bench/RESULTS.md): trained pairs token-identical to plain decoding at budgets
+    # 15 / 64 / 256 on the production mix and the limits workload, with the radix cache too; samples and
+    # liveness pass; the deepest node's state committed instead fails
+    (GATED_DELTANET, "qwen3-next"): ("proven", "Qwen3-Next, GDN + attention + MoE"),
+    (GATED_DELTANET, "qwen3.5"): ("proven", "dense Qwen3.5 (Qwen3_5ForConditionalGeneration), GDN + gated attention"),
+    (GATED_DELTANET, "qwen3.5-moe"): ("unproven", _GDN_UNPROVEN),
+    (GATED_DELTANET, "qwen3.6"): ("unproven", _GDN_UNPROVEN),
+    (GATED_DELTANET, "qwen3.6-moe"): ("unproven", _GDN_UNPROVEN),
+}
+
+
+def hybrid_kind(config: dict) -> tuple[str, str] | None:
+    """(recurrent layer type, architecture) of a hybrid ``config.json`` where DDTree knows them, e.g.
+    ("gated-deltanet", "qwen3.5"); None for any other hybrid, or a dense model."""
+    if not isinstance(config, dict):
+        return None
+    for _where, cfg in _sub_configs(config):
+        architecture = _GDN_ARCHITECTURES.get(str(cfg.get("model_type", "")).lower())
+        if architecture:
+            return GATED_DELTANET, architecture
+        archs = [str(a).lower() for a in cfg.get("architectures") or []]
+        for marker, architecture in _GDN_ARCH_MARKERS:
+            if any(marker in arch for arch in archs):
+                return GATED_DELTANET, architecture
+    return None
 
 
 def hybrid_layer_type(config: dict) -> str | None:
     """The recurrent layer type of a hybrid ``config.json`` where DDTree knows it ("gated-deltanet":
     Qwen3-Next, Qwen3.5 / 3.6), else None (any other hybrid, or a dense model)."""
-    if not isinstance(config, dict):
-        return None
-    for _where, cfg in _sub_configs(config):
-        if str(cfg.get("model_type", "")).lower() in HYBRID_GDN_MODEL_TYPES:
-            return "gated-deltanet"
-        archs = [str(a).lower() for a in cfg.get("architectures") or []]
-        if any(marker in arch for arch in archs for marker in _GDN_ARCH_MARKERS):
-            return "gated-deltanet"
-    return None
+    kind = hybrid_kind(config)
+    return kind[0] if kind else None
+
+
+def hybrid_support(layer_type: str | None, architecture: str | None) -> tuple[str, str]:
+    """`HYBRID_TREE_SUPPORT`'s (status, why) for a layer type on an architecture ("refused" when unknown)."""
+    return HYBRID_TREE_SUPPORT.get((layer_type or "", architecture or ""), ("refused", "no tree-verify support"))
+
+
+def proven_hybrids() -> list[str]:
+    """'<layer type> on <architecture>' for every proven entry, for refusal messages and `--help`."""
+    return [f"{t} on {a}" for (t, a), (st, _) in HYBRID_TREE_SUPPORT.items() if st == "proven"]
 
 
 def hybrid_refusal(config: dict, *, allow_unproven: bool = False) -> str | None:
@@ -884,17 +921,17 @@ def hybrid_refusal(config: dict, *, allow_unproven: bool = False) -> str | None:
     hybrid, reason = is_hybrid_model(config)
     if not hybrid:
         return None
-    layer_type = hybrid_layer_type(config)
-    status, why = HYBRID_TREE_SUPPORT.get(layer_type or "", ("refused", ""))
+    layer_type, architecture = hybrid_kind(config) or (None, None)
+    status, why = hybrid_support(layer_type, architecture)
     if status == "proven" or (status == "unproven" and allow_unproven):
         return None
+    proven = proven_hybrids()
+    where = f"full mode runs on {', '.join(proven)} only" if proven else "no hybrid layer type is proven yet"
     if status == "unproven":
         return (
-            f"DDTree full mode refused: the target model is hybrid ({reason}), layer type {layer_type}: {why}. "
-            f"Use {_FLAG_MODE} shadow-linear."
+            f"DDTree full mode refused: the target model is hybrid ({reason}), layer type {layer_type} on "
+            f"{architecture}: {why} ({where}). Use {_FLAG_MODE} shadow-linear."
         )
-    proven = [t for t, (st, _) in HYBRID_TREE_SUPPORT.items() if st == "proven"]
-    where = f"full mode runs on {', '.join(proven)} layers only" if proven else "no hybrid layer type is proven yet"
     return (
         f"DDTree full mode refused: the target model is hybrid ({reason}). Its recurrent "
         f"Mamba/linear-attention layers have no tree-verify support in DDTree ({where}). "
