@@ -57,10 +57,9 @@ failed than --max-fail allows; hosts not reached are untouched and listed.
 
 Stage order: full needs a passed shadow-linear on that host (unless --force); full on a hybrid
 target is refused before any change unless the installed payload has proven its layer type on its
-architecture (Gated DeltaNet on Qwen3-Next and dense Qwen3.5 today; `--mode full --dry-run` shows
-each host's verdict).
-A host whose release is not a DDTree payload is refused (push first), and so is a unit changed by
-hand since ddtree-ops installed it (unless --adopt).
+architecture (Gated DeltaNet on Qwen3-Next and Qwen3.5, dense and MoE, today; `--mode full
+--dry-run` shows each host's verdict). A host whose release is not a DDTree payload is refused
+(push first), and so is a unit changed by hand since ddtree-ops installed it (unless --adopt).
 --dry-run reports the refusals a real run would make, and exits as it would.
 """
 

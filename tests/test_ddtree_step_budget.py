@@ -197,7 +197,7 @@ def test_plain_attention_models_are_not_refused(config: dict) -> None:
 
 
 def test_hybrid_models_are_refused_without_an_escape_hatch() -> None:
-    refusal = du.full_mode_refusal({"model_type": "qwen3_5_moe"})
+    refusal = du.full_mode_refusal({"model_type": "qwen3_6_moe"})
     assert refusal and "hybrid" in refusal and "allow" not in refusal
 
 
@@ -231,16 +231,19 @@ def test_gated_deltanet_hybrids_follow_the_support_table(config: dict, architect
 
 
 def test_the_support_table_lifts_only_what_the_h200_proved() -> None:
-    """What the GPU proofs showed (bench/RESULTS.md): GDN layers serve full mode on Qwen3-Next and dense
-    Qwen3.5; the MoE Qwen3.5 / 3.6 checkpoints, never served in a proof, stay unproven; refusals list what is
-    proven."""
-    for arch in ("qwen3-next", "qwen3.5"):
+    """What the GPU proofs showed (bench/RESULTS.md): GDN layers serve full mode on Qwen3-Next, dense Qwen3.5 and
+    Qwen3.5 MoE; Qwen3.6 class names, never served in a proof, stay unproven; refusals list what is proven."""
+    for arch in ("qwen3-next", "qwen3.5", "qwen3.5-moe"):
         assert du.hybrid_support("gated-deltanet", arch)[0] == "proven"
-    for arch in ("qwen3.5-moe", "qwen3.6-moe"):
+    for arch in ("qwen3.6", "qwen3.6-moe"):
         assert du.hybrid_support("gated-deltanet", arch)[0] == "unproven"
     assert du.hybrid_support("mamba2", "nemotron-h")[0] == "refused"
-    refusal = du.full_mode_refusal({"model_type": "qwen3_5_moe"})
-    assert refusal and "full mode runs on gated-deltanet on qwen3-next, gated-deltanet on qwen3.5 only" in refusal
+    refusal = du.full_mode_refusal({"model_type": "qwen3_6_moe"})
+    assert refusal and ("full mode runs on gated-deltanet on qwen3-next, gated-deltanet on qwen3.5, gated-deltanet on "
+                        "qwen3.5-moe only") in refusal
+    # the class SGLang builds decides over model_type (a Qwen3.6 class on Qwen3.5's config is not Qwen3.5)
+    assert du.hybrid_kind({"model_type": "qwen3_5_moe_text", "architectures": ["Qwen3_6MoeForCausalLM"]}) == (
+        "gated-deltanet", "qwen3.6-moe")
 
 
 @pytest.mark.parametrize("config", [
@@ -284,8 +287,9 @@ def test_padded_step_budget_randomised() -> None:
 @pytest.mark.parametrize(("config", "refused_with"), [
     ({"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"]}, None),
     ({"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text"}}, None),
-    ({"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"]},
-     "layer type gated-deltanet on qwen3.5-moe"),
+    ({"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"]}, None),
+    ({"model_type": "qwen3_6_moe", "architectures": ["Qwen3_6MoeForConditionalGeneration"]},
+     "layer type gated-deltanet on qwen3.6-moe"),
     ({"model_type": "x", "layer_types": ["linear_attention", "full_attention"]}, "no tree-verify support in DDTree"),
 ])
 def test_promotes_payload_verdict_follows_the_support_table(config: dict, refused_with: str | None) -> None:

@@ -7,7 +7,7 @@ dense/target (random, and PEAKED) and train_pair.py --dense-hybrid's (trained, -
     multimodal architecture needs (tests/sglang_scripts/dense_target_check.py: what is SGLang's, what
     stands in);
   * the payload's offline check (ddtree_utils) classes it as gated-deltanet on qwen3.5, which the H200 proof
-    lifted (bench/RESULTS.md): full mode served; the same layers in Qwen3.5's MoE checkpoint stay unproven.
+    lifted (bench/RESULTS.md): full mode served; the same checkpoint under an unproven class name is refused.
 """
 
 from __future__ import annotations
@@ -225,9 +225,8 @@ def test_payload_classes_it_gated_deltanet_on_qwen35_proven(made, trained):
         assert hybrid, why
         assert du.hybrid_kind(cfg) == ("gated-deltanet", "qwen3.5")
         assert du.full_mode_refusal(cfg) is None
-        # the MoE checkpoint of the same family: same layers, no proof, refused with both named
-        moe = {**cfg, "model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
-               "text_config": {**cfg["text_config"], "model_type": "qwen3_5_moe_text"}}
-        refusal = du.full_mode_refusal(moe)
-        assert refusal and "layer type gated-deltanet on qwen3.5-moe" in refusal
-        assert du.full_mode_refusal(moe, allow_unproven_hybrid=True) is None  # served under the test switch
+        # the same checkpoint under a class no proof has served: refused with layer type and architecture named
+        unproven = {**cfg, "architectures": ["Qwen3_6ForConditionalGeneration"]}
+        refusal = du.full_mode_refusal(unproven)
+        assert refusal and "layer type gated-deltanet on qwen3.6" in refusal
+        assert du.full_mode_refusal(unproven, allow_unproven_hybrid=True) is None  # served under the test switch

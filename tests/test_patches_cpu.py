@@ -59,8 +59,9 @@ GDN_CONFIG = {
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "num_experts": 4, "num_experts_per_tok": 2,
     "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128, "torch_dtype": "bfloat16",
 }
-# The same layers under an architecture no GPU proof has served (Qwen3.5's MoE checkpoint): full mode unproven
-GDN_UNPROVEN_CONFIG = {**GDN_CONFIG, "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text"}
+# The same layers under a class no GPU proof has served (a Qwen3.6 MoE name on Qwen3.5-MoE's config, which SGLang
+# parses): full mode unproven
+GDN_UNPROVEN_CONFIG = {**GDN_CONFIG, "architectures": ["Qwen3_6MoeForCausalLM"], "model_type": "qwen3_5_moe_text"}
 # (Jamba: Mamba layers SGLang's argument checks let through to ours; its Nemotron-H is refused by SGLang
 # itself for the triton backend.)
 MAMBA2_CONFIG = {**QWEN3_CONFIG, "architectures": ["JambaForCausalLM"], "model_type": "jamba",
@@ -167,7 +168,7 @@ def _cases(models: Path) -> tuple[list[dict], dict[str, object]]:
                                  "--speculative-ddtree-allow-hybrid-unsafe is refused: full mode on a hybrid"),
         # hybrids at argument parsing, before any pool exists (bench/gpu/HYBRID.md §3.4)
         "full on GDN, unproven": ([*gdn_unproven_full, "--disable-radix-cache"],
-                                  "layer type gated-deltanet on qwen3.5-moe: SGLang's GDN tree kernels follow "
+                                  "layer type gated-deltanet on qwen3.6-moe: SGLang's GDN tree kernels follow "
                                   "DDTree's parents"),
         "full on Mamba": ([*mamba2_full, "--disable-radix-cache"],
                             "have no tree-verify support in DDTree"),

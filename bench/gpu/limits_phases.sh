@@ -1,7 +1,7 @@
 # Sourced by run_device.sh when LIMITS=1 (issue 23): the servers are in TAGS, the first one warms up.
 # Sets: r (random model, --context-length 1024, --cuda-graph-max-bs 32), q (the same model at 4096 and 8),
 # p (peaked model, 1024 / 32), h (LIMITS_SET=h alone: the trained hybrid pair, 1024 / 32: mix and limits;
-# LIMITS_SET=hd: the dense hybrid, random (h) and peaked (k: drafts accepted, deep commits), each with the
+# LIMITS_SET=hd / hm: the dense / MoE Qwen3.5 hybrid, random (h) and peaked (k: drafts accepted, deep commits), each with the
 # deepest-node commit that must fail; k also samples at T 1 and proves liveness. With HYB_PAIR=1 the trained dense
 # pair is h, and again x with the radix cache (mix with 40 round-2 requests, limits, samples, liveness); then B,
 # the pair's speed one server at a time).
@@ -89,8 +89,8 @@ has p_full64_bias && { ( samples p_full64_bias $TT $TP ) & JOBS+=($!); }
 for t in p_dflash_pristine p_full64_old; do has $t && { ( work $t penalties ) & JOBS+=($!); }; done
 [ ${#JOBS[@]} = 0 ] || wait "${JOBS[@]}"
 ts "A2 done"
-# B (LIMITS_SET=hd HYB_PAIR=1): the trained dense pair's speed, one server at a time (batch 1, 8, 32)
-if [ "${LIMITS_SET:-}" = hd ] && [ "${HYB_PAIR:-0}" = 1 ]; then
+# B (LIMITS_SET=hd / hm HYB_PAIR=1): the trained pair's speed, one server at a time (batch 1, 8, 32)
+if { [ "${LIMITS_SET:-}" = hd ] || [ "${LIMITS_SET:-}" = hm ]; } && [ "${HYB_PAIR:-0}" = 1 ]; then
   for t in h_dflash h_full15 h_full64 h_full256 h_plain; do [ $(( DEADLINE - $(date +%s) )) -gt 90 ] && live $t --perf; done
 fi
 for t in "${!PID[@]}"; do
@@ -149,7 +149,7 @@ MIXC=(python3 $HERE/production_mix.py compare "$OUT")
       done
     fi
     if has k_plain; then
-      echo "--- dense hybrid, peaked (k): production mix and limits"
+      echo "--- the peaked Qwen3.5 hybrid ($LIMITS_SET, k): production mix and limits"
       for k in mix limits; do
         "${MIXC[@]}" k_plain --suffix "_$k" --upstream k_dflash -- $(served k_dflash k_full64 k_full256); echo "rc=$?"
         echo "--- k, $k: the deliberately wrong commit (expected to fail)"
@@ -157,7 +157,7 @@ MIXC=(python3 $HERE/production_mix.py compare "$OUT")
       done
     fi
     if has x_plain; then
-      echo "--- dense pair with the radix cache (x: extra_buffer; round 2 of the mix resumes from cached states)"
+      echo "--- the pair ($LIMITS_SET) with the radix cache (x: extra_buffer; round 2 of the mix resumes from cached states)"
       for k in mix limits; do
         "${MIXC[@]}" x_plain --suffix "_$k" --upstream x_dflash -- $(served x_dflash x_full64 x_full256); echo "rc=$?"
         echo "--- x, $k: the deliberately wrong commit (expected to fail)"
@@ -171,7 +171,7 @@ MIXC=(python3 $HERE/production_mix.py compare "$OUT")
         --liveness $(served ${s}_dflash ${s}_full64 ${s}_full256); echo "rc=$?"
     done
     if [ "${HYB_PAIR:-0}" = 1 ]; then
-      echo "--- dense pair: speed, one server at a time (radix cache off)"
+      echo "--- the pair ($LIMITS_SET): speed, one server at a time (radix cache off)"
       "${PROOF[@]}" compare "$OUT" --plain h_plain --perf $(served h_plain h_dflash h_full15 h_full64 h_full256) --ratio-to h_dflash; echo "rc=$?"
     fi
     [ "$LIMITS_SET" = h ] && for k in mix limits; do

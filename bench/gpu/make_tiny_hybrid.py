@@ -12,8 +12,17 @@ Writes OUT_DIR/next/target  a tiny random Qwen3-Next (Gated DeltaNet + attention
                             no MoE) that SGLang loads as Qwen3_5ForConditionalGeneration (its only dense
                             Qwen3.5 entry class: a vision-language wrapper, so a 1-block vision tower and
                             image / video processor configs come with it; runtime hybrid_gdn_config);
+       OUT_DIR/moe35/target  dense/target made a Qwen3.5 MoE (Gated DeltaNet + gated attention + MoE) that SGLang
+                            loads as Qwen3_5MoeForConditionalGeneration (moe_from_dense: every routed expert a copy of
+                            the dense MLP, so it computes dense/'s function and accepts dense/'s drafts);
        OUT_DIR/*/draft       the DFlash draft (hidden 256, target layers [1, 2]).
+
+       python make_tiny_hybrid.py --moe-from-dense SRC_PAIR_DIR OUT_DIR
+                            SRC_PAIR_DIR/dense/{target,draft} (e.g. train_pair.py --dense-hybrid's trained pair) ->
+                            OUT_DIR/moe35/{target,draft} (+ heldout_prompts.json when SRC_PAIR_DIR has one).
 """
+import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -219,8 +228,145 @@ def make_marker(out_dir):
     print(f"marker target: {out_dir}")
 
 
-if __name__ == "__main__":
-    out = sys.argv[1] if len(sys.argv) > 1 else "/tmp/tiny_h"
+# ---- the Qwen3.5 MoE hybrid made from a dense Qwen3.5 (moe35/)
+# Every routed expert is the dense layer's MLP, bit for bit, and the router renormalises its top-k weights (they
+# sum to 1): whatever the router picks, the MoE block computes sum_k w_k * MLP(x) = MLP(x) up to rounding. So the
+# MoE target is the dense target's function (its layers' hidden states, the drafter's input, included) and a
+# draft trained against the dense target is accepted by it, while SGLang runs its real MoE path (router, top-k,
+# fused experts, shared expert) on every layer.
+MOE_EXPERTS = 4
+MOE_TOP_K = 2
+MOE_SHARED_INTER = 128  # the shared expert's width (next_config's); it contributes exactly zero (moe_weights)
+MOE_SEED = tm.SEED + 35
+
+
+def moe_config(dense: dict, num_experts: int = MOE_EXPERTS, top_k: int = MOE_TOP_K):
+    """The MoE checkpoint's Qwen3_5MoeConfig from the dense checkpoint's config.json (a dict): the same text
+    shape, layer kinds, rope, token ids and vision tower, under Qwen3.5-MoE's names (model_type qwen3_5_moe,
+    text qwen3_5_moe_text: the text model_type is what makes SGLang build MoE blocks), with num_experts routed
+    experts of the dense MLP's width (moe_intermediate_size = the dense intermediate_size) and a shared expert.
+    The dense intermediate_size is dropped: Qwen3.5-MoE's text config has no such field (SGLang's MoE code reads
+    moe_intermediate_size and shared_expert_intermediate_size)."""
+    from transformers import Qwen3_5MoeConfig
+
+    text = {k: v for k, v in dense["text_config"].items() if k not in ("model_type", "intermediate_size")}
+    text.update(num_experts=num_experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=dense["text_config"]["intermediate_size"],
+                shared_expert_intermediate_size=MOE_SHARED_INTER)
+    vision = {k: v for k, v in dense["vision_config"].items() if k != "model_type"}
+    ids = {k: dense[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
+    cfg = Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+    cfg.architectures = ["Qwen3_5MoeForConditionalGeneration"]
+    cfg.dtype = dense.get("dtype", "bfloat16")
+    return cfg
+
+
+def fix_saved_moe_config(out_dir: str) -> None:
+    """fix_saved_dense_config (SGLang's full_attention_interval, deepstack_visual_indexes = [], ...), plus the
+    MoE keys transformers 5.8.1's Qwen3_5MoeTextConfig does not write (its router always renormalises):
+      * norm_topk_prob true: SGLang's TopK(renormalize=config.norm_topk_prob); its Qwen3NextConfig default is
+        already true, written so that no default decides; without renormalised weights the MoE block would
+        return (w_1 + w_2) * MLP(x), not the dense MLP;
+      * decoder_sparse_step 1, mlp_only_layers []: every layer MoE, as SGLang's Qwen3.5 builds qwen3_5_moe_text
+        regardless of them (written for readers that follow Qwen3-Next's convention)."""
+    fix_saved_dense_config(out_dir)
+    p = os.path.join(out_dir, "config.json")
+    with open(p) as f:
+        saved = json.load(f)
+    saved["text_config"].update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    with open(p, "w") as f:
+        json.dump(saved, f, indent=2)
+
+
+def moe_weights(dense_sd: dict, num_layers: int, num_experts: int = MOE_EXPERTS, seed: int = MOE_SEED) -> dict:
+    """The MoE checkpoint's tensors from the dense checkpoint's (same dtype; everything else unchanged): per layer
+    mlp.{gate,up,down}_proj.weight become
+      * mlp.experts.gate_up_proj [E, 2I, H] (each expert: gate | up) and mlp.experts.down_proj [E, H, I], every
+        expert the dense MLP. These are the fused names Qwen3.5-MoE's published checkpoints use and SGLang's
+        Qwen3_5MoeForConditionalGeneration.load_weights reads (its fused path: gate_up_proj chunked into w1 / w3,
+        one expert per row); transformers 5.8.1 loads them as they are (its Qwen3_5MoeExperts parameters) --
+        its save_pretrained would instead write per-expert experts.{e}.{gate,up,down}_proj.weight, which both
+        also load;
+      * mlp.gate.weight [E, H]: the router, seeded random N(0, 1/H) -- on RMS-normed inputs logits of spread ~1,
+        so different tokens pick different experts (which picks nothing: the experts are equal);
+      * mlp.shared_expert.{gate,up}_proj.weight seeded random, mlp.shared_expert.down_proj.weight ZERO, and
+        mlp.shared_expert_gate.weight seeded random: the shared expert's output is down_proj(...) = 0 exactly,
+        whatever sigmoid(shared_expert_gate(x)) scales it by (SGLang and transformers both build the shared
+        expert whenever shared_expert_intermediate_size > 0, and load_weights must find its tensors)."""
+    g = torch.Generator().manual_seed(seed)
+    sd = dict(dense_sd)
+    for i in range(num_layers):
+        p = f"model.language_model.layers.{i}.mlp."
+        gate, up, down = (sd.pop(f"{p}{x}_proj.weight") for x in ("gate", "up", "down"))
+        dtype, hidden = gate.dtype, gate.shape[1]
+        sd[p + "experts.gate_up_proj"] = torch.cat([gate, up], 0).unsqueeze(0).repeat(num_experts, 1, 1)
+        sd[p + "experts.down_proj"] = down.unsqueeze(0).repeat(num_experts, 1, 1)
+        sd[p + "gate.weight"] = (torch.randn(num_experts, hidden, generator=g) / hidden ** 0.5).to(dtype)
+        sd[p + "shared_expert.gate_proj.weight"] = (0.02 * torch.randn(MOE_SHARED_INTER, hidden, generator=g)).to(dtype)
+        sd[p + "shared_expert.up_proj.weight"] = (0.02 * torch.randn(MOE_SHARED_INTER, hidden, generator=g)).to(dtype)
+        sd[p + "shared_expert.down_proj.weight"] = torch.zeros(hidden, MOE_SHARED_INTER, dtype=dtype)
+        sd[p + "shared_expert_gate.weight"] = (0.02 * torch.randn(1, hidden, generator=g)).to(dtype)
+    assert not any(".mlp.gate_proj." in k or ".mlp.up_proj." in k or ".mlp.down_proj." in k for k in sd)
+    return {k: v.contiguous() for k, v in sd.items()}
+
+
+def moe_target_from_dense(dense_dir: str, out_dir: str, num_experts: int = MOE_EXPERTS, top_k: int = MOE_TOP_K,
+                          seed: int = MOE_SEED) -> None:
+    """One dense Qwen3.5 checkpoint (save_dense_target's: a single model.safetensors) -> the MoE checkpoint in
+    out_dir: config (moe_config + fix_saved_moe_config), weights (moe_weights), and every other file (tokenizer,
+    generation / processor configs) copied unchanged."""
+    from safetensors.torch import load_file, save_file
+
+    with open(os.path.join(dense_dir, "config.json")) as f:
+        dense = json.load(f)
+    assert dense["architectures"] == ["Qwen3_5ForConditionalGeneration"], dense["architectures"]
+    sd = load_file(os.path.join(dense_dir, "model.safetensors"))
+    os.makedirs(out_dir, exist_ok=True)
+    for name in sorted(os.listdir(dense_dir)):
+        if name not in ("config.json", "model.safetensors") and os.path.isfile(os.path.join(dense_dir, name)):
+            shutil.copy2(os.path.join(dense_dir, name), os.path.join(out_dir, name))
+    moe_config(dense, num_experts, top_k).save_pretrained(out_dir)
+    fix_saved_moe_config(out_dir)
+    sd = moe_weights(sd, dense["text_config"]["num_hidden_layers"], num_experts, seed)
+    save_file(sd, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+
+
+def moe_from_dense(src_pair: str, out_pair: str, num_experts: int = MOE_EXPERTS, top_k: int = MOE_TOP_K,
+                   seed: int = MOE_SEED) -> str:
+    """SRC_PAIR/dense/{target,draft} -> OUT_PAIR/moe35/{target,draft}: the target through moe_target_from_dense,
+    the DFlash draft copied unchanged (it reads the target's layers 1 and 2, which compute what they did), and
+    SRC_PAIR/heldout_prompts.json (train_pair.py's) copied beside when there is one. moe35/made_from.json says
+    what it was made from. Returns OUT_PAIR/moe35."""
+    src = os.path.join(src_pair, "dense")
+    out = os.path.join(out_pair, "moe35")
+    moe_target_from_dense(os.path.join(src, "target"), os.path.join(out, "target"), num_experts, top_k, seed)
+    shutil.copytree(os.path.join(src, "draft"), os.path.join(out, "draft"), dirs_exist_ok=True)
+    held = os.path.join(src_pair, "heldout_prompts.json")
+    if os.path.isfile(held) and not os.path.exists(os.path.join(out_pair, "heldout_prompts.json")):
+        shutil.copy2(held, os.path.join(out_pair, "heldout_prompts.json"))
+    with open(os.path.join(src, "target", "model.safetensors"), "rb") as f:
+        sha = hashlib.sha256(f.read()).hexdigest()
+    with open(os.path.join(out, "made_from.json"), "w") as f:
+        json.dump({"source": os.path.abspath(src), "source_target_sha256": sha, "num_experts": num_experts,
+                   "top_k": top_k, "router_seed": seed, "routed_experts": "each a copy of the dense MLP",
+                   "shared_expert": "down_proj zero: contributes 0"}, f, indent=2)
+    print(f"qwen3.5 moe hybrid target: {out}/target from {src}/target ({num_experts} experts, top-{top_k})")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", nargs="?", default="/tmp/tiny_h", help="OUT_DIR of the random models")
+    ap.add_argument("--moe-from-dense", nargs=2, metavar=("SRC_PAIR_DIR", "OUT_DIR"),
+                    help="make only OUT_DIR/moe35/{target,draft} from SRC_PAIR_DIR/dense/{target,draft}")
+    ap.add_argument("--experts", type=int, default=MOE_EXPERTS)
+    ap.add_argument("--top-k", type=int, default=MOE_TOP_K)
+    ap.add_argument("--seed", type=int, default=MOE_SEED, help="the routers' seed")
+    a = ap.parse_args(argv)
+    if a.moe_from_dense:
+        moe_from_dense(*a.moe_from_dense, num_experts=a.experts, top_k=a.top_k, seed=a.seed)
+        return 0
+    out = a.out
     tm.make_draft(os.path.join(out, "next", "draft"))
     try:
         make_next(os.path.join(out, "next", "target"))
@@ -228,11 +374,17 @@ if __name__ == "__main__":
         print(f"qwen3-next target failed: {type(e).__name__}: {e}")
     # No dense (MoE-free) Qwen3-Next: SGLang 0.5.13.post1 builds every Qwen3-Next layer as MoE (is_layer_sparse
     # = True; `mlp_only_layers` weights fail to load, seen on the H200); its dense GDN family is Qwen3.5, served
-    # only through the vision-language wrapper: dense/.
+    # only through the vision-language wrapper: dense/. moe35/ is Qwen3.5's MoE made from it.
     try:
         make_dense(os.path.join(out, "dense", "target"))
         shutil.copytree(os.path.join(out, "next", "draft"), os.path.join(out, "dense", "draft"), dirs_exist_ok=True)
-    except Exception as e:  # next/ and marker/ stand without it
-        print(f"qwen3.5 dense target failed: {type(e).__name__}: {e}")
+        moe_from_dense(out, out, num_experts=a.experts, top_k=a.top_k, seed=a.seed)
+    except Exception as e:  # next/ and marker/ stand without them
+        print(f"qwen3.5 dense / moe target failed: {type(e).__name__}: {e}")
     make_marker(os.path.join(out, "marker", "target"))
     shutil.copytree(os.path.join(out, "next", "draft"), os.path.join(out, "marker", "draft"), dirs_exist_ok=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -42,7 +42,7 @@
 # AUTO=1 (issue 24): auto_phases.sh: --speculative-ddtree-budget auto vs DFLASH and fixed budgets at batch 1..64 on
 #   the trained pair and its real-size shell (make_shell.py); needs the pair in .gpu/pair like SWEEP=1.
 # LIMITS=1 (issue 23): limits_phases.sh (LIMITS_SET=p the peaked set alone, LIMITS_SET=h the hybrid pair,
-#   LIMITS_SET=hd the hybrid without MoE):
+#   LIMITS_SET=hd the hybrid without MoE, LIMITS_SET=hm Qwen3.5's MoE architecture):
 #   full graph batches at the context limit (1024 and 4096), penalties,
 #   samples at T 1 / top_p 1, the logprob probe, the production mix; upstream DFLASH (and, with
 #   dist/old/, the previous payload's full 64) on the limits workload, expected to crash.
@@ -97,14 +97,14 @@ if [ "${SWEEP:-0}" = 1 ] || [ "${AUTO:-0}" = 1 ]; then  # the trained pair trave
       || { tail -20 "$OUT/make_shell.log"; echo "make_shell failed"; exit 1; }
     tail -4 "$OUT/make_shell.log"; ts "shell made"
   fi
-elif [ "${LIMITS_SET:-}" = hd ] && [ "${HYB_PAIR:-0}" = 1 ]; then
-  true & MAKE_PID=$!  # every server serves the carried pair: no model to make
+elif { [ "${LIMITS_SET:-}" = hd ] || [ "${LIMITS_SET:-}" = hm ]; } && [ "${HYB_PAIR:-0}" = 1 ]; then
+  true & MAKE_PID=$!  # every server serves the carried pair (hm: its MoE twin, made below): no random model to make
 else
 # The peaked set first (the warm-up server uses it); the others are made while it starts.
 PEAKED=1 python3 $HERE/make_tiny_models.py /tmp/tiny_p 2>&1 | grep -v -i "warn\|Writing model"
 ( PEAKED=0 python3 $HERE/make_tiny_models.py /tmp/tiny_r > "$OUT/make_r.log" 2>&1;
   python3 $HERE/make_tiny_hybrid.py /tmp/tiny_h > "$OUT/make_h.log" 2>&1
-  if [ "${MIX_SET:-}" = h ] || [ "${LIMITS_SET:-}" = hd ]; then
+  if [ "${MIX_SET:-}" = h ] || [ "${LIMITS_SET:-}" = hd ] || [ "${LIMITS_SET:-}" = hm ]; then
     PEAKED=1 python3 $HERE/make_tiny_hybrid.py /tmp/tiny_hp > "$OUT/make_hp.log" 2>&1; fi ) &
 MAKE_PID=$!
 ts "peaked models made"
@@ -251,33 +251,41 @@ if [ "${LIMITS:-0}" = 1 ]; then
   # switch): the production mix and a graph batch of 32 at the context limit, upstream DFLASH last (expected dead)
   # LIMITS_SET=hd: the same on the hybrid without MoE (make_tiny_hybrid.py's random dense Qwen3.5, served as
   # Qwen3_5ForConditionalGeneration; HYB_PAIR=1 the trained dense pair from .gpu/pair_hd), plus the deepest-node
-  # commit (must fail), and the peaked dense twin as the k set; no route ties can occur, so the margin rule alone judges
-  if [ "${LIMITS_SET:-}" = h ] || [ "${LIMITS_SET:-}" = hd ]; then
+  # commit (must fail), and the peaked dense twin as the k set; no route ties can occur, so the margin rule alone judges.
+  # LIMITS_SET=hm: the same on Qwen3.5's MoE architecture (make_tiny_hybrid.py's moe35/: the dense checkpoint with
+  # every routed expert a copy of its MLP, so HYB_PAIR=1 turns the trained dense pair into an accepting MoE pair here)
+  if [ "${LIMITS_SET:-}" = h ] || [ "${LIMITS_SET:-}" = hd ] || [ "${LIMITS_SET:-}" = hm ]; then
     H="--disable-radix-cache"
+    QWEN35=; [ "$LIMITS_SET" = h ] || QWEN35=$([ "$LIMITS_SET" = hd ] && echo dense || echo moe35)
     if [ "$LIMITS_SET" = h ]; then
       [ -f .gpu/pair_h/next/target/config.json ] && [ -f .gpu/pair_h/next/draft/config.json ] \
         || { echo "LIMITS_SET=h needs .gpu/pair_h/next/{target,draft}: run train_pair_device.sh with HYBRID=1"; exit 1; }
       rm -rf /tmp/pair_h && cp -r .gpu/pair_h /tmp/pair_h; HM=/tmp/pair_h/next
     elif [ "${HYB_PAIR:-0}" = 1 ]; then  # the trained dense pair (train_pair_device.sh HYBRID=dense's pair_hd.tar)
       [ -f .gpu/pair_hd/dense/target/config.json ] && [ -f .gpu/pair_hd/dense/draft/config.json ] \
-        || { echo "LIMITS_SET=hd HYB_PAIR=1 needs .gpu/pair_hd/dense/{target,draft}: run train_pair_device.sh with HYBRID=dense"; exit 1; }
+        || { echo "LIMITS_SET=$LIMITS_SET HYB_PAIR=1 needs .gpu/pair_hd/dense/{target,draft}: run train_pair_device.sh with HYBRID=dense"; exit 1; }
       rm -rf /tmp/pair_hd && cp -r .gpu/pair_hd /tmp/pair_hd; HM=/tmp/pair_hd/dense
+      if [ "$LIMITS_SET" = hm ]; then
+        python3 $HERE/make_tiny_hybrid.py --moe-from-dense /tmp/pair_hd /tmp/pair_hm > "$OUT/make_hm.log" 2>&1 \
+          || { tail -20 "$OUT/make_hm.log"; echo "moe35 from the dense pair failed"; exit 1; }
+        HM=/tmp/pair_hm/moe35; ts "moe35 made from the dense pair"
+      fi
     else
-      HM=${HYB_MODELS:-/tmp/tiny_h}/dense
+      HM=${HYB_MODELS:-/tmp/tiny_h}/$QWEN35
     fi
     # SGLang warms a multimodal target up with an image through the chat API (a chat template the tiny tokenizer
     # lacks; the vision tower is not what this proves): every request here is text, so no warm-up request
-    [ "$LIMITS_SET" = hd ] && H="$H --skip-server-warmup"
+    [ -n "$QWEN35" ] && H="$H --skip-server-warmup"
     VARIANTS=("h_full64|$HM|$FULL 64 $H HYB" "h_plain|$HM|$H" "h_dflash|$HM|DF $H" "h_full15|$HM|$FULL 15 $H HYB"
               "h_full256|$HM|$FULL 256 $H HYB" "h_dflash_pristine|$HM|DF $H PRISTINE")
-    if [ "$LIMITS_SET" = hd ] && [ "${HYB_PAIR:-0}" = 1 ]; then
+    if [ -n "$QWEN35" ] && [ "${HYB_PAIR:-0}" = 1 ]; then
       # the trained pair a second time as the x set, with the radix cache (states tracked every HYB_TRACK tokens):
       # its mix's round 2 resumes from cached states; samples and liveness there too
       X="--mamba-scheduler-strategy extra_buffer --mamba-track-interval ${HYB_TRACK:-64} --skip-server-warmup"
       VARIANTS+=("h_full64_deepest|$HM|$FULL 64 $H HYB DEEPEST" "x_plain|$HM|$X" "x_dflash|$HM|DF $X"
                  "x_full64|$HM|$FULL 64 $X HYB" "x_full256|$HM|$FULL 256 $X HYB" "x_full64_deepest|$HM|$FULL 64 $X HYB DEEPEST")
-    elif [ "$LIMITS_SET" = hd ]; then
-      KM=/tmp/tiny_hp/dense  # the peaked twin: drafts accepted, so full mode commits deep nodes
+    elif [ -n "$QWEN35" ]; then
+      KM=/tmp/tiny_hp/$QWEN35  # the peaked twin: drafts accepted, so full mode commits deep nodes
       VARIANTS+=("h_full64_deepest|$HM|$FULL 64 $H HYB DEEPEST" "k_plain|$KM|$H" "k_dflash|$KM|DF $H"
                  "k_full64|$KM|$FULL 64 $H HYB" "k_full256|$KM|$FULL 256 $H HYB" "k_full64_deepest|$KM|$FULL 64 $H HYB DEEPEST")
     fi

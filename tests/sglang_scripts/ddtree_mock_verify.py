@@ -297,7 +297,7 @@ def _worker(mode="full", backend=TritonAttnBackend, hybrid_attr=None, hf=None, p
 
 QWEN3_NEXT = {"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"]}
 # the same GDN layers in an architecture no GPU proof has served: full mode unproven
-QWEN3_5_MOE = {"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"]}
+QWEN3_6_MOE = {"model_type": "qwen3_6_moe", "architectures": ["Qwen3_6MoeForConditionalGeneration"]}
 
 
 def hybrid_checks(refused) -> list[str]:
@@ -365,14 +365,14 @@ def guard_checks() -> list[str]:
         "gdn runtime": (_worker(hybrid_attr="hybrid_gdn_config"), ("hybrid", "hybrid_gdn_config", "shadow-linear")),
         "mamba runtime": (_worker(hybrid_attr="mambaish_config"), ("mambaish_config",)),
         # GDN wired but not yet proven on this architecture: refused unless the proof's switch is on
-        "gdn unproven": (_worker(hybrid_attr="hybrid_gdn_config", hf=QWEN3_5_MOE, linear=GDNAttnBackend(2)),
-                         ("layer type gated-deltanet (GDNAttnBackend) on qwen3.5-moe", "not yet shown on a GPU",
+        "gdn unproven": (_worker(hybrid_attr="hybrid_gdn_config", hf=QWEN3_6_MOE, linear=GDNAttnBackend(2)),
+                         ("layer type gated-deltanet (GDNAttnBackend) on qwen3.6-moe", "not yet shown on a GPU",
                           "shadow-linear")),
         "gdn of an unknown architecture": (_worker(hybrid_attr="hybrid_gdn_config", linear=GDNAttnBackend(2)),
                                            ("on an unknown architecture: no tree-verify support",)),
         "mamba-2 backend": (_worker(hybrid_attr="mambaish_config", linear=Mamba2AttnBackend(2)),
                             ("Mamba2AttnBackend", "only through GDNAttnBackend")),
-        "config marker": (_worker(hf={"model_type": "qwen3_5_moe"}), ("qwen3_5_moe",)),
+        "config marker": (_worker(hf={"model_type": "qwen3_6_moe"}), ("qwen3_6_moe",)),
         "runtime window": (_worker(window=4096), ("sliding window of 4096", "shadow-linear")),
         "config window": (_worker(hf={"model_type": "mistral", "sliding_window": 4096}), ("windowed attention",
                                                                                         "sliding_window")),

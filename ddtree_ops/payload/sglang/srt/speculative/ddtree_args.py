@@ -116,7 +116,7 @@ def add_ddtree_cli_args(parser: argparse.ArgumentParser) -> None:
         default=False,
         help="Refused when given: there is no unsafe override. Full mode on a hybrid (Mamba/GDN/linear-"
         "attention) target runs where its layer type and architecture are proven (ddtree_utils."
-        "HYBRID_TREE_SUPPORT: Gated DeltaNet on Qwen3-Next and dense Qwen3.5); other hybrid targets run "
+        "HYBRID_TREE_SUPPORT: Gated DeltaNet on Qwen3-Next and Qwen3.5); other hybrid targets run "
         "shadow-linear.",
     )
 

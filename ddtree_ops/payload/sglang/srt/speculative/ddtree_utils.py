@@ -864,7 +864,7 @@ _GDN_ARCHITECTURES = {
     "qwen3_6": "qwen3.6", "qwen3_6_moe": "qwen3.6-moe",
 }
 HYBRID_GDN_MODEL_TYPES = frozenset(_GDN_ARCHITECTURES)
-# architectures class name (lower case) -> architecture, most specific first
+# `architectures` class name (lower case) -> architecture, most specific first
 _GDN_ARCH_MARKERS = (("qwen3next", "qwen3-next"), ("qwen3_5moe", "qwen3.5-moe"), ("qwen3_5", "qwen3.5"),
                      ("qwen3_6moe", "qwen3.6-moe"), ("qwen3_6", "qwen3.6"))
 _GDN_UNPROVEN = (
@@ -877,7 +877,7 @@ HYBRID_TREE_SUPPORT: dict[tuple[str, str], tuple[str, str]] = {
     # liveness pass; the deepest node's state committed instead fails
     (GATED_DELTANET, "qwen3-next"): ("proven", "Qwen3-Next, GDN + attention + MoE"),
     (GATED_DELTANET, "qwen3.5"): ("proven", "dense Qwen3.5 (Qwen3_5ForConditionalGeneration), GDN + gated attention"),
-    (GATED_DELTANET, "qwen3.5-moe"): ("unproven", _GDN_UNPROVEN),
+    (GATED_DELTANET, "qwen3.5-moe"): ("proven", "Qwen3.5 MoE (Qwen3_5MoeForConditionalGeneration)"),
     (GATED_DELTANET, "qwen3.6"): ("unproven", _GDN_UNPROVEN),
     (GATED_DELTANET, "qwen3.6-moe"): ("unproven", _GDN_UNPROVEN),
 }
@@ -889,13 +889,14 @@ def hybrid_kind(config: dict) -> tuple[str, str] | None:
     if not isinstance(config, dict):
         return None
     for _where, cfg in _sub_configs(config):
-        architecture = _GDN_ARCHITECTURES.get(str(cfg.get("model_type", "")).lower())
-        if architecture:
-            return GATED_DELTANET, architecture
+        # the class SGLang builds names the architecture; model_type where no class is named
         archs = [str(a).lower() for a in cfg.get("architectures") or []]
         for marker, architecture in _GDN_ARCH_MARKERS:
             if any(marker in arch for arch in archs):
                 return GATED_DELTANET, architecture
+        architecture = _GDN_ARCHITECTURES.get(str(cfg.get("model_type", "")).lower())
+        if architecture:
+            return GATED_DELTANET, architecture
     return None
 
 
