@@ -215,7 +215,7 @@ def test_gated_deltanet_hybrids_follow_the_support_table(config: dict, architect
     decides, nothing else: proven serves, unproven is refused with both named (served only under the
     proof's switch)."""
     kind = ("gated-deltanet", architecture)
-    assert du.hybrid_kind(config) == kind and du.hybrid_layer_type(config) == "gated-deltanet"
+    assert du.hybrid_kind(config) == kind
     for status in ("proven", "unproven"):
         with mock.patch.dict(du.HYBRID_TREE_SUPPORT, {kind: (status, "the evidence")}):
             refusal = du.full_mode_refusal(config)
@@ -252,7 +252,7 @@ def test_the_support_table_lifts_only_what_the_h200_proved() -> None:
     {"model_type": "x", "layer_types": ["linear_attention", "full_attention"]},
 ])
 def test_other_hybrids_stay_refused_even_under_the_switch(config: dict) -> None:
-    assert du.hybrid_layer_type(config) is None
+    assert du.hybrid_kind(config) is None
     for allow in (False, True):
         refusal = du.full_mode_refusal(config, allow_unproven_hybrid=allow)
         assert refusal and "no tree-verify support in DDTree" in refusal and "shadow-linear" in refusal

@@ -73,7 +73,6 @@ __all__ = [
     "follow_verified_tree",
     "full_mode_refusal",
     "hybrid_kind",
-    "hybrid_layer_type",
     "hybrid_refusal",
     "hybrid_support",
     "is_hybrid_model",
@@ -863,7 +862,6 @@ _GDN_ARCHITECTURES = {
     "qwen3_5_moe": "qwen3.5-moe", "qwen3_5_moe_text": "qwen3.5-moe",
     "qwen3_6": "qwen3.6", "qwen3_6_moe": "qwen3.6-moe",
 }
-HYBRID_GDN_MODEL_TYPES = frozenset(_GDN_ARCHITECTURES)
 # `architectures` class name (lower case) -> architecture, most specific first
 _GDN_ARCH_MARKERS = (("qwen3next", "qwen3-next"), ("qwen3_5moe", "qwen3.5-moe"), ("qwen3_5", "qwen3.5"),
                      ("qwen3_6moe", "qwen3.6-moe"), ("qwen3_6", "qwen3.6"))
@@ -872,7 +870,7 @@ _GDN_UNPROVEN = (
     "(bench/gpu/HYBRID.md); token identity with plain decoding is not yet shown on a GPU for this architecture"
 )
 HYBRID_TREE_SUPPORT: dict[tuple[str, str], tuple[str, str]] = {
-    # H200, payload 0.8.5 (bench/RESULTS.md): trained pairs token-identical to plain decoding at budgets
+    # H200, payloads 0.8.5 / 0.8.6 (bench/RESULTS.md): trained pairs token-identical to plain decoding at budgets
     # 15 / 64 / 256 on the production mix and the limits workload, with the radix cache too; samples and
     # liveness pass; the deepest node's state committed instead fails
     (GATED_DELTANET, "qwen3-next"): ("proven", "Qwen3-Next, GDN + attention + MoE"),
@@ -900,20 +898,13 @@ def hybrid_kind(config: dict) -> tuple[str, str] | None:
     return None
 
 
-def hybrid_layer_type(config: dict) -> str | None:
-    """The recurrent layer type of a hybrid ``config.json`` where DDTree knows it ("gated-deltanet":
-    Qwen3-Next, Qwen3.5 / 3.6), else None (any other hybrid, or a dense model)."""
-    kind = hybrid_kind(config)
-    return kind[0] if kind else None
-
-
 def hybrid_support(layer_type: str | None, architecture: str | None) -> tuple[str, str]:
     """`HYBRID_TREE_SUPPORT`'s (status, why) for a layer type on an architecture ("refused" when unknown)."""
     return HYBRID_TREE_SUPPORT.get((layer_type or "", architecture or ""), ("refused", "no tree-verify support"))
 
 
 def proven_hybrids() -> list[str]:
-    """'<layer type> on <architecture>' for every proven entry, for refusal messages and `--help`."""
+    """'<layer type> on <architecture>' for every proven entry: what a refusal says does run."""
     return [f"{t} on {a}" for (t, a), (st, _) in HYBRID_TREE_SUPPORT.items() if st == "proven"]
 
 
