@@ -21,31 +21,19 @@ from pathlib import Path
 
 import pytest
 from ddtree_oracle import load_ddtree_utils
+from tiny_hybrid_makers import GPU, tiny_hybrid_makers
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-GPU = ROOT / "bench" / "gpu"
 ENV = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "TOKENIZERS_PARALLELISM": "false"}
 PROMPTS = [[11, 12, 13], [100, 7, 7, 42, 5, 9], [2000, 1]]  # token ids; 5 is the image token: text ids all the same
-
-
-def _mods():
-    pytest.importorskip("transformers")
-    pytest.importorskip("tokenizers")
-    pytest.importorskip("safetensors")
-    if str(GPU) not in sys.path:
-        sys.path.insert(0, str(GPU))
-    import make_tiny_hybrid as mth
-    import make_tiny_models as tm
-
-    return mth, tm
 
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory) -> dict:
     """dense/target made twice (random) and once PEAKED, in this process (make_tiny_hybrid.make_dense)."""
-    mth, tm = _mods()
+    mth, tm = tiny_hybrid_makers()
     root = tmp_path_factory.mktemp("dense")
     out = {}
     for name, peaked in (("random", False), ("again", False), ("peaked", True)):
@@ -61,7 +49,7 @@ def made(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
-    _mods()
+    tiny_hybrid_makers()
     out = tmp_path_factory.mktemp("pd")
     r = subprocess.run([sys.executable, str(GPU / "train_pair.py"), str(out), "--dense-hybrid", "--tiny",
                         "--device", "cpu", "--target-steps", "6", "--draft-steps", "3", "--traj-rows", "4",
@@ -105,7 +93,7 @@ def _sha(p: Path) -> str:
 
 
 def test_config_is_the_dense_qwen35_hybrid_sglang_reads(made):
-    mth, tm = _mods()
+    mth, tm = tiny_hybrid_makers()
     cfg = json.loads((made["random"] / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3_5ForConditionalGeneration"] and cfg["model_type"] == "qwen3_5"
     t, v = cfg["text_config"], cfg["vision_config"]
@@ -143,7 +131,7 @@ def test_peaked_target_prefers_the_peak_token(made):
     """PEAKED=1 is make_next's recipe (make_tiny_models': embedding dim 0 = 8, lm_head[7, 0] = 3). On the GDN
     hybrids it biases less than on the dense Qwen3 (~94 %): on these prompts the dense Qwen3.5 emits the peak
     token at ~36-42 % of greedy steps (alternating 7 / 1838), the Qwen3-Next of next/ at ~21 %."""
-    _, tm = _mods()
+    _, tm = tiny_hybrid_makers()
     rate = {}
     for name in ("peaked", "random"):
         vl, text = _both(made[name])

@@ -30,28 +30,16 @@ from pathlib import Path
 
 import pytest
 from ddtree_oracle import load_ddtree_utils
+from tiny_hybrid_makers import GPU, tiny_hybrid_makers
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-GPU = ROOT / "bench" / "gpu"
 CHECK = ROOT / "tests" / "sglang_scripts" / "moe35_target_check.py"
 ENV = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "TOKENIZERS_PARALLELISM": "false"}
 MOE_KEYS = {"num_experts": 4, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 128,
             "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
 REL = 1e-5  # float32 rounding, relative to the compared values' scale (see the module docstring)
-
-
-def _mods():
-    pytest.importorskip("transformers")
-    pytest.importorskip("tokenizers")
-    pytest.importorskip("safetensors")
-    if str(GPU) not in sys.path:
-        sys.path.insert(0, str(GPU))
-    import make_tiny_hybrid as mth
-    import make_tiny_models as tm
-
-    return mth, tm
 
 
 def _sha(p: Path) -> str:
@@ -62,7 +50,7 @@ def _sha(p: Path) -> str:
 def made(tmp_path_factory) -> dict:
     """make_tiny_hybrid's default run (next/, dense/, moe35/, marker/; in this process), and moe35/ made a second
     time from its dense/ (moe_from_dense) for the determinism check."""
-    mth, tm = _mods()
+    mth, tm = tiny_hybrid_makers()
     root = tmp_path_factory.mktemp("moe35")
     old, tm.PEAKED = tm.PEAKED, False  # the random set, whatever PEAKED says in the environment
     try:
@@ -78,7 +66,7 @@ def made(tmp_path_factory) -> dict:
 def trained(tmp_path_factory) -> dict:
     """train_pair.py --dense-hybrid --tiny's pair (as tests/test_dense_hybrid_target.py), then the CLI
     `make_tiny_hybrid.py --moe-from-dense PAIR OUT`."""
-    _mods()
+    tiny_hybrid_makers()
     root = tmp_path_factory.mktemp("pm")
     pd, pm = root / "pd", root / "pm"
     r = subprocess.run([sys.executable, str(GPU / "train_pair.py"), str(pd), "--dense-hybrid", "--tiny",

@@ -148,22 +148,16 @@ MIXC=(python3 $HERE/production_mix.py compare "$OUT")
         "${MIXC[@]}" h_plain --suffix "_$k" --upstream h_dflash --expect-fault h_full64_deepest -- h_full64_deepest; echo "rc=$?"
       done
     fi
-    if has k_plain; then
-      echo "--- the peaked Qwen3.5 hybrid ($LIMITS_SET, k): production mix and limits"
+    for s in k x; do  # k: the peaked Qwen3.5 hybrid; x: the pair with the radix cache (round 2 resumes from it)
+      has ${s}_plain || continue
+      echo "--- $LIMITS_SET, $s: production mix and limits$([ $s = x ] && echo ', radix cache on (extra_buffer)')"
       for k in mix limits; do
-        "${MIXC[@]}" k_plain --suffix "_$k" --upstream k_dflash -- $(served k_dflash k_full64 k_full256); echo "rc=$?"
-        echo "--- k, $k: the deliberately wrong commit (expected to fail)"
-        "${MIXC[@]}" k_plain --suffix "_$k" --upstream k_dflash --expect-fault k_full64_deepest -- k_full64_deepest; echo "rc=$?"
+        "${MIXC[@]}" ${s}_plain --suffix "_$k" --upstream ${s}_dflash -- $(served ${s}_dflash ${s}_full64 ${s}_full256); echo "rc=$?"
+        echo "--- $s, $k: the deliberately wrong commit (expected to fail)"
+        "${MIXC[@]}" ${s}_plain --suffix "_$k" --upstream ${s}_dflash --expect-fault ${s}_full64_deepest -- ${s}_full64_deepest
+        echo "rc=$?"
       done
-    fi
-    if has x_plain; then
-      echo "--- the pair ($LIMITS_SET) with the radix cache (x: extra_buffer; round 2 of the mix resumes from cached states)"
-      for k in mix limits; do
-        "${MIXC[@]}" x_plain --suffix "_$k" --upstream x_dflash -- $(served x_dflash x_full64 x_full256); echo "rc=$?"
-        echo "--- x, $k: the deliberately wrong commit (expected to fail)"
-        "${MIXC[@]}" x_plain --suffix "_$k" --upstream x_dflash --expect-fault x_full64_deepest -- x_full64_deepest; echo "rc=$?"
-      done
-    fi
+    done
     for s in k x; do
       has ${s}_plain || continue
       echo "--- $s: samples at T 1 / top_p 1 (3 tokens), liveness"

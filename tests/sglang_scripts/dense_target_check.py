@@ -37,22 +37,25 @@ sys.path.insert(0, str(GPU))
 TEXT = "def f(x):\n    return x + 1  # <|vision_start|> is a special token, not text\n"
 
 
-def check(d: str) -> dict:
-    import torch
-    from safetensors.torch import load_file
+LM = "model.language_model."
+
+
+def config_view(d: str) -> tuple[dict, object, type]:
+    """SGLang's reading of the checkpoint's config: (fields, its ModelConfig, the model class it resolves)."""
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.configs.update_config import adjust_config_with_unaligned_cpu_tp
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.models.registry import ModelRegistry
 
-    out: dict = {"dir": d}
+    out: dict = {}
     mc = ModelConfig(d)
     mc = adjust_config_with_unaligned_cpu_tp(mc, LoadConfig(), 1)
     cls, arch = ModelRegistry.resolve_model_cls(mc.hf_config.architectures)
     out["arch"], out["model_class"] = arch, f"{cls.__module__}.{cls.__name__}"
     out["hf_config_class"] = type(mc.hf_config).__name__
     tc = mc.hf_text_config
+    out["text_config_class"] = type(tc).__name__
     out["text_model_type"] = tc.model_type
     out["layers_block_type"] = list(tc.layers_block_type)
     out["is_multimodal"] = bool(mc.is_multimodal)
@@ -66,17 +69,27 @@ def check(d: str) -> dict:
     params = gdn.mamba2_cache_params
     out["mamba_layers"] = list(params.layers)
     out["mamba_dtype"] = {"conv": str(params.dtype.conv), "temporal": str(params.dtype.temporal)}
+    return out, mc, cls
+
+
+def build(cls: type, mc) -> object:
+    """The model built for real on CPU (the one stand-in: torch.get_device_module() without a device is torch.cpu)."""
+    import torch
 
     orig = torch.get_device_module
     torch.get_device_module = lambda device=None: torch.cpu if device is None else orig(device)
     try:
-        model = cls(mc.hf_config)
+        return cls(mc.hf_config)
     finally:
         torch.get_device_module = orig
-    names = [n for n, _ in model.named_modules()]
-    out["expert_modules"] = [n for n in names if "expert" in n.lower() or n.rsplit(".", 1)[-1] == "gate"]
-    out["mlp_classes"] = sorted({type(m).__name__ for n, m in model.named_modules() if n.endswith(".mlp")})
-    out["deepstack_mergers"] = len(getattr(model.visual, "deepstack_merger_list", []) or [])
+
+
+def load_view(model, d: str, *, after_loading: bool = False) -> tuple[dict, dict, dict]:
+    """Every parameter NaN, then the model's own load_weights on the checkpoint (and, with after_loading, each
+    module's quant_method.process_weights_after_loading, as SGLang's loader runs it): (fields, the checkpoint's
+    tensors, the model's parameters)."""
+    import torch
+    from safetensors.torch import load_file
 
     sd = load_file(str(Path(d) / "model.safetensors"))
     pd = dict(model.named_parameters(remove_duplicate=False))
@@ -95,34 +108,45 @@ def check(d: str) -> dict:
     logging.getLogger("sglang.srt.models.qwen3_5").addHandler(h)
     loaded = model.load_weights((k, v.float()) for k, v in sd.items())
     logging.getLogger("sglang.srt.models.qwen3_5").removeHandler(h)
-    out["checkpoint_tensors"] = len(sd)
-    out["params"] = len(pd)
-    out["loader_warnings"] = warnings
-    out["params_not_loaded_by_name"] = sorted(set(pd) - set(loaded))
-    out["params_with_nan"] = sorted(n for n, p in pd.items() if not torch.isfinite(p).all())
-    lm = "model.language_model."
+    if after_loading:
+        for m in model.modules():
+            qm = getattr(m, "quant_method", None)
+            if qm is not None and hasattr(qm, "process_weights_after_loading"):
+                qm.process_weights_after_loading(m)
+    out = {"checkpoint_tensors": len(sd), "params": len(pd), "loader_warnings": warnings,
+           "params_not_loaded_by_name": sorted(set(pd) - set(loaded)),
+           "params_with_nan": sorted(n for n, p in pd.items() if not torch.isfinite(p).all())}
+    return out, sd, pd
 
-    def cat(*keys):
-        return torch.cat([sd[k].float() for k in keys], 0)
 
-    pairs = {
-        "model.embed_tokens.weight": sd[lm + "embed_tokens.weight"].float(),
+def cat(sd: dict, *keys: str):
+    import torch
+
+    return torch.cat([sd[k].float() for k in keys], 0)
+
+
+def packed_pairs(sd: dict) -> dict:
+    """SGLang's packed parameters every Qwen3.5 layout shares, against the checkpoint's pieces."""
+    return {
+        "model.embed_tokens.weight": sd[LM + "embed_tokens.weight"].float(),
         "lm_head.weight": sd["lm_head.weight"].float(),
-        "model.layers.3.qkv_proj.weight": cat(*(f"{lm}layers.3.self_attn.{x}_proj.weight" for x in "qkv")),
-        "model.layers.0.linear_attn.in_proj_qkvz.weight": cat(f"{lm}layers.0.linear_attn.in_proj_qkv.weight",
-                                                              f"{lm}layers.0.linear_attn.in_proj_z.weight"),
-        "model.layers.0.linear_attn.in_proj_ba.weight": cat(f"{lm}layers.0.linear_attn.in_proj_b.weight",
-                                                            f"{lm}layers.0.linear_attn.in_proj_a.weight"),
-        "model.layers.1.mlp.gate_up_proj.weight": cat(f"{lm}layers.1.mlp.gate_proj.weight",
-                                                      f"{lm}layers.1.mlp.up_proj.weight"),
+        "model.layers.3.qkv_proj.weight": cat(sd, *(f"{LM}layers.3.self_attn.{x}_proj.weight" for x in "qkv")),
+        "model.layers.0.linear_attn.in_proj_qkvz.weight": cat(sd, f"{LM}layers.0.linear_attn.in_proj_qkv.weight",
+                                                              f"{LM}layers.0.linear_attn.in_proj_z.weight"),
+        "model.layers.0.linear_attn.in_proj_ba.weight": cat(sd, f"{LM}layers.0.linear_attn.in_proj_b.weight",
+                                                            f"{LM}layers.0.linear_attn.in_proj_a.weight"),
         "visual.blocks.0.attn.qkv_proj.weight": sd["model.visual.blocks.0.attn.qkv.weight"].float(),
     }
-    out["packed_equal"] = {k: bool(torch.equal(pd[k].data, v)) for k, v in pairs.items()}
 
+
+def processor_view(d: str, mc) -> dict:
+    """The processor a multimodal architecture needs, as SGLang's tokenizer manager builds it."""
+    from sglang.srt.managers.multimodal_processor import get_mm_processor, import_processors
     from sglang.srt.server_args import ServerArgs
     from sglang.srt.utils.hf_transformers_utils import get_processor, get_tokenizer_from_processor
     from tokenizers import Tokenizer
 
+    out: dict = {}
     args = ServerArgs(model_path=d, device="cpu")
     # tokenizer_manager._get_processor_wrapper's call, spelled out (importing tokenizer_manager needs uvloop)
     proc = get_processor(args.tokenizer_path, tokenizer_mode=args.tokenizer_mode,
@@ -133,13 +157,31 @@ def check(d: str) -> dict:
     want = Tokenizer.from_file(str(Path(d) / "tokenizer.json")).encode(TEXT, add_special_tokens=False).ids
     out["tokenizer_ids_equal"] = tok.encode(TEXT, add_special_tokens=False) == want
     out["processor_image_token_id"] = getattr(proc, "image_token_id", None)
-    from sglang.srt.managers.multimodal_processor import get_mm_processor, import_processors
-
     import_processors("sglang.srt.multimodal.processors")
     mm = get_mm_processor(mc.hf_config, args, proc, "default", model_config=mc)
     out["mm_processor_class"] = type(mm).__name__
     mm.cpu_executor.shutdown(wait=False)
     mm.io_executor.shutdown(wait=False)
+    return out
+
+
+def check(d: str) -> dict:
+    import torch
+
+    out, mc, cls = config_view(d)
+    out["dir"] = d
+    model = build(cls, mc)
+    names = [n for n, _ in model.named_modules()]
+    out["expert_modules"] = [n for n in names if "expert" in n.lower() or n.rsplit(".", 1)[-1] == "gate"]
+    out["mlp_classes"] = sorted({type(m).__name__ for n, m in model.named_modules() if n.endswith(".mlp")})
+    out["deepstack_mergers"] = len(getattr(model.visual, "deepstack_merger_list", []) or [])
+    loaded, sd, pd = load_view(model, d)
+    out.update(loaded)
+    pairs = packed_pairs(sd)
+    pairs["model.layers.1.mlp.gate_up_proj.weight"] = cat(sd, f"{LM}layers.1.mlp.gate_proj.weight",
+                                                          f"{LM}layers.1.mlp.up_proj.weight")
+    out["packed_equal"] = {k: bool(torch.equal(pd[k].data, v)) for k, v in pairs.items()}
+    out.update(processor_view(d, mc))
     return out
 
 

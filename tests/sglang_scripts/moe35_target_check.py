@@ -32,16 +32,14 @@ The whole model's forward is not run in SGLang: its GDN layers need the linear-a
 from __future__ import annotations
 
 import json
-import logging
 import sys
 from pathlib import Path
 
-GPU = Path(__file__).resolve().parents[2] / "bench" / "gpu"
-sys.path.insert(0, str(GPU))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import dense_target_check as dtc  # noqa: E402  (its import puts bench/gpu on sys.path too)
 
-TEXT = "def f(x):\n    return x + 1  # <|vision_start|> is a special token, not text\n"
+LM = dtc.LM
 PROMPTS = [[11, 12, 13], [100, 7, 7, 42, 5, 9], [2000, 1]]  # make_tiny_hybrid's tests' token ids
-LM = "model.language_model."
 
 
 def prompts_for(moe_dir: Path) -> list[list[int]]:
@@ -135,42 +133,12 @@ def transformers_view(moe_dir: str, dense_dir: str, prompts: list[list[int]] | N
 def sglang_view(d: str, dense_dir: str | None) -> dict:
     import torch
     from safetensors.torch import load_file
-    from sglang.srt.configs.load_config import LoadConfig
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.configs.update_config import adjust_config_with_unaligned_cpu_tp
-    from sglang.srt.model_executor.model_runner import ModelRunner
-    from sglang.srt.models.registry import ModelRegistry
 
-    out: dict = {}
-    mc = ModelConfig(d)
-    mc = adjust_config_with_unaligned_cpu_tp(mc, LoadConfig(), 1)
-    cls, arch = ModelRegistry.resolve_model_cls(mc.hf_config.architectures)
-    out["arch"], out["model_class"] = arch, f"{cls.__module__}.{cls.__name__}"
-    out["hf_config_class"] = type(mc.hf_config).__name__
+    out, mc, cls = dtc.config_view(d)
     tc = mc.hf_text_config
-    out["text_config_class"] = type(tc).__name__
-    out["text_model_type"] = tc.model_type
-    out["layers_block_type"] = list(tc.layers_block_type)
     out["moe_config"] = {k: getattr(tc, k, None) for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
                                                           "shared_expert_intermediate_size", "norm_topk_prob")}
-    out["is_multimodal"] = bool(mc.is_multimodal)
-    out["is_mrope"] = "mrope_section" in (getattr(tc, "rope_parameters", None) or getattr(tc, "rope_scaling", {}) or {})
-    runner = ModelRunner.__new__(ModelRunner)
-    runner.model_config, runner.is_draft_worker = mc, False
-    gdn = runner.hybrid_gdn_config
-    out["hybrid_gdn_config"] = type(gdn).__name__ if gdn is not None else None
-    mambaish = runner.mambaish_config
-    out["mambaish_config"] = type(mambaish).__name__ if mambaish is not None else None
-    params = gdn.mamba2_cache_params
-    out["mamba_layers"] = list(params.layers)
-    out["mamba_dtype"] = {"conv": str(params.dtype.conv), "temporal": str(params.dtype.temporal)}
-
-    orig = torch.get_device_module
-    torch.get_device_module = lambda device=None: torch.cpu if device is None else orig(device)
-    try:
-        model = cls(mc.hf_config)
-    finally:
-        torch.get_device_module = orig
+    model = dtc.build(cls, mc)
     out["mlp_classes"] = sorted({type(m).__name__ for n, m in model.named_modules() if n.endswith(".mlp")})
     out["moe_blocks"] = [{"experts": type(layer.mlp.experts).__name__, "num_experts": layer.mlp.experts.num_experts,
                           "top_k": layer.mlp.topk.topk_config.top_k,
@@ -179,55 +147,17 @@ def sglang_view(d: str, dense_dir: str | None) -> dict:
                           "fused_shared_experts": layer.mlp.num_fused_shared_experts}
                          for layer in model.model.layers]
     out["deepstack_mergers"] = len(getattr(model.visual, "deepstack_merger_list", []) or [])
-
-    sd = load_file(str(Path(d) / "model.safetensors"))
-    out["checkpoint_tensors"] = len(sd)
+    loaded, sd, pd = dtc.load_view(model, d, after_loading=True)
+    out.update(loaded)
     out["checkpoint_expert_names"] = sorted({k.split(".mlp.", 1)[1] for k in sd if ".mlp." in k and "visual" not in k})
-    pd = dict(model.named_parameters(remove_duplicate=False))
-    with torch.no_grad():
-        for p in pd.values():
-            p.data = p.data.float()
-            p.fill_(float("nan"))
-    warnings: list[str] = []
-
-    class Catch(logging.Handler):
-        def emit(self, record):
-            if "not found" in record.getMessage():
-                warnings.append(record.getMessage())
-
-    h = Catch()
-    logging.getLogger("sglang.srt.models.qwen3_5").addHandler(h)
-    loaded = model.load_weights((k, v.float()) for k, v in sd.items())
-    logging.getLogger("sglang.srt.models.qwen3_5").removeHandler(h)
-    for m in model.modules():  # what SGLang's model loader runs after load_weights
-        qm = getattr(m, "quant_method", None)
-        if qm is not None and hasattr(qm, "process_weights_after_loading"):
-            qm.process_weights_after_loading(m)
-    out["params"] = len(pd)
-    out["loader_warnings"] = warnings
-    out["params_not_loaded_by_name"] = sorted(set(pd) - set(loaded))
-    out["params_with_nan"] = sorted(n for n, p in pd.items() if not torch.isfinite(p).all())
-
-    def cat(*keys):
-        return torch.cat([sd[k].float() for k in keys], 0)
-
-    pairs = {
-        "model.embed_tokens.weight": sd[LM + "embed_tokens.weight"].float(),
-        "lm_head.weight": sd["lm_head.weight"].float(),
-        "model.layers.3.qkv_proj.weight": cat(*(f"{LM}layers.3.self_attn.{x}_proj.weight" for x in "qkv")),
-        "model.layers.0.linear_attn.in_proj_qkvz.weight": cat(f"{LM}layers.0.linear_attn.in_proj_qkv.weight",
-                                                              f"{LM}layers.0.linear_attn.in_proj_z.weight"),
-        "model.layers.0.linear_attn.in_proj_ba.weight": cat(f"{LM}layers.0.linear_attn.in_proj_b.weight",
-                                                            f"{LM}layers.0.linear_attn.in_proj_a.weight"),
-        "visual.blocks.0.attn.qkv_proj.weight": sd["model.visual.blocks.0.attn.qkv.weight"].float(),
-    }
+    pairs = dtc.packed_pairs(sd)
     for i in range(len(model.model.layers)):
         p = f"{LM}layers.{i}.mlp."
         pairs[f"model.layers.{i}.mlp.experts.w13_weight"] = sd[p + "experts.gate_up_proj"].float()
         pairs[f"model.layers.{i}.mlp.experts.w2_weight"] = sd[p + "experts.down_proj"].float()
         pairs[f"model.layers.{i}.mlp.gate.weight"] = sd[p + "gate.weight"].float()
-        pairs[f"model.layers.{i}.mlp.shared_expert.gate_up_proj.weight"] = cat(p + "shared_expert.gate_proj.weight",
-                                                                            p + "shared_expert.up_proj.weight")
+        pairs[f"model.layers.{i}.mlp.shared_expert.gate_up_proj.weight"] = dtc.cat(
+            sd, p + "shared_expert.gate_proj.weight", p + "shared_expert.up_proj.weight")
         pairs[f"model.layers.{i}.mlp.shared_expert.down_proj.weight"] = sd[p + "shared_expert.down_proj.weight"].float()
     out["packed_equal"] = {k: bool(torch.equal(pd[k].data, v)) for k, v in pairs.items()}
 
@@ -247,26 +177,7 @@ def sglang_view(d: str, dense_dir: str | None) -> dict:
                                "shared_expert_max_abs": float(layer.mlp._forward_shared_experts(x).abs().max()),
                                "topk_sets": len(sets)})
         out["moe_block_vs_dense"] = blocks
-
-    from sglang.srt.server_args import ServerArgs
-    from sglang.srt.utils.hf_transformers_utils import get_processor, get_tokenizer_from_processor
-    from tokenizers import Tokenizer
-
-    args = ServerArgs(model_path=d, device="cpu")
-    proc = get_processor(args.tokenizer_path, tokenizer_mode=args.tokenizer_mode,
-                         trust_remote_code=args.trust_remote_code, revision=args.revision,
-                         use_fast=not args.disable_fast_image_processor, tokenizer_backend=args.tokenizer_backend)
-    out["processor_class"] = type(proc).__name__
-    tok = get_tokenizer_from_processor(proc)
-    want = Tokenizer.from_file(str(Path(d) / "tokenizer.json")).encode(TEXT, add_special_tokens=False).ids
-    out["tokenizer_ids_equal"] = tok.encode(TEXT, add_special_tokens=False) == want
-    from sglang.srt.managers.multimodal_processor import get_mm_processor, import_processors
-
-    import_processors("sglang.srt.multimodal.processors")
-    mm = get_mm_processor(mc.hf_config, args, proc, "default", model_config=mc)
-    out["mm_processor_class"] = type(mm).__name__
-    mm.cpu_executor.shutdown(wait=False)
-    mm.io_executor.shutdown(wait=False)
+    out.update(dtc.processor_view(d, mc))
     return out
 
 
