@@ -8,11 +8,13 @@ exists once, in the payload root's shared tree; a base's descriptor lists which 
     payload/
       payload.json                   0.5.13.post1 (v1 worker): patches/ and the shared tree, as before
       patches/*.patch                0.5.13.post1's patches
-      sglang/srt/speculative/        the shared modules (one copy) + 0.5.13.post1's v1 glue (ddtree_worker.py)
-      bases/<version>/payload.json   a v2 base: `shared` (paths in the tree above), `new_files` (its glue,
-      bases/<version>/patches/       under bases/<version>/) and its patches
+      sglang/srt/speculative/        the shared modules, one copy each: the algorithm, 0.5.13.post1's v1 glue
+                                     (ddtree_worker.py) and the v2 bases' server-args glue (ddtree_v2_args.py)
+      bases/<version>/payload.json   a v2 base: `shared` (paths in the tree above), `new_files` (glue of its own,
+      bases/<version>/patches/       under bases/<version>/, if any) and its patches
 
-A base is *declared* here before its payload exists, so `build` and `push` can say why it has none.
+A payload root without a base's descriptor (e.g. an older `--payload` tree) has no payload for it: `build` and
+`push` say so, naming the descriptor.
 """
 
 from __future__ import annotations
@@ -45,10 +47,14 @@ class PayloadBase:
     version: str
     worker: Worker  # v1: `dflash_worker.py` (≤ 0.5.13.post1); v2: `DFlashWorkerV2` (0.5.14 on)
     descriptor: str  # the payload descriptor, relative to the payload root
-    pending: str  # why there is no payload yet, said when the descriptor does not exist
 
     def descriptor_path(self, root: Path) -> Path:
         return root / self.descriptor
+
+    @property
+    def pending(self) -> str:
+        """Why a payload root has no payload for this base (said when the descriptor does not exist)."""
+        return f"its descriptor {self.descriptor} is missing from this payload"
 
     def has_payload(self, root: Path) -> bool:
         return self.descriptor_path(root).is_file()
@@ -62,14 +68,11 @@ class PayloadBase:
 DEFAULT_BASE = "0.5.13.post1"
 
 BASES: tuple[PayloadBase, ...] = (
-    PayloadBase("0.5.13.post1", "v1", "payload.json",
-                "the v1 payload is payload/payload.json"),
-    PayloadBase("0.5.17", "v2", "bases/0.5.17/payload.json",
-                "0.5.17's ServerArgs is still the dataclass in server_args.py, and its field patch and the v2 "
-                "worker's tree step are not written (issue 26; bench/gpu/V2_WORKER.md §3)"),
-    # Server-args half only: the DDTree fields and their validation; full mode is refused (no v2 tree step yet).
-    PayloadBase("0.5.23", "v2", "bases/0.5.23/payload.json",
-                "its descriptor bases/0.5.23/payload.json is missing from this payload"),
+    PayloadBase("0.5.13.post1", "v1", "payload.json"),
+    # The v2 bases carry the server-args half only: the DDTree fields and their validation; full mode is refused
+    # (no v2 tree step yet, issue 26).
+    PayloadBase("0.5.17", "v2", "bases/0.5.17/payload.json"),
+    PayloadBase("0.5.23", "v2", "bases/0.5.23/payload.json"),
 )
 
 

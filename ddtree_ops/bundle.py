@@ -521,7 +521,8 @@ def load_payload(source: str | os.PathLike[str] | None = None, base: str | None 
             for p in pkg_root.rglob("*")
             if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".pyc", ".pyo")
         }
-        unlisted = sorted(on_disk - listed - (set(desc.shared) if desc_dir == root else set()))
+        shipped = listed | (set(desc.shared) | _shared_by_other_bases(root) if desc_dir == root else set())
+        unlisted = sorted(on_disk - shipped)
         if unlisted:
             raise BundleError(
                 f"payload files not listed in {desc_path.name} new_files: {', '.join(unlisted)}",
@@ -534,6 +535,23 @@ def load_payload(source: str | os.PathLike[str] | None = None, base: str | None 
         if not (desc_dir / spec.file).is_file():
             raise BundleError(f"payload.json lists patch {spec.file}, but {desc_dir / spec.file} does not exist")
     return desc_dir, desc
+
+
+def _shared_by_other_bases(root: Path) -> set[str]:
+    """Shared modules the v2 bases list (e.g. their server-args glue): they live in the root's tree, once, without
+    being the root base's own. An unreadable descriptor adds nothing here; building that base says what is wrong."""
+    from ddtree_ops.bases import BASES
+
+    out: set[str] = set()
+    for b in BASES:
+        path = b.descriptor_path(root)
+        if path.parent == root or not path.is_file():
+            continue
+        try:
+            out.update(PayloadDescriptor.model_validate_json(path.read_text()).shared)
+        except ValueError:
+            continue
+    return out
 
 
 def payload_sources(source: str | os.PathLike[str] | None = None, base: str | None = None) -> dict[str, Path]:

@@ -178,7 +178,8 @@ def status_row(host: HostConfig, result: HostResult) -> dict[str, str]:
         "reachable": _reachable_cell(result),
         "os": " ".join(filter(None, [os_info.get("id"), os_info.get("version_id")])) or "-",
         "python": (facts.get("python") or {}).get("version", "-"),
-        # The installed version as a payload base: "0.5.23 v2", "0.5.17 v2 (no payload)", "0.5.14 (unknown base)".
+        # The installed version as a payload base: "0.5.23 v2", "0.5.17 v2 (no payload)" (a --payload tree
+        # without its descriptor), "0.5.14 (unknown base)".
         "sglang": ((facts.get("payload_base") or {}).get("label") or (sglang or {}).get("version")
                    or ("absent" if result.ok else "-")),
         "service": f"{service.get('active_state')}/{service.get('sub_state')}" if service else "-",

@@ -41,11 +41,13 @@ then
   "${VPIP[@]}" -r "$REQS"
   "${VPIP[@]}" --no-deps sglang==0.5.13.post1
 fi
-# SGLang 0.5.23's argument resolution imports tvm_ffi (tests/test_payload_v2_0523.py puts this directory on
-# that test's path): beside the venv, not in it, so the 0.5.13.post1 stack stays the lab hosts'.
-if [ ! -d .venv/sglang23-extra/tvm_ffi ]; then
-  log "installing apache-tvm-ffi==0.1.11 for the SGLang 0.5.23 tests (.venv/sglang23-extra)"
-  "${VPIP[@]}" --no-deps --target .venv/sglang23-extra apache-tvm-ffi==0.1.11
+# The v2 bases' tests (tests/test_payload_v2.py puts this directory on their path): 0.5.17's server_args imports
+# xgrammar, which imports tvm_ffi, and 0.5.23's argument resolution imports tvm_ffi. Beside the venv, not in it, so
+# the 0.5.13.post1 stack stays the lab hosts'.
+V2_EXTRA=.venv/sglang-v2-extra
+if [ ! -d $V2_EXTRA/tvm_ffi ] || [ ! -d $V2_EXTRA/xgrammar ]; then
+  log "installing apache-tvm-ffi==0.1.11 and xgrammar==0.2.1 for the SGLang 0.5.17 / 0.5.23 tests ($V2_EXTRA)"
+  "${VPIP[@]}" --no-deps --target $V2_EXTRA apache-tvm-ffi==0.1.11 xgrammar==0.2.1
 fi
 log "installing ddtree-ops (editable) with dev extras"
 "${VPIP[@]}" -e ".[dev]"

@@ -8,5 +8,5 @@ bash scripts/install.sh
 echo "[test] ruff" >&2
 .venv/bin/ruff check ddtree_ops tests bench
 echo "[test] pytest" >&2
-export DDTREE_TEST_SGLANG23_EXTRA=${DDTREE_TEST_SGLANG23_EXTRA:-$PWD/.venv/sglang23-extra}
+export DDTREE_TEST_SGLANG_V2_EXTRA=${DDTREE_TEST_SGLANG_V2_EXTRA:-$PWD/.venv/sglang-v2-extra}
 exec .venv/bin/python -m pytest -q "$@" tests

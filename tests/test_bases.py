@@ -41,7 +41,15 @@ def test_registry_knows_the_three_bases_and_the_default_is_the_v1_payload() -> N
     assert v1.worker == "v1" and v1.descriptor_path(B.PAYLOAD_DIR) == B.PAYLOAD_DIR / "payload.json"
     assert v1.has_payload(B.PAYLOAD_DIR)
     assert {bases.get_base(v).worker for v in ("0.5.17", "0.5.23")} == {"v2"}
-    assert not bases.get_base("0.5.17").has_payload(B.PAYLOAD_DIR)  # declared, no payload yet
+    assert all(bases.get_base(v).has_payload(B.PAYLOAD_DIR) for v in bases.known_versions())
+
+
+def _payload_without(tmp_path: Path, version: str) -> Path:
+    """A copy of the shipped payload with one base's descriptor gone (an older or hand-made `--payload` tree)."""
+    root = tmp_path / "payload-without"
+    shutil.copytree(B.PAYLOAD_DIR, root, ignore=shutil.ignore_patterns("__pycache__"))
+    (root / bases.get_base(version).descriptor).unlink()
+    return root
 
 
 def test_unknown_base_names_the_known_ones() -> None:
@@ -52,19 +60,21 @@ def test_unknown_base_names_the_known_ones() -> None:
     assert bases.find_base("0.5.14") is None and bases.find_base(None) is None
 
 
-def test_base_without_payload_says_why_and_which_have_one() -> None:
+def test_base_without_payload_says_why_and_which_have_one(tmp_path: Path) -> None:
+    root = _payload_without(tmp_path, "0.5.17")
     with pytest.raises(bases.NoPayloadError) as err:
-        bases.base_with_payload("0.5.17", B.PAYLOAD_DIR)
-    assert "0.5.17" in err.value.message and "not written" in err.value.message
-    assert "0.5.13.post1" in err.value.hint
+        bases.base_with_payload("0.5.17", root)
+    assert "0.5.17" in err.value.message and "bases/0.5.17/payload.json is missing" in err.value.message
+    assert "0.5.13.post1" in err.value.hint and "0.5.23" in err.value.hint
     with pytest.raises(bases.NoPayloadError):
-        B.load_payload(None, "0.5.17")
+        B.load_payload(root, "0.5.17")
 
 
-def test_host_base_labels() -> None:
+def test_host_base_labels(tmp_path: Path) -> None:
     assert bases.host_base("0.5.13.post1")["label"] == "0.5.13.post1 v1"
-    assert bases.host_base("0.5.17") == {"version": "0.5.17", "known": True, "worker": "v2", "payload": False,
-                                         "label": "0.5.17 v2 (no payload)"}
+    assert bases.host_base("0.5.17") == {"version": "0.5.17", "known": True, "worker": "v2", "payload": True,
+                                         "label": "0.5.17 v2"}
+    assert bases.host_base("0.5.17", _payload_without(tmp_path, "0.5.17"))["label"] == "0.5.17 v2 (no payload)"
     assert bases.host_base("0.5.14")["label"] == "0.5.14 (unknown base)" and not bases.host_base("0.5.14")["known"]
     assert bases.host_base(None)["label"] == "absent"
 
@@ -79,7 +89,7 @@ def test_status_row_shows_the_sglang_base() -> None:
                                  HostResult("b", "ok", data={"sglang": None})])
     assert results[0].data["payload_base"]["worker"] == "v2"
     rows = [status_row(HostConfig(name=r.host, address="10.0.0.1"), r) for r in results]
-    assert [r["sglang"] for r in rows] == ["0.5.17 v2 (no payload)", "absent"]
+    assert [r["sglang"] for r in rows] == ["0.5.17 v2", "absent"]
 
 
 def test_every_algorithm_module_exists_once() -> None:
@@ -206,7 +216,8 @@ def test_build_base_unknown_and_without_payload_are_usage_errors(tmp_path: Path)
     err = json.loads(unknown.stdout)["error"]
     assert err["code"] == "unknown_base" and "0.5.14" in err["message"]
     assert "0.5.13.post1" in err["hint"] and "0.5.17" in err["hint"] and "0.5.23" in err["hint"]
-    pending = cli("build", "--base", "0.5.17", "--out", str(tmp_path / "o"))
+    pending = cli("build", "--base", "0.5.17", "--payload", str(_payload_without(tmp_path, "0.5.17")), "--out",
+                  str(tmp_path / "o"))
     assert pending.returncode == 2 and "no payload for SGLang 0.5.17 yet" in pending.stderr
     assert not (tmp_path / "o").exists()
     both = cli("build", "--all-bases", "--base", "0.5.17", "--out", str(tmp_path / "o"))
@@ -229,18 +240,19 @@ def test_build_all_bases_says_which_have_no_payload(tmp_path: Path) -> None:
     from tests.payload_helpers import real_wheel
 
     real_wheel()  # skip here when the default base's wheel cannot be had
-    out = cli("build", "--all-bases", "--out", str(tmp_path / "dist"), "--json")
+    root = _payload_without(tmp_path, "0.5.17")
+    out = cli("build", "--all-bases", "--payload", str(root), "--out", str(tmp_path / "dist"), "--json")
     doc = json.loads(out.stdout)
     rows = {r["base"]: r for r in doc["bases"]}
     assert list(rows) == bases.known_versions()
     assert rows["0.5.13.post1"]["built"] and Path(rows["0.5.13.post1"]["bundle"]).is_file()
     assert not rows["0.5.17"]["built"] and rows["0.5.17"]["reason"].startswith("no payload yet:")
     for v, r in rows.items():
-        has = bases.get_base(v).has_payload(B.PAYLOAD_DIR)
+        has = bases.get_base(v).has_payload(root)
         assert r["built"] or not has or "error" in r, r
         assert r["built"] or r["reason"]
     assert out.returncode == (1 if any("error" in r for r in rows.values()) else 0), out.stderr
-    text = cli("build", "--all-bases", "--out", str(tmp_path / "dist2"))
+    text = cli("build", "--all-bases", "--payload", str(root), "--out", str(tmp_path / "dist2"))
     assert "0.5.17 (v2 worker): not built: no payload yet" in " ".join(text.stdout.split())
 
 
@@ -266,7 +278,7 @@ def test_bundle_set_picks_by_base_and_refuses_with_the_bases(tmp_path: Path) -> 
     assert s.for_base("0.5.17") is None
     pending = s.refusal("gpu-7", "0.5.17")
     assert pending["code"] == "wrong_version" and "gpu-7" in pending["message"] and "0.5.17" in pending["message"]
-    assert "0.5.13.post1, 0.5.23" in pending["message"] and "no payload for SGLang 0.5.17 yet" in pending["hint"]
+    assert "0.5.13.post1, 0.5.23" in pending["message"] and "build --base 0.5.17" in pending["hint"]
     only_v1 = release.BundleSet.of([_local(v1.path)])
     assert "build --base 0.5.23" in only_v1.refusal("gpu-9", "0.5.23")["hint"]
     unknown = s.refusal("gpu-8", "0.5.14")

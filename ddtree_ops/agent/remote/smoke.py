@@ -7,7 +7,8 @@ is captured on its own:
   server_args  prepare_server_args accepts valid DDTree flags and refuses each bad combination
                with a message naming the flag; the cases are those of the installed SGLang's worker
                generation (worker_of): on a v2 base (0.5.14 on) shadow-linear is accepted and full is
-               refused with the payload's "not available yet", validated through 0.5.23's resolution hook
+               refused with the payload's "not available yet", validated where that base resolves (0.5.17:
+               ServerArgs.__post_init__; 0.5.23: its resolution hook)
   tree         build_ddtree on a tiny CPU case whose answer is worked out by hand below
 Answer: {"passed": bool, "steps": [{name, passed, seconds, detail, output}], "sglang_version", "worker"}.
 """
@@ -143,25 +144,41 @@ def field(sa, name):
 """ + SERVER_ARGS_CASES
 
 # The same checks on a v2 base (SGLang 0.5.14 on; the payload's glue is ddtree_v2_args). ServerArgs is parsed by
-# that SGLang's own prepare_server_args; it validates in resolve_once, whose DFLASH step refuses a CPU device, so
-# the DDTree check is reached the way resolve_once reaches it: SGLang's run_hook on the step the payload wraps
-# (`handle_speculative_decoding`), here a stand-in that declares DFLASH's block size as the real step does on a
-# GPU. Full mode is refused on this base with the payload's own "not available yet" message.
+# that SGLang's own prepare_server_args. Its DFLASH step refuses a CPU device, so the DDTree check is reached with
+# a stand-in for upstream's `handle_speculative_decoding` that resolves DFLASH's block size as the real step does
+# on a GPU: on 0.5.23 through SGLang's run_hook (resolve_once's steps; the payload wraps that step), on 0.5.17 by
+# replacing the step __post_init__ calls (the payload's check runs right after it). Full mode is refused on these
+# bases with the payload's own "not available yet" message.
 SERVER_ARGS_V2_CODE = PRELUDE + r"""
 import contextlib, io
-from sglang.srt.arg_groups.overrides import declare_resolution, resolution_result
-from sglang.srt.arg_groups.resolution_hooks import run_hook
-from sglang.srt.server_args import prepare_server_args
-import sglang.srt.speculative.ddtree_v2_args  # the payload's glue: the hooks are registered by its patch
+import sglang.srt.speculative.ddtree_v2_args  # the payload's glue (0.5.23: its patch registers the hooks)
 base = SPEC["base"]
 dflash = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", SPEC["draft"],
           "--speculative-num-draft-tokens", "16"]
-def handle_speculative_decoding(server_args):
-    if (resolution_result(server_args, "speculative_algorithm") or "").upper() == "DFLASH":
-        block = resolution_result(server_args, "speculative_num_draft_tokens") or 16
-        declare_resolution(server_args, "smoke: DFLASH block size", speculative_num_draft_tokens=int(block))
-def resolve(sa):
-    run_hook(handle_speculative_decoding, sa)
+try:
+    from sglang.srt.arg_groups.overrides import declare_resolution, resolution_result
+    from sglang.srt.arg_groups.resolution_hooks import run_hook
+except ImportError:  # 0.5.17: __post_init__ resolves by assignment
+    import sglang.srt.arg_groups.speculative_hook as _hook
+    def handle_speculative_decoding(server_args):
+        algorithm = (server_args.speculative_algorithm or "").upper() or None
+        server_args.speculative_algorithm = algorithm
+        if algorithm == "DFLASH":
+            server_args.speculative_num_draft_tokens = int(server_args.speculative_num_draft_tokens or 16)
+    _hook.handle_speculative_decoding = handle_speculative_decoding
+    def resolve(sa):
+        pass
+    def field(sa, name):
+        return getattr(sa, name, None)
+else:
+    def handle_speculative_decoding(server_args):
+        if (resolution_result(server_args, "speculative_algorithm") or "").upper() == "DFLASH":
+            block = resolution_result(server_args, "speculative_num_draft_tokens") or 16
+            declare_resolution(server_args, "smoke: DFLASH block size", speculative_num_draft_tokens=int(block))
+    def resolve(sa):
+        run_hook(handle_speculative_decoding, sa)
+    field = resolution_result
+from sglang.srt.server_args import prepare_server_args
 """ + SERVER_ARGS_PARSE + r"""
 valid = [
     ("shadow-linear, defaults", dflash + ["--speculative-ddtree-mode", "shadow-linear"],
@@ -188,7 +205,6 @@ invalid = [
     ("allow-hybrid-unsafe", dflash + ["--speculative-ddtree-mode", "shadow-linear",
      "--speculative-ddtree-allow-hybrid-unsafe"], "--speculative-ddtree-allow-hybrid-unsafe"),
 ]
-field = resolution_result
 """ + SERVER_ARGS_CASES
 
 # Hand-checked case (batch 1, depth 2, vocab 4), probabilities not logits so it reads easily:

@@ -62,7 +62,8 @@ ENV_BACKUP_DIR = ".ddtree-ops-backup"
 FOUND_DIR = "units-found"  # units changed by hand, kept when --adopt (or an undo) overwrote them
 KILL_ENV = "DDTREE_OPS_TEST_KILL_UNIT_AT"
 DDTREE_MODULE = "sglang/srt/speculative/ddtree_utils.py"
-# A v2 base's glue (payload/bases/<version>/): it says which modes its base can serve yet.
+# The v2 bases' server-args glue (shipped by 0.5.17's and 0.5.23's payloads only): it says which modes those bases
+# can serve yet.
 V2_GLUE_MODULE = "sglang/srt/speculative/ddtree_v2_args.py"
 SHOW_PROPERTIES = ("LoadState", "ActiveState", "SubState", "Result", "NRestarts", "FragmentPath", "DropInPaths",
                    "ExecMainStatus", "ExecMainCode", "UnitFileState", "InvocationID")
@@ -452,7 +453,7 @@ print(json.dumps({"refusal": mod.full_mode_refusal(config)}))
 """
 
 
-# The base glue's own refusal of full mode (0.5.23: the v2 worker's tree step is not written yet). It imports
+# The base glue's own refusal of full mode (0.5.17, 0.5.23: the v2 worker's tree step is not written yet). It imports
 # the glue as the server would (through sglang, whose import is the slow part), so it runs only where the
 # glue is installed and only for a full-mode promote.
 BASE_MODE_PROBE = r"""

@@ -41,6 +41,14 @@ def linear_backend_of(attn_backend: Any) -> Any:
     return getattr(attn_backend, "linear_attn_backend", None)
 
 
+def hf_config_dict(model_runner: Any) -> dict:
+    """The config of the checkpoint SGLang loaded, as a dict ({} when the runner has none)."""
+    hf_config = getattr(getattr(model_runner, "model_config", None), "hf_config", None)
+    if hasattr(hf_config, "to_dict"):
+        return hf_config.to_dict()
+    return dict(hf_config) if isinstance(hf_config, dict) else {}
+
+
 def runtime_refusal(model_runner: Any, evidence: str) -> str | None:
     """Why full mode must not run on this hybrid target as SGLang built it (None: it may). The runtime
     counterpart of `ddtree_utils.hybrid_refusal`: the layer type from the backend SGLang chose, the
@@ -55,9 +63,7 @@ def runtime_refusal(model_runner: Any, evidence: str) -> str | None:
             f"Use {FLAG_MODE} shadow-linear."
         )
     # the architecture from the checkpoint SGLang loaded (the runtime config says only the layer type)
-    hf_config = getattr(getattr(model_runner, "model_config", None), "hf_config", None)
-    config = hf_config.to_dict() if hasattr(hf_config, "to_dict") else {}
-    architecture = (hybrid_kind(config) or (None, "an unknown architecture"))[1]
+    architecture = (hybrid_kind(hf_config_dict(model_runner)) or (None, "an unknown architecture"))[1]
     status, why = hybrid_support(layer_type, architecture)
     if status != "proven" and not (status == "unproven" and test_switch(TEST_UNPROVEN_HYBRID)):
         return (

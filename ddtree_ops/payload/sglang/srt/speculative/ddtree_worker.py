@@ -59,7 +59,7 @@ from sglang.srt.speculative.ddtree_auto_budget import (
     auto_candidates,
     verify_widths,
 )
-from sglang.srt.speculative.ddtree_hybrid import HybridTree, runtime_refusal
+from sglang.srt.speculative.ddtree_hybrid import HybridTree, hf_config_dict, runtime_refusal
 from sglang.srt.speculative.ddtree_metrics import AutoMetrics
 from sglang.srt.speculative.ddtree_penalties import (
     DEFAULT_ORDER,
@@ -138,11 +138,6 @@ def target_is_hybrid(model_runner: Any) -> tuple[bool, str]:
     return False, "no hybrid markers"
 
 
-def _hf_config_dict(model_runner: Any) -> dict:
-    hf_config = model_runner.model_config.hf_config
-    return hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
-
-
 def full_mode_refusal_at_start(model_runner: Any) -> str | None:
     """The offline refusals of `ddtree_utils.full_mode_refusal` plus what only the running server
     knows: the hybrid layers SGLang built (`ddtree_hybrid.runtime_refusal`) and the sliding window it
@@ -159,7 +154,7 @@ def full_mode_refusal_at_start(model_runner: Any) -> str | None:
             "tokens, which its verify kernels apply by a node's index in the verify block, not by "
             f"its tree depth. Use {FLAG_MODE} shadow-linear."
         )
-    return full_mode_refusal(_hf_config_dict(model_runner), allow_unproven_hybrid=test_switch(TEST_UNPROVEN_HYBRID))
+    return full_mode_refusal(hf_config_dict(model_runner), allow_unproven_hybrid=test_switch(TEST_UNPROVEN_HYBRID))
 
 
 def sampled_rows(batch: ScheduleBatch) -> list[int]:

@@ -1,19 +1,23 @@
-"""DDTree server flags on SGLang 0.5.23 (the v2 DFLASH worker): glue only (installed as
-`sglang/srt/speculative/ddtree_v2_args.py` by the ddtree-ops payload for 0.5.23).
+"""DDTree server flags on the SGLang bases with the v2 DFLASH worker (0.5.17, 0.5.23): glue only (installed as
+`sglang/srt/speculative/ddtree_v2_args.py` by the ddtree-ops payload of each v2 base; one copy, shared).
 
 The flags' meaning, help and checks live in the shared `ddtree_args.py`, as on every base. What differs
-here is how 0.5.23 takes them:
-- fields: `arg_groups/fields/spec.py` declares the six `speculative_ddtree_*` fields of the `Spec`
-  namespace (the payload's one patch); `arg(field)` gives each its CLI metadata, read from the shared
+is how each base takes them:
+- fields: each base's one patch declares the six `speculative_ddtree_*` fields where that base keeps its
+  server arguments (0.5.17: the `ServerArgs` dataclass in `server_args.py`; 0.5.23: the `Spec` namespace in
+  `arg_groups/fields/spec.py`); `arg(field)` gives each its CLI metadata, read from the shared
   `add_ddtree_cli_args`, so the flags' help is written once;
-- validation: `ServerArgs` is a sealed msgspec record resolved by `resolve_once`; a step writes through
-  `declare_resolution`, never by assignment. `register()` (called by the same patch) wraps two resolution
+- validation on 0.5.17: `ServerArgs.__post_init__` resolves by plain assignment until it materializes the
+  record, so the patch calls `refuse_unavailable` before the dummy-model return and `check_post_init` right
+  after `handle_speculative_decoding` (DFLASH's block size is resolved by then);
+- validation on 0.5.23: `ServerArgs` is a sealed msgspec record resolved by `resolve_once`; a step writes
+  through `declare_resolution`, never by assignment. `register()` (called by the patch) wraps two resolution
   steps through SGLang's own plugin route (`resolution_hooks.register_resolution_hook`):
   `handle_hardware_runtime_validation` (before the dummy-model return) refuses full mode, and
   `handle_speculative_decoding` (after DFLASH's block size is resolved) runs the shared
   `handle_ddtree_server_args` on a view that reads the values in effect and declares its normalised values.
 
-Full mode is refused on this base: the v2 worker's tree verify step is not written yet (ddtree-ops issue
+Full mode is refused on these bases: the v2 worker's tree verify step is not written yet (ddtree-ops issue
 26), so nothing here could verify a tree. Shadow-linear and off are accepted.
 """
 
@@ -25,7 +29,6 @@ from typing import Any
 
 from sglang.srt.speculative import ddtree_args as _shared
 
-BASE_VERSION = "0.5.23"
 FIELDS = (
     "speculative_ddtree_mode",
     "speculative_ddtree_budget",
@@ -45,7 +48,7 @@ def _cli_actions() -> dict[str, argparse.Action]:
 
 
 def arg(field: str) -> Any:
-    """The `Arg` of a DDTree field in 0.5.23's `Spec` namespace, from the shared CLI definition."""
+    """The `Arg` of a DDTree field (0.5.17's `ServerArgs`, 0.5.23's `Spec`), from the shared CLI definition."""
     from sglang.srt.arg_groups.arg_utils import Arg
 
     action = _cli_actions()[field]
@@ -58,13 +61,26 @@ class DDTreeV2NotAvailable(_shared.DDTreeConfigError):
     """A DDTree mode this base cannot serve yet."""
 
 
+def base_version() -> str:
+    """The running SGLang's version (the base this glue was installed for)."""
+    from sglang.version import __version__
+
+    return __version__
+
+
 def refuse_unavailable(mode: Any) -> None:
     if str(mode or "off").strip().lower() == "full":
         raise DDTreeV2NotAvailable(
-            f"{_shared.FLAG_MODE} full is not available yet on SGLang {BASE_VERSION}: the v2 DFLASH worker's "
+            f"{_shared.FLAG_MODE} full is not available yet on SGLang {base_version()}: the v2 DFLASH worker's "
             "tree verify step is not written (ddtree-ops issue 26), so nothing here could verify a tree. "
             f"Use {_shared.FLAG_MODE} shadow-linear or off."
         )
+
+
+def check_post_init(server_args: Any) -> None:
+    """0.5.17: check the DDTree fields inside `ServerArgs.__post_init__`, where resolution still assigns."""
+    refuse_unavailable(server_args.speculative_ddtree_mode)
+    _shared.handle_ddtree_server_args(server_args)
 
 
 class _InEffect:
@@ -88,7 +104,7 @@ class _InEffect:
 
 
 def validate(server_args: Any) -> dict[str, Any]:
-    """Check the DDTree fields of a ServerArgs being resolved and declare their normalised values;
+    """0.5.23: check the DDTree fields of a ServerArgs being resolved and declare their normalised values;
     returns what was declared. Raises `DDTreeConfigError` (a ValueError) naming the flag."""
     from sglang.srt.arg_groups.overrides import declare_resolution, resolution_result
 
@@ -118,7 +134,7 @@ _registered = False
 
 
 def register() -> None:
-    """Wrap the two resolution steps (once per process)."""
+    """0.5.23: wrap the two resolution steps (once per process)."""
     global _registered
     if _registered:
         return
