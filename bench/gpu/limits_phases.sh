@@ -3,8 +3,8 @@
 # p (peaked model, 1024 / 32), h (LIMITS_SET=h alone: the trained hybrid pair, 1024 / 32: mix and limits;
 # LIMITS_SET=hd / hm: the dense / MoE Qwen3.5 hybrid, random (h) and peaked (k: drafts accepted, deep commits), each with the
 # deepest-node commit that must fail; k also samples at T 1 and proves liveness. With HYB_PAIR=1 the trained dense
-# pair is h, and again x with the radix cache (mix with 40 round-2 requests, limits, samples, liveness); then B,
-# the pair's speed one server at a time).
+# pair is h (hd) or that pair made MoE (hm, make_tiny_hybrid.py --moe-from-dense), and again x with the radix cache
+# (mix with 40 round-2 requests, limits, samples, liveness); then B, the pair's speed one server at a time).
 # Every server: CUDA graphs, no overlap scheduler (run_device.sh's LIMITS flags).
 # A1: each set's plain server makes its workloads (production_mix.py --make; plain returns top-5 logprobs).
 # A2, clients of different servers in parallel (the verdicts do not depend on timing):
