@@ -16,7 +16,9 @@
 #    with ~20 servers on GPU 0 (TP servers take the minimum over their ranks).
 # 4) the same greedy requests to each (sequentially: timings are not shared), then compare_ddtree.py.
 # Env: BUDGET_S (deadline, default 560), ONLY="tag tag" (subset), SGLANG_DDTREE_LOG_EVERY (default 8),
-#   COMMON_EXTRA (flags added to every server). HYBRID_KERNELS=1: first hybrid_kernels_check.py on the GPU (issue 25,
+#   COMMON_EXTRA (flags added to every server), SITE_TAR (the carried site, default .gpu/site312.tar.xz;
+#   .gpu/site312-0.5.17.tar.xz, from build_carry.sh BASE=0.5.17, is SGLang 0.5.17: dist must then hold that
+#   base's bundle first). HYBRID_KERNELS=1: first hybrid_kernels_check.py on the GPU (issue 25,
 #   G1; HYBRID_KERNELS_ONLY=1 stops after it).
 # MIX=1 (issue 12): the production-mix proof instead (production_mix.py): --context-length 1024,
 #   --schedule-policy fcfs; for the random (r_) and peaked (p_) sets plain | DFLASH | full 16, 64, 256;
@@ -54,15 +56,16 @@ export SGLANG_DISABLE_REQUEST_LOGGING=1 SGLANG_DDTREE_LOG_EVERY=${SGLANG_DDTREE_
 export SGLANG_CPU_WORKERS=${SGLANG_CPU_WORKERS:-2}
 if command -v nvcc >/dev/null; then export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}; fi
 DEADLINE=$(( T0 + ${BUDGET_S:-560} ))
+SITE_TAR=${SITE_TAR:-.gpu/site312.tar.xz}
 
 ts "start"; nvidia-smi -L; python3 -V
 # Always a fresh pristine tree: a bundle from an earlier call must not meet a newer one.
-rm -rf /tmp/site && mkdir -p /tmp/site && tar -C /tmp/site -xJf .gpu/site312.tar.xz || { echo "extract failed"; exit 1; }
+rm -rf /tmp/site && mkdir -p /tmp/site && tar -C /tmp/site -xJf "$SITE_TAR" || { echo "extract failed"; exit 1; }
 export PYTHONPATH=/tmp/site
 BUNDLE=$(ls dist/ddtree-payload-*.tar.gz | head -1)
 OLD_BUNDLE=$(ls dist/old/ddtree-payload-*.tar.gz 2>/dev/null | head -1)
 if { [ "${MIX:-0}" = 1 ] || [ "${LIMITS:-0}" = 1 ]; } && [ -n "$OLD_BUNDLE" ]; then
-  rm -rf /tmp/site_old && mkdir -p /tmp/site_old && tar -C /tmp/site_old -xJf .gpu/site312.tar.xz \
+  rm -rf /tmp/site_old && mkdir -p /tmp/site_old && tar -C /tmp/site_old -xJf "$SITE_TAR" \
     && PYTHONPATH=/tmp/site_old:$PWD python3 -c "import sys; from ddtree_ops.bundle import install_bundle; \
 print('old bundle', install_bundle(sys.argv[1], '/tmp/site_old').payload_version)" "$OLD_BUNDLE" || OLD_BUNDLE=
 fi
@@ -180,7 +183,7 @@ if [ "${MIX:-0}" = 1 ]; then
               "h_dflash_audit|$HM|DF $H AUDIT" "h_dflash_eager|$HM|DF $H EAGER AUDIT"
               "h_full64_audit|$HM|$FULL 64 $H HYB AUDIT" "h_full64_eager|$HM|$FULL 64 $H HYB EAGER AUDIT")
     if [ -z "$OLD_BUNDLE" ]; then VARIANTS=("${VARIANTS[@]/*_old|*}"); fi
-    rm -rf /tmp/site_pristine && mkdir -p /tmp/site_pristine && tar -C /tmp/site_pristine -xJf .gpu/site312.tar.xz
+    rm -rf /tmp/site_pristine && mkdir -p /tmp/site_pristine && tar -C /tmp/site_pristine -xJf "$SITE_TAR"
   fi
 fi
 if [ "${GRAPHS:-0}" = 1 ]; then
@@ -215,7 +218,7 @@ if [ "${GRAPHS:-0}" = 1 ]; then
   # Both sets no longer fit one 600 s call: GRAPHS_SET=p serves the p set (mix, samples, liveness,
   # speed), GRAPHS_SET=r the r set (mix, liveness, upstream's stall).
   case "${GRAPHS_SET:-}" in p) VARIANTS=("${VARIANTS[@]/r_*}") ;; r) VARIANTS=("${VARIANTS[@]/p_*}") ;; esac
-  rm -rf /tmp/site_pristine && mkdir -p /tmp/site_pristine && tar -C /tmp/site_pristine -xJf .gpu/site312.tar.xz
+  rm -rf /tmp/site_pristine && mkdir -p /tmp/site_pristine && tar -C /tmp/site_pristine -xJf "$SITE_TAR"
   # the GPU checks below share the CPU with the servers' start-up: a speed-only call leaves them out
   [ "${PERF_ONLY:-0}" = 1 ] || ( python3 $HERE/sampling_kernels_check.py walk > "$OUT/sampling_kernels_check.log" 2>&1; echo "rc=$?" >> "$OUT/sampling_kernels_check.log"
     # the builder's Triton-vs-torch tests (skipped on CPU CI), with pytest carried in .gpu/pytest_site
@@ -291,7 +294,7 @@ if [ "${LIMITS:-0}" = 1 ]; then
     fi
   fi
   if [ -z "$OLD_BUNDLE" ]; then VARIANTS=("${VARIANTS[@]/*_old|*}"); fi
-  rm -rf /tmp/site_pristine && mkdir -p /tmp/site_pristine && tar -C /tmp/site_pristine -xJf .gpu/site312.tar.xz
+  rm -rf /tmp/site_pristine && mkdir -p /tmp/site_pristine && tar -C /tmp/site_pristine -xJf "$SITE_TAR"
   ( python3 $HERE/sampling_kernels_check.py walk > "$OUT/sampling_kernels_check.log" 2>&1; echo "rc=$?" >> "$OUT/sampling_kernels_check.log"
     if [ -d .gpu/pytest_site ]; then PYTHONPATH=/tmp/site:$PWD/.gpu/pytest_site timeout 240 python3 -m pytest -q -p no:cacheprovider \
       tests/test_ddtree_triton.py tests/test_ddtree_verify_step.py > "$OUT/triton_tests.log" 2>&1; echo "rc=$?" >> "$OUT/triton_tests.log"; fi ) &
