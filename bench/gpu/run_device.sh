@@ -17,8 +17,8 @@
 # 4) the same greedy requests to each (sequentially: timings are not shared), then compare_ddtree.py.
 # Env: BUDGET_S (deadline, default 560), ONLY="tag tag" (subset), SGLANG_DDTREE_LOG_EVERY (default 8),
 #   COMMON_EXTRA (flags added to every server), SITE_TAR (the carried site, default .gpu/site312.tar.xz;
-#   .gpu/site312-0.5.17.tar.xz, from build_carry.sh BASE=0.5.17, is SGLang 0.5.17: dist must then hold that
-#   base's bundle first). HYBRID_KERNELS=1: first hybrid_kernels_check.py on the GPU (issue 25,
+#   .gpu/site312-0.5.17.tar.xz, from build_carry.sh BASE=0.5.17, is SGLang 0.5.17: dist's bundle of that base is
+#   installed). HYBRID_KERNELS=1: first hybrid_kernels_check.py on the GPU (issue 25,
 #   G1; HYBRID_KERNELS_ONLY=1 stops after it).
 # MIX=1 (issue 12): the production-mix proof instead (production_mix.py): --context-length 1024,
 #   --schedule-policy fcfs; for the random (r_) and peaked (p_) sets plain | DFLASH | full 16, 64, 256;
@@ -62,8 +62,14 @@ ts "start"; nvidia-smi -L; python3 -V
 # Always a fresh pristine tree: a bundle from an earlier call must not meet a newer one.
 rm -rf /tmp/site && mkdir -p /tmp/site && tar -C /tmp/site -xJf "$SITE_TAR" || { echo "extract failed"; exit 1; }
 export PYTHONPATH=/tmp/site
-BUNDLE=$(ls dist/ddtree-payload-*.tar.gz | head -1)
-OLD_BUNDLE=$(ls dist/old/ddtree-payload-*.tar.gz 2>/dev/null | head -1)
+# The bundle of the carried site's base: site312-<base>.tar.xz takes ddtree-payload-*-sglang<base>.tar.gz, the
+# default site the 0.5.13.post1 bundle (no -sglang suffix), whatever else dist holds.
+SITE_BASE=$(basename "$SITE_TAR" .tar.xz); SITE_BASE=${SITE_BASE#site312}; SITE_BASE=${SITE_BASE#-}
+pick_bundle() { ls "$1"/ddtree-payload-*.tar.gz 2>/dev/null | grep -E -- "${SITE_BASE:+-sglang$SITE_BASE}\.tar\.gz\$" \
+  | { [ -n "$SITE_BASE" ] && cat || grep -v -- -sglang; } | head -1; }
+BUNDLE=$(pick_bundle dist)
+[ -n "$BUNDLE" ] || { echo "no bundle in dist/ for the carried site ($SITE_TAR)"; exit 1; }
+OLD_BUNDLE=$(pick_bundle dist/old)
 if { [ "${MIX:-0}" = 1 ] || [ "${LIMITS:-0}" = 1 ]; } && [ -n "$OLD_BUNDLE" ]; then
   rm -rf /tmp/site_old && mkdir -p /tmp/site_old && tar -C /tmp/site_old -xJf "$SITE_TAR" \
     && PYTHONPATH=/tmp/site_old:$PWD python3 -c "import sys; from ddtree_ops.bundle import install_bundle; \
