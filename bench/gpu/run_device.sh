@@ -97,10 +97,18 @@ if [ "${TP2:-0}" = 1 ]; then  # on both GPUs, alongside the model making and the
   TPC_PID=$!
 fi
 
-if [ "${SWEEP:-0}" = 1 ] || [ "${AUTO:-0}" = 1 ]; then  # the trained pair travels in the carry (train_pair_device.sh's pair.tar)
-  [ -f .gpu/pair/target/config.json ] && [ -f .gpu/pair/draft/config.json ] && [ -f .gpu/pair/heldout_prompts.json ] \
-    || { echo "SWEEP=1 needs the trained pair in .gpu/pair (target/, draft/, heldout_prompts.json): run train_pair_device.sh"; exit 1; }
-  rm -rf /tmp/pair && cp -r .gpu/pair /tmp/pair
+# A trained pair travels in the carry (train_pair_device.sh's pair*.tar unpacked into .gpu/): `carried_pair DIR
+# MODELS WHO HOW` checks .gpu/DIR/MODELS{target,draft} (and DIR's extra files after HOW), then copies .gpu/DIR to /tmp.
+carried_pair() {
+  local dir=$1 models=$2 who=$3 how=$4 f; shift 4
+  for f in "${models}target/config.json" "${models}draft/config.json" "$@"; do
+    [ -f ".gpu/$dir/$f" ] || { echo "$who needs .gpu/$dir/${models}{target,draft}${*:+ and $*}: run train_pair_device.sh$how"; exit 1; }
+  done
+  rm -rf "/tmp/$dir" && cp -r ".gpu/$dir" "/tmp/$dir"
+}
+
+if [ "${SWEEP:-0}" = 1 ] || [ "${AUTO:-0}" = 1 ]; then
+  carried_pair pair "" "SWEEP=1 / AUTO=1" "" heldout_prompts.json
   if [ "${AUTO:-0}" = 1 ]; then  # issue 24: the pair's real-size shell (make_shell.py), its greedy outputs checked
     python3 $HERE/make_shell.py /tmp/pair /tmp/shell ${SHELL_ARGS:-} > "$OUT/make_shell.log" 2>&1 \
       || { tail -20 "$OUT/make_shell.log"; echo "make_shell failed"; exit 1; }
@@ -164,9 +172,7 @@ if [ "${MIX:-0}" = 1 ]; then
     # HYB_PAIR=1: the trained hybrid pair instead (train_pair_device.sh HYBRID=1's pair_h.tar unpacked into
     # .gpu/pair_h/, carried): drafts that are really accepted, so full mode commits deep tree nodes.
     if [ "${HYB_PAIR:-0}" = 1 ]; then
-      [ -f .gpu/pair_h/next/target/config.json ] && [ -f .gpu/pair_h/next/draft/config.json ] \
-        || { echo "HYB_PAIR=1 needs .gpu/pair_h/next/{target,draft}: run train_pair_device.sh with HYBRID=1"; exit 1; }
-      rm -rf /tmp/pair_h && cp -r .gpu/pair_h /tmp/pair_h; HYB_MODELS=/tmp/pair_h
+      carried_pair pair_h next/ "HYB_PAIR=1" " with HYBRID=1"; HYB_MODELS=/tmp/pair_h
     fi
     H="--disable-radix-cache"; HM=${HYB_MODELS:-/tmp/tiny_hp}/next
     # HYB_RADIX=1 (G5 / G6): every server with the radix cache, recurrent states tracked every HYB_TRACK (64)
@@ -267,13 +273,9 @@ if [ "${LIMITS:-0}" = 1 ]; then
     H="--disable-radix-cache"
     QWEN35=; [ "$LIMITS_SET" = h ] || QWEN35=$([ "$LIMITS_SET" = hd ] && echo dense || echo moe35)
     if [ "$LIMITS_SET" = h ]; then
-      [ -f .gpu/pair_h/next/target/config.json ] && [ -f .gpu/pair_h/next/draft/config.json ] \
-        || { echo "LIMITS_SET=h needs .gpu/pair_h/next/{target,draft}: run train_pair_device.sh with HYBRID=1"; exit 1; }
-      rm -rf /tmp/pair_h && cp -r .gpu/pair_h /tmp/pair_h; HM=/tmp/pair_h/next
+      carried_pair pair_h next/ "LIMITS_SET=h" " with HYBRID=1"; HM=/tmp/pair_h/next
     elif [ "${HYB_PAIR:-0}" = 1 ]; then  # the trained dense pair (train_pair_device.sh HYBRID=dense's pair_hd.tar)
-      [ -f .gpu/pair_hd/dense/target/config.json ] && [ -f .gpu/pair_hd/dense/draft/config.json ] \
-        || { echo "LIMITS_SET=$LIMITS_SET HYB_PAIR=1 needs .gpu/pair_hd/dense/{target,draft}: run train_pair_device.sh with HYBRID=dense"; exit 1; }
-      rm -rf /tmp/pair_hd && cp -r .gpu/pair_hd /tmp/pair_hd; HM=/tmp/pair_hd/dense
+      carried_pair pair_hd dense/ "LIMITS_SET=$LIMITS_SET HYB_PAIR=1" " with HYBRID=dense"; HM=/tmp/pair_hd/dense
       if [ "$LIMITS_SET" = hm ]; then
         python3 $HERE/make_tiny_hybrid.py --moe-from-dense /tmp/pair_hd /tmp/pair_hm > "$OUT/make_hm.log" 2>&1 \
           || { tail -20 "$OUT/make_hm.log"; echo "moe35 from the dense pair failed"; exit 1; }
