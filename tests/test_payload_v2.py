@@ -28,6 +28,9 @@ from ddtree_ops import bundle as B
 FIXED_TIME = "2026-01-01T00:00:00Z"
 SCRIPT = Path(__file__).parent / "sglang_scripts" / "server_args_cases_v2.py"
 DFLASH_FLAGS = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "dummy"]
+# full mode on a v2 base: only where the tree step exists (ddtree_v2_args.TREE_STEP_BASES), under its proof switch
+TREE_STEP_BASES = ("0.5.17",)
+PROOF_SWITCH = {"SGLANG_DDTREE_TEST_V2_TREE": "1", "SGLANG_DDTREE_ALLOW_TEST_SWITCHES": "1"}
 
 pytestmark = pytest.mark.slow
 
@@ -219,6 +222,11 @@ def test_parses_and_validates_the_ddtree_flags(base: V2Base, site: Path, tmp_pat
                                             "--speculative-ddtree-mode", "shadow-linear"]},
         {"name": "full refused", "argv": [*dflash, "--speculative-ddtree-mode", "full",
                                           "--speculative-ddtree-budget", "15"]},
+        {"name": "full proof switch", "argv": [*dflash, "--speculative-ddtree-mode", "full",
+                                               "--speculative-ddtree-budget", "15", "--attention-backend", "triton",
+                                               "--disable-overlap-schedule"], "env": PROOF_SWITCH},
+        {"name": "full switch without allow", "argv": [*dflash, "--speculative-ddtree-mode", "full"],
+         "env": {"SGLANG_DDTREE_TEST_V2_TREE": "1"}},
         {"name": "no dflash", "argv": [*model, "--speculative-ddtree-mode", "shadow-linear"]},
         {"name": "budget too big", "argv": [*dflash, "--speculative-ddtree-mode", "shadow-linear",
                                             "--speculative-ddtree-budget", "513"]},
@@ -252,6 +260,15 @@ def test_parses_and_validates_the_ddtree_flags(base: V2Base, site: Path, tmp_pat
     full = r["full refused"]
     assert not full["ok"] and f"full is not available yet on SGLang {base.version}" in full["error"]
     assert "shadow-linear" in full["error"]
+    proof, no_allow = r["full proof switch"], r["full switch without allow"]
+    if base.version in TREE_STEP_BASES:  # the v2 tree step exists there: served under the proof switch only
+        assert proof["ok"], proof
+        assert (proof["speculative_ddtree_mode"], proof["speculative_ddtree_budget"]) == ("full", 15)
+        assert not no_allow["ok"] and "SGLANG_DDTREE_ALLOW_TEST_SWITCHES=1" in no_allow["error"], no_allow
+        assert "SGLANG_DDTREE_TEST_V2_TREE=1 is a test switch" in no_allow["error"]
+    else:  # no tree step: refused whatever the switches
+        for got in (proof, no_allow):
+            assert not got["ok"] and f"full is not available yet on SGLang {base.version}" in got["error"], got
     for name, words in {"no dflash": ["requires --speculative-algorithm DFLASH"],
                         "budget too big": ["--speculative-ddtree-budget must be in 1..512", "513"],
                         "budget max without auto": ["--speculative-ddtree-budget-max", "auto"],
@@ -271,10 +288,16 @@ def test_the_real_resolution_refuses_full_mode(base: V2Base, site: Path, tmp_pat
     cpu = ["--model-path", "dummy", *DFLASH_FLAGS, "--device", "cpu"]
     r = _cases(site, tmp_path, [
         {"name": "full", "argv": [*cpu, "--speculative-ddtree-mode", "full"], "resolve": True},
+        {"name": "full switch without allow", "argv": [*cpu, "--speculative-ddtree-mode", "full"], "resolve": True,
+         "env": {"SGLANG_DDTREE_TEST_V2_TREE": "1"}},
         {"name": "shadow", "argv": [*cpu, "--speculative-ddtree-mode", "shadow-linear"], "resolve": True},
     ], extra_path(*base.needs, "tvm_ffi"))
     assert not r["full"]["ok"] and f"full is not available yet on SGLang {base.version}" in r["full"]["error"]
     assert r["shadow"]["ok"] and r["shadow"]["speculative_ddtree_mode"] == "shadow-linear", r["shadow"]
+    # 0.5.17's dummy-model return comes before check_post_init: the early refusal checks the allow switch itself
+    no_allow = r["full switch without allow"]
+    want = "SGLANG_DDTREE_ALLOW_TEST_SWITCHES=1" if base.version in TREE_STEP_BASES else "full is not available yet"
+    assert not no_allow["ok"] and want in no_allow["error"], no_allow
 
 
 def test_agent_smoke_runs_the_v2_checks(base: V2Base, site: Path, built: B.BuildResult, tmp_path: Path) -> None:

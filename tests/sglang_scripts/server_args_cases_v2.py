@@ -11,7 +11,9 @@ A case with "resolve": true runs the base's real resolution instead (dummy model
 `resolve_once`, whose pipeline reaches the payload's early step (the full-mode refusal; it needs `tvm_ffi`), or
 0.5.17's `__post_init__` untouched, whose dummy-model return comes after the payload's early refusal.
 
-Usage: python server_args_cases_v2.py CASES.json   (a list of {"name", "argv", "resolve"?})
+A case's "env" (optional) is set in os.environ while it is parsed (the DDTree test switches are read then).
+
+Usage: python server_args_cases_v2.py CASES.json   (a list of {"name", "argv", "resolve"?, "env"?})
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -74,10 +77,24 @@ else:
         return args, raw
 
 
+@contextlib.contextmanager
+def environ(env: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def run(case: dict) -> dict:
     err = io.StringIO()
     try:
-        with contextlib.redirect_stderr(err):
+        with contextlib.redirect_stderr(err), environ(case.get("env", {})):
             args, raw = parse(case)
     except SystemExit as e:  # argparse: type errors print to stderr and exit 2
         return {"name": case["name"], "ok": False, "error": err.getvalue().strip().splitlines()[-1:], "exit": e.code}

@@ -17,8 +17,17 @@ is how each base takes them:
   `handle_speculative_decoding` (after DFLASH's block size is resolved) runs the shared
   `handle_ddtree_server_args` on a view that reads the values in effect and declares its normalised values.
 
-Full mode is refused on these bases: the v2 worker's tree verify step is not written yet (ddtree-ops issue
-26), so nothing here could verify a tree. Shadow-linear and off are accepted.
+Full mode is refused on these bases for operators: the v2 worker's tree step exists for 0.5.17 only
+(`ddtree_worker_v2.py`, 0.5.17's own glue) and has not run on a GPU yet, so it is served only under the proof
+switch `SGLANG_DDTREE_TEST_V2_TREE=1` (with `SGLANG_DDTREE_ALLOW_TEST_SWITCHES=1`, like every test switch);
+0.5.23 has no tree step and refuses full mode whatever the switches. Shadow-linear and off are accepted.
+
+Worker selection (0.5.17, switch on): importing this module registers, without applying, an AROUND hook on
+`SpeculativeAlgorithm.create_worker` with SGLang's `HookRegistry`; `load_plugins()` applies it in every process
+(17:managers/scheduler.py:4895 in each scheduler, which is spawned and never re-runs `__post_init__`, so a hook
+installed by `check_post_init` in the parent would not reach it). This module is imported by the base's patched
+`server_args.py`, which every process imports before it calls `load_plugins()`. The hook returns
+`DDTreeWorkerV2` for DFLASH only when the server args say `--speculative-ddtree-mode full`.
 """
 
 from __future__ import annotations
@@ -68,8 +77,26 @@ def base_version() -> str:
     return __version__
 
 
+# The bases whose v2 worker has a tree step (their payload ships `ddtree_worker_v2.py`).
+TREE_STEP_BASES = ("0.5.17",)
+CREATE_WORKER_TARGET = "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.create_worker"
+
+
+def tree_step_on(environ: Any = None) -> bool:
+    """Whether this process may serve full mode: a base with a tree step and the proof switch set."""
+    return _shared.test_switch(_shared.TEST_V2_TREE, environ) and base_version() in TREE_STEP_BASES
+
+
 def refuse_unavailable(mode: Any) -> None:
     if str(mode or "off").strip().lower() == "full":
+        if tree_step_on():
+            if not _shared.test_switch(_shared.ALLOW_TEST_SWITCHES):
+                # checked here too: 0.5.17 calls this before its dummy-model return, which skips check_post_init
+                raise _shared.DDTreeConfigError(
+                    f"{_shared.TEST_V2_TREE}=1 is a test switch (full mode on the v2 worker, not yet proven on a "
+                    f"GPU), refused on a server; a test that means it sets {_shared.ALLOW_TEST_SWITCHES}=1."
+                )
+            return
         raise DDTreeV2NotAvailable(
             f"{_shared.FLAG_MODE} full is not available yet on SGLang {base_version()}: the v2 DFLASH worker's "
             "tree verify step is not written (ddtree-ops issue 26), so nothing here could verify a tree. "
@@ -143,3 +170,34 @@ def register() -> None:
     register_resolution_hook("handle_hardware_runtime_validation")(_early)
     register_resolution_hook("handle_speculative_decoding")(_after_speculative)
     _registered = True
+
+
+# --- worker selection (0.5.17 under the proof switch) -------------------------------------------------------
+
+
+def _create_worker(original: Any, algo: Any, server_args: Any) -> Any:
+    """AROUND `SpeculativeAlgorithm.create_worker`: DFLASH in full mode gets the tree worker."""
+    worker = original(algo, server_args)
+    if algo.is_dflash() and getattr(server_args, "speculative_ddtree_mode", "off") == "full":
+        from sglang.srt.speculative.ddtree_worker_v2 import DDTreeWorkerV2
+
+        return DDTreeWorkerV2
+    return worker
+
+
+_tree_worker_registered = False
+
+
+def register_tree_worker() -> bool:
+    """Register (not apply) the worker hook, once per process, where `tree_step_on()`; whether it is registered.
+    `load_plugins()` applies it (and every other registered hook) in each process."""
+    global _tree_worker_registered
+    if not _tree_worker_registered and tree_step_on():
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        HookRegistry.register(CREATE_WORKER_TARGET, _create_worker, HookType.AROUND)
+        _tree_worker_registered = True
+    return _tree_worker_registered
+
+
+register_tree_worker()

@@ -18,7 +18,7 @@ while a DDTree full-mode worker runs in this process:
    the next step writes `1 + budget` nodes), then runs upstream's method, which then finds its own
    `committed + 2 * block` already held and only does its bookkeeping.
 
-Nothing changes until `activate(settings)`: the future worker calls it in `__init__`, which the scheduler runs
+Nothing changes until `activate(settings)`: 0.5.17's `DDTreeWorkerV2` calls it in `__init__`, which the scheduler runs
 before the pools, the attention backends and the CUDA graphs are built (17:managers/scheduler.py:924, 974-981),
 so every width read comes after it. Parsing and shadow-linear never import this module.
 """

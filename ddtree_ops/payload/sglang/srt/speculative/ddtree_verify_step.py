@@ -65,6 +65,13 @@ def tree_custom_mask(tree_mask: torch.Tensor, prefix_lens: torch.Tensor, prefix_
     return _tree_custom_mask_torch(tree_mask, prefix_lens, sum(prefix_lens_cpu))
 
 
+def tree_custom_mask_bounded(tree_mask: torch.Tensor, prefix_lens: torch.Tensor, prefix_bound: int) -> torch.Tensor:
+    """`tree_custom_mask`'s layout with no host copy of the prefix lengths (the v2 worker's step): sized for a
+    host `prefix_bound >= sum(prefix_lens)`; cells past the batch's own are True and never read (the backend
+    indexes by the device lengths). Plain torch."""
+    return _tree_custom_mask_torch(tree_mask, prefix_lens, int(prefix_bound))
+
+
 def _tree_custom_mask_torch(tree_mask: torch.Tensor, prefix_lens: torch.Tensor, prefix_total: int) -> torch.Tensor:
     bs, n, _ = tree_mask.shape
     device = tree_mask.device

@@ -1,0 +1,391 @@
+"""Run inside an unpacked SGLang 0.5.17 tree (on PYTHONPATH, the 0.5.17 payload's files beside it): check the v2
+tree worker (`ddtree_worker_v2.py`) against the real upstream classes and print one JSON object.
+
+What runs for real: the module's import against 0.5.17, `DFlashWorkerV2` / `DFlashVerifyInput` /
+`GenerationBatchResult` / `ForwardBatch` / `ReqToTokenPool`-shaped tensors, SGLang's `HookRegistry` and
+`SpeculativeAlgorithm.create_worker`, the payload's tree builder, walk and commit (torch paths).
+Stand-ins (CPU, no model): in the decode-step case, the draft runner (returns chosen hidden states), the target
+verify (logits of a made-up deterministic "target": next token = f(position, token)), `prepare_for_verify`
+(needs a model runner; records the verify input instead), upstream's triton `assign_extend_cache_locs_func` (the
+same gather in torch) and `_append_target_hidden_to_draft_kv_by_loc` (records its arguments). The worker object is
+made without `__init__` (it builds models) and given the attributes the step reads.
+
+Usage: python v2_worker_cases.py   (env: SGLANG_DDTREE_TEST_V2_TREE / _ALLOW_TEST_SWITCHES as the case needs)
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import random
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from sglang.srt.plugins.hook_registry import HookRegistry
+from sglang.srt.speculative import ddtree_v2_args as v2args
+from sglang.srt.speculative import ddtree_v2_seams as seams
+from sglang.srt.speculative import ddtree_worker_v2 as w
+from sglang.srt.speculative.ddtree_utils import build_ddtree
+from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+from sglang.version import __version__
+
+
+def contracts() -> dict:
+    """What the subclass relies on, read off the real upstream classes."""
+    from sglang.srt.managers.scheduler import GenerationBatchResult
+
+    def params(fn):
+        return list(inspect.signature(fn).parameters)
+
+    result_fields = set(inspect.signature(GenerationBatchResult).parameters)
+    return {
+        "subclass": issubclass(w.DDTreeWorkerV2, DFlashWorkerV2),
+        "init": params(DFlashWorkerV2.__init__) == params(w.DDTreeWorkerV2.__init__),
+        "forward": params(DFlashWorkerV2.forward_batch_generation) == params(
+            w.DDTreeWorkerV2.forward_batch_generation),
+        "append_kv": {"target_hidden", "cache_loc", "positions", "cache_loc_2d", "commit_lens"}
+        <= set(params(DFlashWorkerV2._append_target_hidden_to_draft_kv_by_loc)),
+        "next_input": params(DFlashWorkerV2._make_next_draft_input_decode)[1:] == ["bonus_tokens", "new_seq_lens"]
+        and params(DFlashWorkerV2._make_next_draft_input_prefill)[1:] == ["bonus_tokens", "seq_lens"],
+        "result": {"logits_output", "next_token_ids", "accept_lens", "can_run_cuda_graph", "next_draft_input",
+                   "speculative_num_draft_tokens", "new_seq_lens"} <= result_fields,
+        "verify_input": {"draft_token", "positions", "draft_token_num", "custom_mask", "capture_hidden_mode"}
+        <= set(inspect.signature(DFlashVerifyInput).parameters),
+        "sampler_hook": hasattr(DFlashWorkerV2, "_maybe_build_draft_sampler"),
+    }
+
+
+def triton_layout() -> dict:
+    """The layout the step writes, as 0.5.17's triton backend and extend kernel read it (source lines)."""
+    import sglang.kernels.ops.attention.extend_attention as ext
+    import sglang.srt.layers.attention.triton_backend as tb
+
+    backend = Path(tb.__file__).read_text()
+    kernel = Path(ext.__file__).read_text()
+    return {
+        "indptr": backend.count("seq_mask_len = num_draft_tokens * (seq_lens + num_draft_tokens)") == 1
+        and "forward_batch.seq_lens + num_draft_tokens" in backend,
+        # query row stride = prefix + extend; an extend key sits after the prefix
+        "row": bool(re.search(r"\* \(cur_seq_len \+ window_kv_offset\)\s*\+ window_kv_offset\s*\+ cur_seq_len_prefix",
+                              kernel)),
+    }
+
+
+def allowed(parents: list[int], i: int, j: int) -> bool:
+    """Oracle: node i attends to node j iff j is i or one of its ancestors (parent pointers, -1 = none)."""
+    while i >= 0:
+        if i == j:
+            return True
+        i = parents[i]
+    return False
+
+
+def triton_cell(mask: torch.Tensor, prefix: list[int], n: int, b: int, q: int, k: int) -> bool:
+    """Read a mask cell the way the triton backend indexes it: `mask_indptr = cumsum(n * (seq_lens + n))`, row
+    stride `seq_len + n`, key k (the prefix first, then the extend tokens)."""
+    start = sum(n * (p + n) for p in prefix[:b])
+    return bool(mask[start + q * (prefix[b] + n) + k])
+
+
+def verify_inputs(trials: int = 40) -> dict:
+    """`tree_verify_input` on random trees against the oracles; a chain must give DFLASH's causal mask."""
+    rng = random.Random(7)
+    bad: list[str] = []
+    chains_causal = 0
+    for trial in range(trials):
+        bs, depth, vocab = rng.randint(1, 4), rng.randint(1, 6), rng.randint(3, 12)
+        chain = trial % 4 == 0
+        budget = depth if chain else rng.randint(1, 12)
+        gen = torch.Generator().manual_seed(trial)
+        logits = torch.randn((bs, depth, vocab), generator=gen) * 3
+        if chain:  # one candidate per depth: the tree is the draft's chain
+            tree = build_ddtree(logits, budget, topk_cap=1)
+        else:
+            tree = build_ddtree(logits, budget, topk_cap=rng.choice([None, 2, 3]))
+        n = tree.parents.shape[1]
+        prefix = [rng.randint(0, 9) for _ in range(bs)]
+        width = max(prefix) + n + 3
+        pool = torch.randperm(bs * width + 5, generator=gen)[: 2 * bs * width].view(-1)[: (bs + 2) * width]
+        req_to_token = torch.zeros((bs + 2, width), dtype=torch.int32)
+        req_to_token.view(-1)[: pool.numel()] = pool.to(torch.int32)
+        rows = torch.randperm(bs + 2, generator=gen)[:bs]
+        bonus = torch.randint(0, vocab, (bs,), generator=gen)
+        slack = rng.choice([0, 0, 5])  # a host bound above the true prefix total
+        v = w.tree_verify_input(tree, bonus, torch.tensor(prefix), req_to_token, rows, sum(prefix) + slack)
+        if v.custom_mask.numel() != n * (sum(prefix) + slack + bs * n):
+            bad.append(f"{trial}: mask size")
+        parents, depths = tree.parents.tolist(), tree.depths.tolist()
+        for b in range(bs):
+            for i in range(n):
+                flat = b * n + i
+                want_token = int(bonus[b]) if i == 0 else int(tree.token_ids[b, i - 1])
+                if int(v.tokens[flat]) != want_token:
+                    bad.append(f"{trial}: token {b},{i}")
+                if int(v.positions[flat]) != prefix[b] + depths[b][i]:
+                    bad.append(f"{trial}: position {b},{i}")
+                if int(v.out_cache_loc[flat]) != int(req_to_token[int(rows[b]), prefix[b] + i]):
+                    bad.append(f"{trial}: slot {b},{i}")
+                for k in range(prefix[b] + n):
+                    want = True if k < prefix[b] else allowed(parents[b], i, k - prefix[b])
+                    if triton_cell(v.custom_mask, prefix, n, b, i, k) != want:
+                        bad.append(f"{trial}: mask {b},{i},{k}")
+        if chain and all(int(x) == n for x in tree.num_nodes):
+            causal = all(
+                triton_cell(v.custom_mask, prefix, n, b, i, k) == (k <= prefix[b] + i)
+                for b in range(bs) for i in range(n) for k in range(prefix[b] + n)
+            )
+            chains_causal += causal
+            if not causal:
+                bad.append(f"{trial}: chain not causal")
+    return {"bad": bad[:20], "chains_causal": chains_causal}
+
+
+def small_pieces() -> dict:
+    hidden = torch.randn(2, 4, 5)
+    weight = torch.randn(9, 5)
+    logits = w.draft_tree_logits(hidden, weight, 7)
+    reqs = [SimpleNamespace(sampling_params=SimpleNamespace(top_k=k)) for k in (1, 40, 1 << 30, 1)]
+    bounds, total = w.host_prefix_bounds(torch.tensor([3, 5], dtype=torch.int32), None, 4)
+    r_bounds, r_total = w.host_prefix_bounds(None, torch.tensor([20, 30], dtype=torch.int32), 4)
+    return {
+        "draft_logits": bool(torch.allclose(logits, hidden[:, 1:, :] @ weight[:7].T)) and list(logits.shape) == [2, 3, 7],
+        "sampled_rows": w.sampled_rows(reqs),
+        "bounds": [bounds.tolist(), total, r_bounds.tolist(), r_total],
+        "no_bounds": w.host_prefix_bounds(None, None, 4) == (None, None),
+    }
+
+
+GOOD = dict(speculative_ddtree_mode="full", speculative_ddtree_budget=7, speculative_num_draft_tokens=4,
+            speculative_ddtree_topk_cap=None, speculative_ddtree_keep_chain=False, disable_overlap_schedule=True,
+            attention_backend="triton", decode_attention_backend=None, prefill_attention_backend=None, page_size=1,
+            tp_size=1, pp_size=1, speculative_draft_window_size=None, sampling_backend="pytorch")
+
+
+def refusals() -> dict:
+    cases = {
+        "good": {},
+        "auto": {"speculative_ddtree_budget": "auto"},
+        "overlap": {"disable_overlap_schedule": False},
+        "flashinfer": {"attention_backend": "flashinfer"},
+        "backend unset": {"attention_backend": None},
+        "decode fa3": {"decode_attention_backend": "fa3"},
+        "page": {"page_size": 16},
+        "tp": {"tp_size": 2},
+        "pp": {"pp_size": 2},
+        "window": {"speculative_draft_window_size": 512},
+    }
+    out = {name: w.v2_refusal(SimpleNamespace(**{**GOOD, **change})) for name, change in cases.items()}
+    out["hybrid"] = w.v2_refusal(SimpleNamespace(**GOOD), hybrid=True)
+    out["simulated"] = w.v2_refusal(SimpleNamespace(**GOOD), simulate_acc_len=3)
+    # the worker refuses before upstream builds anything (its __init__ would need a GPU and models)
+    target = SimpleNamespace(model_runner=SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace())))
+    try:
+        w.mambaish_config = lambda config: None  # the model config is a stand-in; hybrid is checked above
+        w.DDTreeWorkerV2(SimpleNamespace(**{**GOOD, "disable_overlap_schedule": False}), 0, None, 0, target)
+        out["init"] = None
+    except w.DDTreeV2Refused as e:
+        out["init"] = str(e)
+    out["seams_after_refusal"] = seams.active() is not None
+    return out
+
+
+def worker_selection() -> dict:
+    """What `create_worker` returns once `load_plugins()` has applied the registered hooks."""
+    HookRegistry.apply_hooks()  # what load_plugins() does after running the plugins, in every process
+    full = SimpleNamespace(speculative_ddtree_mode="full", enable_multi_layer_eagle=False)
+    shadow = SimpleNamespace(speculative_ddtree_mode="shadow-linear")
+    return {
+        "registered": v2args._tree_worker_registered,
+        "full": SpeculativeAlgorithm.DFLASH.create_worker(full).__name__,
+        "shadow": SpeculativeAlgorithm.DFLASH.create_worker(shadow).__name__,
+        "eagle_full": SpeculativeAlgorithm.EAGLE.create_worker(full).__name__,
+    }
+
+
+# --- one decode step on CPU stand-ins ---------------------------------------------------------------------------
+
+VOCAB, BLOCK, BUDGET = 11, 4, 7
+
+
+def target_next(position: int, token: int) -> int:
+    """The stand-in target's greedy choice after `token` at `position`."""
+    return (3 * token + 5 * position + 1) % VOCAB
+
+
+class Sampling(SimpleNamespace):
+    """A batch's `SamplingBatchInfo`, the fields upstream's verify adjustments and the walk read."""
+
+    def __len__(self) -> int:
+        return len(self.temperatures)
+
+
+def sampling(bs: int) -> tuple[Sampling, list]:
+    """Request 0 greedy with a logit bias that forces token 0, request 1 sampled (T = 1), the others greedy."""
+    bias = torch.zeros((bs, VOCAB))
+    bias[0, 0] = 100.0
+    top_k = [1, 1 << 30] + [1] * (bs - 2)
+    info = Sampling(temperatures=torch.ones((bs, 1)), top_ks=torch.tensor(top_k), top_ps=torch.ones(bs),
+                    min_ps=torch.zeros(bs), need_min_p_sampling=False, has_custom_logit_processor=False,
+                    penalizer_orchestrator=None, grammar_mask=None, logit_bias=bias, acc_linear_penalties=None)
+    return info, [SimpleNamespace(sampling_params=SimpleNamespace(top_k=k)) for k in top_k]
+
+
+def decode_step(seed: int, sampled: bool = False) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    bs, width = 3, 40
+    prefix = torch.tensor([5, 9, 2])
+    rows = torch.tensor([2, 0, 3])
+    req_to_token = torch.zeros((4, width), dtype=torch.int32)
+    req_to_token.view(-1)[:] = torch.randperm(4 * width, generator=gen).to(torch.int32) + 1
+    before = req_to_token.clone()
+    bonus_in = torch.randint(0, VOCAB, (bs,), generator=gen)
+
+    # the draft guesses the target's chain at most depths (one-hot hidden states through an identity LM head)
+    chain = []
+    for b in range(bs):
+        tokens, tok = [], int(bonus_in[b])
+        for d in range(BLOCK - 1):
+            tok = target_next(int(prefix[b]) + d, tok)
+            tokens.append(tok)
+        chain.append(tokens)
+    draft_hidden = torch.randn((bs, BLOCK, VOCAB), generator=gen)
+    for b in range(bs):
+        for d, tok in enumerate(chain[b]):
+            if (b + d + seed) % 3:  # sometimes the draft's best guess is wrong
+                draft_hidden[b, d + 1, tok] += 6.0
+
+    recorded: dict = {}
+
+    def prepare_for_verify(self, batch, target_worker):
+        recorded["verify"] = self
+        recorded["host_seq_lens"] = batch.seq_lens_cpu.tolist()
+        return SimpleNamespace(spec_info=self), False
+
+    def target_forward(batch=None, forward_batch=None, is_verify=False, skip_attn_backend_init=False):
+        v = forward_batch.spec_info
+        n = v.draft_token_num
+        logits = torch.full((bs * n, VOCAB), -5.0)
+        for r in range(bs * n):
+            logits[r, target_next(int(v.positions[r]), int(v.draft_token[r]))] = 5.0
+        hidden = torch.arange(bs * n, dtype=torch.float32)[:, None].repeat(1, 2)  # row id as the state
+        return SimpleNamespace(logits_output=SimpleNamespace(next_token_logits=logits, hidden_states=hidden),
+                               can_run_cuda_graph=False)
+
+    def append_kv(**kw):
+        recorded["kv"] = kw
+
+    def assign_cache_locs(req_pool_indices, req_to_token, start_offset, end_offset, batch_size, draft_token_num,
+                          device):
+        cols = start_offset[:, None] + torch.arange(draft_token_num)
+        return req_to_token[req_pool_indices[:, None], cols].to(torch.int64).reshape(-1)
+
+    DFlashVerifyInput.prepare_for_verify = prepare_for_verify
+    w.assign_extend_cache_locs_func = assign_cache_locs
+    worker = object.__new__(w.DDTreeWorkerV2)
+    lm_head = SimpleNamespace(weight=torch.eye(VOCAB))
+    model = SimpleNamespace(lm_head=lm_head, get_input_embeddings=lambda: (lambda ids: ids[..., None].float()))
+    runner = SimpleNamespace(req_to_token_pool=SimpleNamespace(req_to_token=req_to_token), model=model)
+    worker.__dict__.update(
+        block_size=BLOCK, device=torch.device("cpu"), model_runner=runner, _mask_token_id=VOCAB - 1,
+        _target_worker=SimpleNamespace(model_runner=runner, forward_batch_generation=target_forward),
+        draft_model_runner=SimpleNamespace(forward=lambda fb: SimpleNamespace(
+            logits_output=SimpleNamespace(hidden_states=draft_hidden.reshape(-1, VOCAB)))),
+        _draft_block_spec_info=None, _block_pos_offsets=torch.arange(BLOCK), _draft_block_ids_buf=None,
+        tree_budget=BUDGET, tree_topk_cap=None, tree_keep_chain=False, sampling_rule="pytorch", tree_steps=0,
+        _append_target_hidden_to_draft_kv_by_loc=append_kv,
+    )
+    draft_input = seams.DDTreeDraftInputV2.from_dflash(
+        w.DFlashWorkerV2._make_next_draft_input_decode(worker, bonus_tokens=bonus_in, new_seq_lens=prefix))
+    batch = SimpleNamespace(
+        seq_lens=prefix.clone(), seq_lens_cpu=prefix.clone().to(torch.int32), seq_lens_sum=int(prefix.sum()),
+        req_pool_indices=rows, spec_info=draft_input, out_cache_loc=None, sampling_info=None, reqs=[None] * bs,
+    )
+    if sampled:
+        batch.sampling_info, batch.reqs = sampling(bs)
+    published = []
+    result = worker._tree_step(batch, published.append)
+
+    # oracles: (1) what the step emits is plain greedy decoding of the stand-in target from each bonus token;
+    # (2) its length is how far the tree holds that chain (the tree read back from the tokens, positions and
+    # mask the step sent: a node's parent is the node it sees one position up)
+    verify = recorded["verify"]
+    n = BUDGET + 1
+    tokens = verify.draft_token.view(bs, n).tolist()
+    positions = verify.positions.view(bs, n).tolist()
+    out = result.next_token_ids.view(bs, BLOCK).tolist()
+    lens = result.accept_lens.tolist()
+    kv = recorded["kv"]
+    plain, walked, ok_slots, ok_kv = [], [], True, True
+    for b in range(bs):
+        p, r = int(prefix[b]), int(rows[b])
+        chain_tokens, tok = [], int(bonus_in[b])
+        for d in range(BLOCK):
+            tok = target_next(p + d, tok)
+            chain_tokens.append(tok)
+        plain.append(chain_tokens)
+        node, length = 0, 0
+        while True:
+            nxt = target_next(positions[b][node], tokens[b][node])
+            kids = [j for j in range(1, n) if tokens[b][j] == nxt and _is_parent(verify, b, n, prefix, node, j)]
+            length += 1
+            if not kids:
+                break
+            node = kids[0]
+        walked.append(length)
+        # the segment is a permutation of the slots it held; the prefix and other rows are untouched
+        ok_slots &= sorted(req_to_token[r, p : p + n].tolist()) == sorted(before[r, p : p + n].tolist())
+        ok_slots &= bool(torch.equal(req_to_token[r, :p], before[r, :p]))
+        for k in range(lens[b]):
+            e = b * BLOCK + k
+            slot = int(kv["cache_loc"][e])
+            node_row = int(kv["target_hidden"][e, 0])  # the verify row of the node whose state goes there
+            ok_kv &= slot == int(req_to_token[r, p + k]) and int(kv["positions"][e]) == p + k
+            ok_kv &= int(before[r, p + node_row - b * n]) == slot
+    others = [i for i in range(4) if i not in rows.tolist()]
+    ok_slots &= all(torch.equal(req_to_token[i], before[i]) for i in others)
+    return {
+        "greedy": all(out[b][: lens[b]] == plain[b][: lens[b]] for b in range(bs) if not sampled),
+        "biased": out[0][: lens[0]] == [0] * lens[0],
+        "bonus_is_last": all(result.next_draft_input.bonus_tokens[b] == out[b][lens[b] - 1] for b in range(bs)),
+        "lens": lens,
+        "walked": walked,
+        "new_seq_lens": result.new_seq_lens.tolist(),
+        "published": published[0].tolist(),
+        "prefix_plus": (prefix + result.accept_lens).tolist(),
+        "stride": result.speculative_num_draft_tokens,
+        "next_bonus": result.next_draft_input.bonus_tokens.tolist(),
+        "next_class": type(result.next_draft_input).__name__,
+        "slots_permuted_in_place": ok_slots,
+        "kv_plan": ok_kv and kv["cache_loc_2d"].shape == (bs, BLOCK) and kv["commit_lens"].tolist() == lens,
+        "host_seq_lens": recorded["host_seq_lens"],
+        "verify_width": recorded["verify"].draft_token_num,
+        "mask_cells": int(recorded["verify"].custom_mask.numel()),
+    }
+
+
+def _is_parent(verify, b: int, n: int, prefix, parent: int, child: int) -> bool:
+    """From the mask the step sent: `parent` is `child`'s parent iff child sees parent and nothing deeper."""
+    p = [int(x) for x in prefix.tolist()]
+    row = [triton_cell(verify.custom_mask, p, n, b, child, p[b] + j) for j in range(n)]
+    pos = verify.positions.view(len(p), -1)[b].tolist()
+    return row[parent] and pos[parent] == pos[child] - 1
+
+
+if __name__ == "__main__":
+    import os
+
+    out = {"version": __version__, "switch": os.environ.get("SGLANG_DDTREE_TEST_V2_TREE") == "1"}
+    out["selection"] = worker_selection()
+    if out["switch"]:
+        out["contracts"] = contracts()
+        out["triton_layout"] = triton_layout()
+        out["verify_inputs"] = verify_inputs()
+        out["small"] = small_pieces()
+        out["refusals"] = refusals()
+        out["steps"] = [decode_step(seed) for seed in range(6)]
+        out["sampled_steps"] = [decode_step(seed, sampled=True) for seed in range(4)]
+    print(json.dumps(out))

@@ -1,0 +1,128 @@
+"""The DDTree tree step for SGLang 0.5.17's v2 DFLASH worker (`bases/0.5.17/.../ddtree_worker_v2.py`) against the
+real 0.5.17 wheel, on the CPU: the module imports and subclasses the real `DFlashWorkerV2` with the signatures it
+relies on; its pure pieces (the verify input: tokens, positions `prefix + depth`, the custom mask in the layout the
+triton backend indexes, the reserved-row slots) match independent oracles on random trees, a chain giving DFLASH's
+causal mask; `create_worker` returns it only under full mode with the proof switch; the out-of-scope settings are
+refused naming their flag; and whole decode steps run on stand-ins for the models (greedy = plain greedy decoding
+of a made-up target; the segment permuted in place; the draft-KV plan; a logit bias applied; a sampled row).
+Nothing here runs a GPU kernel, a CUDA graph or a model (tests/sglang_scripts/v2_worker_cases.py says which
+stand-ins it uses). Skipped when the wheel, or xgrammar / tvm_ffi, cannot be had (see test_payload_v2.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from ddtree_ops import bundle as B
+from tests.test_payload_v2 import extra_path
+
+SCRIPT = Path(__file__).parent / "sglang_scripts" / "v2_worker_cases.py"
+BASE = "0.5.17"
+SWITCHES = {"SGLANG_DDTREE_TEST_V2_TREE": "1", "SGLANG_DDTREE_ALLOW_TEST_SWITCHES": "1"}
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    extra_path("xgrammar", "tvm_ffi")  # skips early when they cannot be had
+    try:
+        wheel = B.download_wheel("sglang", BASE)
+    except B.BundleError as e:
+        pytest.skip(f"no sglang {BASE} wheel available: {e}")
+    site = tmp_path_factory.mktemp("site")
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(site, members=[n for n in z.namelist() if n.startswith("sglang/")])
+    for rel, src in B.payload_sources(base=BASE).items():
+        if rel.endswith(".py") and "/speculative/" in rel:
+            shutil.copyfile(src, site / rel)
+    return site
+
+
+def _run(site: Path, switches: dict[str, str]) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "SGLANG", "DDTREE"))}
+    env.update(switches)
+    env["PYTHONPATH"] = os.pathsep.join([str(site), *extra_path("xgrammar", "tvm_ffi")])
+    proc = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=site)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["version"] == BASE
+    return out
+
+
+@pytest.fixture(scope="module")
+def observed(site: Path) -> dict:
+    return _run(site, SWITCHES)
+
+
+def test_imports_and_subclasses_the_real_worker(observed: dict) -> None:
+    assert observed["contracts"] == dict.fromkeys(observed["contracts"], True), observed["contracts"]
+    assert observed["triton_layout"] == {"indptr": True, "row": True}
+
+
+def test_verify_input_matches_the_oracles_and_a_chain_is_causal(observed: dict) -> None:
+    got = observed["verify_inputs"]
+    assert got["bad"] == []
+    assert got["chains_causal"] == 10  # every chain trial (1 in 4 of 40) gave exactly DFLASH's causal mask
+
+
+def test_small_pieces(observed: dict) -> None:
+    small = observed["small"]
+    assert small["draft_logits"]
+    assert small["sampled_rows"] == [1, 2]  # top_k 40 and "all"; top_k 1 is greedy
+    assert small["bounds"] == [[7, 9], 8, [20, 30], 42]  # exact from the host's lengths; else the reservation
+    assert small["no_bounds"]
+
+
+def test_create_worker_picks_the_tree_worker_only_in_full_mode(site: Path, observed: dict) -> None:
+    assert observed["selection"] == {"registered": True, "full": "DDTreeWorkerV2", "shadow": "DFlashWorkerV2",
+                                     "eagle_full": "EAGLEWorkerV2"}
+    plain = _run(site, {})  # no proof switch: nothing registered, DFLASH keeps its own worker
+    assert plain["selection"] == {"registered": False, "full": "DFlashWorkerV2", "shadow": "DFlashWorkerV2",
+                                  "eagle_full": "EAGLEWorkerV2"}
+
+
+def test_out_of_scope_settings_are_refused_naming_the_flag(observed: dict) -> None:
+    r = observed["refusals"]
+    assert r["good"] is None
+    for name, words in {"auto": "--speculative-ddtree-budget auto", "overlap": "--disable-overlap-schedule",
+                        "flashinfer": "--attention-backend triton", "backend unset": "--attention-backend triton",
+                        "decode fa3": "--decode-attention-backend fa3", "page": "--page-size 1",
+                        "tp": "--tp-size 1", "pp": "--pp-size 1", "window": "--speculative-draft-window-size",
+                        "hybrid": "non-hybrid", "simulated": "SGLANG_SIMULATE_ACC_LEN",
+                        "init": "--disable-overlap-schedule"}.items():
+        assert r[name] and words in r[name], (name, r[name])
+    assert not r["seams_after_refusal"]  # refused before the seams turn on
+
+
+def _common(step: dict) -> None:
+    lens = step["lens"]
+    assert all(1 <= n <= 4 for n in lens)
+    assert step["new_seq_lens"] == step["published"] == step["prefix_plus"]
+    assert step["stride"] == 4 and step["verify_width"] == 8  # the block, and 1 + budget
+    assert step["next_class"] == "DDTreeDraftInputV2" and step["bonus_is_last"]
+    assert step["slots_permuted_in_place"] and step["kv_plan"]
+    assert step["host_seq_lens"] == [5 + 8, 9 + 8, 2 + 8]  # prefix + width: the verify's host bound
+    assert step["mask_cells"] == 8 * (16 + 3 * 8)  # n * (sum of prefixes + bs * n)
+
+
+def test_greedy_decode_steps_emit_plain_greedy_tokens(observed: dict) -> None:
+    for step in observed["steps"]:
+        _common(step)
+        assert step["greedy"] and step["lens"] == step["walked"], step
+    assert {n for step in observed["steps"] for n in step["lens"]} == {1, 2, 3, 4}  # short and full paths
+
+
+def test_sampled_steps_apply_the_logit_bias_and_walk_sampled_rows(observed: dict) -> None:
+    for step in observed["sampled_steps"]:
+        _common(step)
+        assert step["biased"], step  # request 0's bias forces token 0 at every node
+        assert step["lens"][2] == step["walked"][2]  # the greedy request is unaffected by its neighbours
