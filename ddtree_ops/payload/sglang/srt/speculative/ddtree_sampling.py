@@ -252,6 +252,12 @@ def _kernel_walk(kernel, tree, candidates, probs, coins, final_coins):
     return accepted, lengths, _leftover_bonus(tree, candidates, probs, last, total, drawn)
 
 
+def sampled_rows(reqs: list) -> list[int]:
+    """Requests whose next token is sampled (top_k > 1 after SGLang's normalisation: T = 0 sets top_k 1); read
+    per request from host data, never from the batch's merged `is_all_greedy` flag."""
+    return [i for i, req in enumerate(reqs) if int(req.sampling_params.top_k) > 1]
+
+
 def tree_walk(
     tree,
     candidates: torch.Tensor,

@@ -70,7 +70,7 @@ from sglang.srt.speculative.ddtree_penalties import (
 )
 from sglang.srt.speculative.ddtree_profile import StepProfile, median
 from sglang.srt.speculative.ddtree_ranks import agree_all, agree_min, agree_sum
-from sglang.srt.speculative.ddtree_sampling import target_probs, tree_walk, walk_bytes
+from sglang.srt.speculative.ddtree_sampling import sampled_rows, target_probs, tree_walk, walk_bytes
 from sglang.srt.speculative.ddtree_step_budget import (
     StepLimits,
     VerifySizing,
@@ -155,12 +155,6 @@ def full_mode_refusal_at_start(model_runner: Any) -> str | None:
             f"its tree depth. Use {FLAG_MODE} shadow-linear."
         )
     return full_mode_refusal(hf_config_dict(model_runner), allow_unproven_hybrid=test_switch(TEST_UNPROVEN_HYBRID))
-
-
-def sampled_rows(batch: ScheduleBatch) -> list[int]:
-    """Requests whose next token is sampled (top_k > 1 after SGLang's normalisation: T = 0 sets
-    top_k 1); read per request, never from the batch's merged `is_all_greedy` flag."""
-    return [i for i, req in enumerate(batch.reqs) if int(req.sampling_params.top_k) > 1]
 
 
 def request_penalties(req: Any) -> RequestPenalties:
@@ -752,7 +746,7 @@ class DDTreeController:
         top, graph_width = self.budget, self.budget + 1
         self._pick = None
         if self.auto is not None:
-            self._step_sampled = set(sampled_rows(batch))
+            self._step_sampled = set(sampled_rows(batch.reqs))
             self._pick = self.auto.choose(bs, self.stats.steps, sampled=len(self._step_sampled))
             if self._pick.is_chain:
                 self.stats.chain_steps += 1
@@ -1026,7 +1020,7 @@ class DDTreeVerifyInput(DFlashVerifyInput):
         _, adjusted = adjust_verify_logits(logits.view(bs, n, -1), batch, parents=self.tree.parents,
                                            depths=self.tree.depths, tokens=candidates, max_depth=int(self.tree.max_depth))
         stats.logit_adjusted_steps += adjusted
-        sampled = sampled_rows(batch) if info is not None else []
+        sampled = sampled_rows(batch.reqs) if info is not None else []
         stats.sampled_requests += len(sampled)
         stats.greedy_requests += bs - len(sampled)
         if sampled:

@@ -42,7 +42,7 @@ from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, Forw
 from sglang.srt.speculative import ddtree_args as _args
 from sglang.srt.speculative import ddtree_v2_seams as _seams
 from sglang.srt.speculative.ddtree_commit import commit_tree
-from sglang.srt.speculative.ddtree_sampling import tree_walk
+from sglang.srt.speculative.ddtree_sampling import sampled_rows, tree_walk
 from sglang.srt.speculative.ddtree_utils import DDTree, build_ddtree
 from sglang.srt.speculative.ddtree_verify_step import tree_custom_mask_bounded
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
@@ -125,11 +125,6 @@ def draft_tree_logits(draft_hidden: torch.Tensor, lm_head_weight: torch.Tensor, 
     tail = draft_hidden[:, 1:, :]
     weight = lm_head_weight[:vocab]
     return torch.matmul(tail.to(weight.dtype), weight.T)
-
-
-def sampled_rows(reqs: list) -> list[int]:
-    """Requests whose next token is sampled (top_k > 1; T = 0 normalises to top_k 1), from host data."""
-    return [i for i, req in enumerate(reqs) if int(req.sampling_params.top_k) > 1]
 
 
 def host_prefix_bounds(seq_lens_cpu: Any, reserved_cpu: Any, width: int) -> tuple[torch.Tensor | None, int | None]:
