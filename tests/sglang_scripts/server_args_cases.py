@@ -16,19 +16,10 @@ import sys
 from unittest import mock
 
 from sglang.srt.server_args import ServerArgs, prepare_server_args
+from sglang.srt.speculative.ddtree_args import FIELDS as DDTREE_FIELDS
 
-FIELDS = (
-    "speculative_algorithm",
-    "speculative_num_draft_tokens",
-    "speculative_ddtree_mode",
-    "speculative_ddtree_budget",
-    "speculative_ddtree_budget_max",
-    "speculative_ddtree_topk_cap",
-    "speculative_ddtree_keep_chain",
-    "speculative_ddtree_allow_hybrid_unsafe",
-    "max_speculative_num_draft_tokens",
-    "disable_cuda_graph",
-)
+FIELDS = ("speculative_algorithm", "speculative_num_draft_tokens", *DDTREE_FIELDS, "max_speculative_num_draft_tokens",
+          "disable_cuda_graph")
 
 
 def run(case: dict) -> dict:

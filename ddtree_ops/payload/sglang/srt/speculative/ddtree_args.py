@@ -38,6 +38,9 @@ DEFAULT_AUTO_MAX_BUDGET = 127
 FLAG_TOPK_CAP = "--speculative-ddtree-topk-cap"
 FLAG_KEEP_CHAIN = "--speculative-ddtree-keep-chain"
 FLAG_ALLOW_HYBRID = "--speculative-ddtree-allow-hybrid-unsafe"
+# The ServerArgs field of each DDTree flag (every base's patch declares these six).
+FIELDS = tuple(flag[2:].replace("-", "_") for flag in (FLAG_MODE, FLAG_BUDGET, FLAG_BUDGET_MAX, FLAG_TOPK_CAP,
+                                                         FLAG_KEEP_CHAIN, FLAG_ALLOW_HYBRID))
 
 # Switches that make a server deliberately wrong or slow, for the proofs' power checks; a server
 # refuses to start with one unless ALLOW_TEST_SWITCHES=1 says it is a test.

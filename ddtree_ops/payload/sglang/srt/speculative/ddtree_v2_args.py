@@ -38,14 +38,7 @@ from typing import Any
 
 from sglang.srt.speculative import ddtree_args as _shared
 
-FIELDS = (
-    "speculative_ddtree_mode",
-    "speculative_ddtree_budget",
-    "speculative_ddtree_budget_max",
-    "speculative_ddtree_topk_cap",
-    "speculative_ddtree_keep_chain",
-    "speculative_ddtree_allow_hybrid_unsafe",
-)
+FIELDS = _shared.FIELDS
 SOURCE = "ddtree_v2_args"
 
 
