@@ -453,9 +453,9 @@ print(json.dumps({"refusal": mod.full_mode_refusal(config)}))
 """
 
 
-# The base glue's own refusal of full mode (0.5.17, 0.5.23: the v2 worker's tree step is not written yet). It imports
-# the glue as the server would (through sglang, whose import is the slow part), so it runs only where the
-# glue is installed and only for a full-mode promote.
+# The base glue's own refusal of full mode (0.5.17: the v2 worker's tree step is unproven; 0.5.23: not written). It
+# imports the glue as the server would (through sglang, whose import is the slow part), so it runs only where the glue
+# is installed and only for a full-mode promote.
 BASE_MODE_PROBE = r"""
 import json
 from sglang.srt.speculative import ddtree_v2_args as glue

@@ -90,10 +90,12 @@ def refuse_unavailable(mode: Any) -> None:
                     f"GPU), refused on a server; a test that means it sets {_shared.ALLOW_TEST_SWITCHES}=1."
                 )
             return
+        version = base_version()
+        why = ("has not run on a GPU yet (served only to its proof)" if version in TREE_STEP_BASES
+               else "is not written, so nothing here could verify a tree")
         raise DDTreeV2NotAvailable(
-            f"{_shared.FLAG_MODE} full is not available yet on SGLang {base_version()}: the v2 DFLASH worker's "
-            "tree verify step is not written (ddtree-ops issue 26), so nothing here could verify a tree. "
-            f"Use {_shared.FLAG_MODE} shadow-linear or off."
+            f"{_shared.FLAG_MODE} full is not available yet on SGLang {version}: the v2 DFLASH worker's tree "
+            f"verify step {why} (ddtree-ops issue 26). Use {_shared.FLAG_MODE} shadow-linear or off."
         )
 
 
