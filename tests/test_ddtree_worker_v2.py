@@ -5,6 +5,9 @@ triton backend indexes, the reserved-row slots) match independent oracles on ran
 causal mask; `create_worker` returns it only under full mode with the proof switch; the out-of-scope settings are
 refused naming their flag; and whole decode steps run on stand-ins for the models (greedy = plain greedy decoding
 of a made-up target; the segment permuted in place; the draft-KV plan; a logit bias applied; a sampled row).
+`/server_info`'s `ddtree`: a run of steps on one worker (made by its `__init__`) fills v1's counters as the steps'
+own results say; the real `Scheduler.get_internal_state`, hooked by `load_plugins`, carries them (and nothing for
+upstream's worker) through the scheduler's IPC encoding; promote's settings gate judges that answer as it judges v1's.
 Nothing here runs a GPU kernel, a CUDA graph or a model (tests/sglang_scripts/v2_worker_cases.py says which
 stand-ins it uses). Skipped when the wheel, or xgrammar / tvm_ffi, cannot be had (see test_payload_v2.py)."""
 

@@ -8,7 +8,9 @@ Stand-ins (CPU, no model): in the decode-step case, the draft runner (returns ch
 verify (logits of a made-up deterministic "target": next token = f(position, token)), `prepare_for_verify`
 (needs a model runner; records the verify input instead), upstream's triton `assign_extend_cache_locs_func` (the
 same gather in torch) and `_append_target_hidden_to_draft_kv_by_loc` (records its arguments). The worker object is
-made without `__init__` (it builds models) and given the attributes the step reads.
+made without `__init__` (it builds models) and given the attributes the step reads; in the stats run, by its own
+`__init__` with upstream's stubbed, and upstream's `forward_batch_generation` stubbed for the batches it hands on.
+The scheduler's `get_internal_state` is the real one (as `load_plugins` hooked it) on a stand-in scheduler object.
 
 Usage: python v2_worker_cases.py   (env: SGLANG_DDTREE_TEST_V2_TREE / _ALLOW_TEST_SWITCHES as the case needs)
 """
@@ -482,7 +484,7 @@ def stats_run() -> dict:
         "state": scheduler_state(worker),
         "dflash": scheduler_state(plain_dflash),
         "none": scheduler_state(None, spec=False),
-        "no_keep_chain": scheduler_state(tree_worker())["ddtree"]["keep_chain"],
+        "no_keep_chain": scheduler_state(tree_worker()).get("ddtree", {}).get("keep_chain"),
     }
 
 
