@@ -7,18 +7,17 @@ settings the promote settings gate checks (mode, budget, topk_cap, keep_chain) u
 base, then the counters. Nothing here reads the device per step: tree sizes and accepted depths given as
 device tensors are summed on the device and read once, when the stats are read.
 
-Imports torch, the standard library and the payload's stdlib-only `ddtree_profile` (its `median`): it runs
-without the rest of SGLang.
+Imports torch and the standard library only (tested on the CPU without SGLang, like the algorithm modules).
 """
 
 from __future__ import annotations
 
 import collections
+import statistics
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from sglang.srt.speculative.ddtree_profile import median
 
 
 @dataclass
@@ -102,7 +101,7 @@ class DDTreeStats:
             "graph_steps": self.graph_steps,
             "build_graph_steps": self.build_graph_steps,
             "chain_steps": self.chain_steps,
-            "build_ms_median": round(median(self.build_ms_recent), 4),
+            "build_ms_median": round(statistics.median(self.build_ms_recent), 4) if self.build_ms_recent else 0.0,
             "build_ms_max": round(max(self.build_ms_recent, default=0.0), 4),
             "build_ms_first": None if self.build_ms_first is None else round(self.build_ms_first, 3),
             "build_samples": self.build_ms_n,
