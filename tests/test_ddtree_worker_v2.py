@@ -5,11 +5,15 @@ triton backend indexes, the reserved-row slots) match independent oracles on ran
 causal mask; `create_worker` returns it only under full mode with the proof switch; the out-of-scope settings are
 refused naming their flag; and whole decode steps run on stand-ins for the models (greedy = plain greedy decoding
 of a made-up target; the segment permuted in place; the draft-KV plan; a logit bias applied; a sampled row).
+`/server_info`'s `ddtree`: a run of steps on one worker (made by its `__init__`) fills v1's counters as the steps'
+own results say; the real `Scheduler.get_internal_state`, hooked by `load_plugins`, carries them (and nothing for
+upstream's worker) through the scheduler's IPC encoding; promote's settings gate judges that answer as it judges v1's.
 Nothing here runs a GPU kernel, a CUDA graph or a model (tests/sglang_scripts/v2_worker_cases.py says which
 stand-ins it uses). Skipped when the wheel, or xgrammar / tvm_ffi, cannot be had (see test_payload_v2.py)."""
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import shutil
@@ -21,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from ddtree_ops import bundle as B
+from ddtree_ops import gates, rollout
 from tests.test_payload_v2 import extra_path
 
 SCRIPT = Path(__file__).parent / "sglang_scripts" / "v2_worker_cases.py"
@@ -83,11 +88,11 @@ def test_small_pieces(observed: dict) -> None:
 
 
 def test_create_worker_picks_the_tree_worker_only_in_full_mode(site: Path, observed: dict) -> None:
-    assert observed["selection"] == {"registered": True, "full": "DDTreeWorkerV2", "shadow": "DFlashWorkerV2",
-                                     "eagle_full": "EAGLEWorkerV2"}
+    assert observed["selection"] == {"registered": True, "state_hook": True, "full": "DDTreeWorkerV2",
+                                     "shadow": "DFlashWorkerV2", "eagle_full": "EAGLEWorkerV2"}
     plain = _run(site, {})  # no proof switch: nothing registered, DFLASH keeps its own worker
-    assert plain["selection"] == {"registered": False, "full": "DFlashWorkerV2", "shadow": "DFlashWorkerV2",
-                                  "eagle_full": "EAGLEWorkerV2"}
+    assert plain["selection"] == {"registered": False, "state_hook": False, "full": "DFlashWorkerV2",
+                                  "shadow": "DFlashWorkerV2", "eagle_full": "EAGLEWorkerV2"}
 
 
 def test_out_of_scope_settings_are_refused_naming_the_flag(observed: dict) -> None:
@@ -126,3 +131,81 @@ def test_sampled_steps_apply_the_logit_bias_and_walk_sampled_rows(observed: dict
         _common(step)
         assert step["biased"], step  # request 0's bias forces token 0 at every node
         assert step["lens"][2] == step["walked"][2]  # the greedy request is unaffected by its neighbours
+
+
+# --- /server_info ddtree: the stats of a run of steps, through the scheduler, judged by the settings gate ----------
+
+
+def _expected_stats(run: dict) -> dict:
+    """What the steps' own results say the worker must report (v1's counting rules), computed here."""
+    lens, sampled, graph, linear = run["lens"], run["sampled"], run["graph"], run["linear_lens"]
+    depths = collections.Counter(n - 1 for step in lens for n in step) + collections.Counter(n - 1 for n in linear)
+    requests = sum(len(step) for step in lens)
+    n_sampled = sum(sampled)  # the sampled steps' batch: request 1 samples, requests 0 and 2 are greedy
+    return {
+        "steps": len(lens) + 1, "tree_steps": len(lens), "fallback_steps": 1, "fallback_reasons": {"grammar": 1},
+        "requests_sum_nodes": 1.0 + 7,  # every tree holds its full budget (3 depths x 11 tokens > 7), root included
+        "greedy_requests": requests - n_sampled, "sampled_requests": n_sampled,
+        "logit_adjusted_steps": n_sampled,  # the sampled steps carry request 0's logit bias; greedy ones no sampling info
+        "graph_steps": sum(graph) + 1,  # the grammar step's upstream result says it ran on a graph
+        "accepted_depth_hist": {str(k): v for k, v in sorted(depths.items())},
+        "avg_accepted_depth": round(sum(k * v for k, v in depths.items()) / sum(depths.values()), 4),
+    }
+
+
+def test_tree_steps_fill_the_stats_v1_reports(observed: dict) -> None:
+    run = observed["stats"]
+    state = run["state"]["ddtree"]
+    want = _expected_stats(run)
+    assert {n for step in run["lens"] for n in step} >= {1, 4}  # short and full paths both counted
+    for key in ("steps", "tree_steps", "fallback_steps", "fallback_reasons", "greedy_requests", "sampled_requests",
+                "logit_adjusted_steps", "graph_steps", "accepted_depth_hist", "avg_accepted_depth"):
+        assert state[key] == want[key], (key, state[key], want[key])
+    assert state["avg_tree_nodes"] == want["requests_sum_nodes"]
+    assert (state["shrunk_steps"], state["padded_steps"], state["chain_steps"]) == (0, 0, 0)
+    # the worker's settings, read from its server args by __init__, under v1's names
+    assert {k: state[k] for k in ("mode", "budget", "budget_max", "topk_cap", "keep_chain", "auto", "build_budgets",
+                                  "verify_graph_width", "verify_graph_max_bs")} == {
+        "mode": "full", "budget": 7, "budget_max": None, "topk_cap": 4, "keep_chain": True, "auto": None,
+        "build_budgets": [7], "verify_graph_width": 8, "verify_graph_max_bs": 16}
+    assert run["no_keep_chain"] is False
+    # counted on the device while stepping (tree sizes, accepted depths), nothing on the host
+    assert run["on_device"] == {"nodes": True, "depths": True, "host_hist": {}}
+
+
+def test_the_v2_report_has_the_v1_keys(observed: dict) -> None:
+    """Same keys as v1's DDTreeController.internal_state(), which the lab engine's report matches (checked against
+    the real v1 class in test_lab_engine_http.py)."""
+    from ddtree_ops.lab.engine.decoding import TreeStats
+
+    assert sorted(observed["stats"]["state"]["ddtree"]) == sorted(TreeStats("full", 7, None).internal_state())
+
+
+def test_scheduler_reports_ddtree_only_for_the_tree_worker(observed: dict) -> None:
+    run = observed["stats"]
+    assert "ddtree" in run["state"] and run["state"]["avg_spec_accept_length"] == 2.5  # upstream's keys kept
+    assert "ddtree" not in run["dflash"] and "avg_spec_accept_length" in run["dflash"]  # upstream's DFLASH worker
+    assert "ddtree" not in run["none"] and "last_gen_throughput" in run["none"]  # no speculative worker
+
+
+def test_settings_gate_judges_the_v2_report_as_v1s(observed: dict, tmp_path: Path) -> None:
+    """promote's settings gate on a /server_info carrying the scheduler's answer: pass for matching settings, fail
+    when the tree worker does not run keep-chain as the unit asked, inconclusive without a `ddtree` (v1's verdicts)."""
+    from tests.test_rollout import _info_server, _inv
+
+    run = observed["stats"]
+    host = _inv(tmp_path, 1, draft_block_size=4, ddtree_budget=7, ddtree_topk_cap=4,
+                ddtree_keep_chain=True).hosts["h1"]
+    expect = rollout.expected_settings(host, "full")
+    server = {"speculative_algorithm": "DFLASH", "speculative_ddtree_mode": "full", "speculative_ddtree_budget": 7,
+              "speculative_ddtree_topk_cap": 4, "speculative_ddtree_keep_chain": True}
+
+    def verdict(state: dict) -> gates.GateVerdict:
+        with _info_server({**server, "internal_states": [state]}) as client:
+            return gates.settings_gate(client, expect)
+
+    assert verdict(run["state"]).verdict == "pass"
+    wrong = {**run["state"], "ddtree": {**run["state"]["ddtree"], "keep_chain": run["no_keep_chain"]}}
+    failed = verdict(wrong)
+    assert failed.verdict == "fail" and "keep_chain=False" in failed.reason
+    assert verdict(run["dflash"]).verdict == "inconclusive"

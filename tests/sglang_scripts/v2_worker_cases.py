@@ -8,7 +8,9 @@ Stand-ins (CPU, no model): in the decode-step case, the draft runner (returns ch
 verify (logits of a made-up deterministic "target": next token = f(position, token)), `prepare_for_verify`
 (needs a model runner; records the verify input instead), upstream's triton `assign_extend_cache_locs_func` (the
 same gather in torch) and `_append_target_hidden_to_draft_kv_by_loc` (records its arguments). The worker object is
-made without `__init__` (it builds models) and given the attributes the step reads.
+made without `__init__` (it builds models) and given the attributes the step reads; in the stats run, by its own
+`__init__` with upstream's stubbed, and upstream's `forward_batch_generation` stubbed for the batches it hands on.
+The scheduler's `get_internal_state` is the real one (as `load_plugins` hooked it) on a stand-in scheduler object.
 
 Usage: python v2_worker_cases.py   (env: SGLANG_DDTREE_TEST_V2_TREE / _ALLOW_TEST_SWITCHES as the case needs)
 """
@@ -23,10 +25,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from sglang.srt.plugins.hook_registry import HookRegistry
+from sglang.srt.plugins import load_plugins
 from sglang.srt.speculative import ddtree_v2_args as v2args
 from sglang.srt.speculative import ddtree_v2_seams as seams
 from sglang.srt.speculative import ddtree_worker_v2 as w
+from sglang.srt.speculative.ddtree_stats import DDTreeStats
 from sglang.srt.speculative.ddtree_utils import build_ddtree
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
@@ -56,7 +59,18 @@ def contracts() -> dict:
         "verify_input": {"draft_token", "positions", "draft_token_num", "custom_mask", "capture_hidden_mode"}
         <= set(inspect.signature(DFlashVerifyInput).parameters),
         "sampler_hook": hasattr(DFlashWorkerV2, "_maybe_build_draft_sampler"),
+        # what `ddtree_internal_state` reads of the target's verify graphs (by name; no runner is built here)
+        "graph_runner": _graph_runner_names(),
     }
+
+
+def _graph_runner_names() -> bool:
+    import sglang.srt.model_executor.model_runner as mr
+    import sglang.srt.model_executor.runner.decode_cuda_graph_runner as dr
+
+    runner, decode = Path(mr.__file__).read_text(), Path(dr.__file__).read_text()
+    return ("self.decode_cuda_graph_runner = " in runner and "self.captured_req_width = " in decode
+            and "self.max_bs = " in decode)
 
 
 def triton_layout() -> dict:
@@ -194,12 +208,14 @@ def refusals() -> dict:
 
 
 def worker_selection() -> dict:
-    """What `create_worker` returns once `load_plugins()` has applied the registered hooks."""
-    HookRegistry.apply_hooks()  # what load_plugins() does after running the plugins, in every process
+    """What `create_worker` returns once `load_plugins()` (as each scheduler process calls it) has applied the
+    registered hooks; whether the scheduler's `get_internal_state` runs the payload's hook."""
+    load_plugins()
     full = SimpleNamespace(speculative_ddtree_mode="full", enable_multi_layer_eagle=False)
     shadow = SimpleNamespace(speculative_ddtree_mode="shadow-linear")
     return {
         "registered": v2args._tree_worker_registered,
+        "state_hook": seams.hook_took(v2args.INTERNAL_STATE_TARGET, v2args._internal_state),
         "full": SpeculativeAlgorithm.DFLASH.create_worker(full).__name__,
         "shadow": SpeculativeAlgorithm.DFLASH.create_worker(shadow).__name__,
         "eagle_full": SpeculativeAlgorithm.EAGLE.create_worker(full).__name__,
@@ -234,7 +250,9 @@ def sampling(bs: int) -> tuple[Sampling, list]:
     return info, [SimpleNamespace(sampling_params=SimpleNamespace(top_k=k)) for k in top_k]
 
 
-def decode_step(seed: int, sampled: bool = False) -> dict:
+def decode_step(seed: int, sampled: bool = False, *, worker: w.DDTreeWorkerV2 | None = None, graph: bool = False) -> dict:
+    """One tree step on the stand-ins: of a fresh worker (made without `__init__`), or of `worker` (its settings and
+    stats kept); `graph`: what the stand-in target verify says of `can_run_cuda_graph`."""
     gen = torch.Generator().manual_seed(seed)
     bs, width = 3, 40
     prefix = torch.tensor([5, 9, 2])
@@ -273,7 +291,7 @@ def decode_step(seed: int, sampled: bool = False) -> dict:
             logits[r, target_next(int(v.positions[r]), int(v.draft_token[r]))] = 5.0
         hidden = torch.arange(bs * n, dtype=torch.float32)[:, None].repeat(1, 2)  # row id as the state
         return SimpleNamespace(logits_output=SimpleNamespace(next_token_logits=logits, hidden_states=hidden),
-                               can_run_cuda_graph=False)
+                               can_run_cuda_graph=graph)
 
     def append_kv(**kw):
         recorded["kv"] = kw
@@ -285,17 +303,21 @@ def decode_step(seed: int, sampled: bool = False) -> dict:
 
     DFlashVerifyInput.prepare_for_verify = prepare_for_verify
     w.assign_extend_cache_locs_func = assign_cache_locs
-    worker = object.__new__(w.DDTreeWorkerV2)
+    if worker is None:
+        worker = object.__new__(w.DDTreeWorkerV2)
+        worker.__dict__.update(tree_budget=BUDGET, tree_topk_cap=None, tree_keep_chain=False, sampling_rule="pytorch",
+                               ddtree_stats=DDTreeStats())
     lm_head = SimpleNamespace(weight=torch.eye(VOCAB))
     model = SimpleNamespace(lm_head=lm_head, get_input_embeddings=lambda: (lambda ids: ids[..., None].float()))
-    runner = SimpleNamespace(req_to_token_pool=SimpleNamespace(req_to_token=req_to_token), model=model)
+    graphs = SimpleNamespace(captured_req_width=BUDGET + 1, max_bs=16)  # 0.5.17's DecodeCudaGraphRunner's names
+    runner = SimpleNamespace(req_to_token_pool=SimpleNamespace(req_to_token=req_to_token), model=model,
+                             decode_cuda_graph_runner=graphs)
     worker.__dict__.update(
         block_size=BLOCK, device=torch.device("cpu"), model_runner=runner, _mask_token_id=VOCAB - 1,
         _target_worker=SimpleNamespace(model_runner=runner, forward_batch_generation=target_forward),
         draft_model_runner=SimpleNamespace(forward=lambda fb: SimpleNamespace(
             logits_output=SimpleNamespace(hidden_states=draft_hidden.reshape(-1, VOCAB)))),
         _draft_block_spec_info=None, _block_pos_offsets=torch.arange(BLOCK), _draft_block_ids_buf=None,
-        tree_budget=BUDGET, tree_topk_cap=None, tree_keep_chain=False, sampling_rule="pytorch", tree_steps=0,
         _append_target_hidden_to_draft_kv_by_loc=append_kv,
     )
     draft_input = seams.DDTreeDraftInputV2.from_dflash(
@@ -367,6 +389,105 @@ def decode_step(seed: int, sampled: bool = False) -> dict:
     }
 
 
+# --- the stats a run of steps reports, through the scheduler's own get_internal_state -----------------------
+
+
+def tree_worker(**change) -> w.DDTreeWorkerV2:
+    """The tree worker made by its own `__init__` from server args (GOOD + `change`), upstream's `__init__` (models,
+    pools, graphs) stubbed to what the tree worker reads after it; the seams it turns on are turned off again."""
+    real = DFlashWorkerV2.__init__
+
+    def upstream_init(self, server_args, gpu_id, ps, nccl_port, target_worker):
+        self.block_size = int(server_args.speculative_num_draft_tokens)
+        self._target_worker, self._draft_worker, self._additional_graph_memory_usage = target_worker, None, {}
+
+    target = SimpleNamespace(model_runner=SimpleNamespace(model_config=None))
+    DFlashWorkerV2.__init__ = upstream_init
+    w.mambaish_config = lambda config: None  # the model config is a stand-in; hybrid targets are refused above
+    try:
+        return w.DDTreeWorkerV2(SimpleNamespace(**{**GOOD, **change}), 0, None, 0, target)
+    finally:
+        DFlashWorkerV2.__init__ = real
+        seams.deactivate()
+
+
+class Mode(SimpleNamespace):
+    def is_extend(self) -> bool:
+        return self.kind == "extend"
+
+    def is_idle(self) -> bool:
+        return self.kind == "idle"
+
+
+def upstream_steps(worker: w.DDTreeWorkerV2) -> list:
+    """Batches `forward_batch_generation` hands to upstream's step (stubbed: a result with `accept_lens`): a prefill,
+    an idle batch and a decode batch holding a grammar request; returns the decode's accept_lens."""
+    real = DFlashWorkerV2.forward_batch_generation
+    decode_lens = torch.tensor([1, 4, 2], dtype=torch.int32)
+
+    def upstream(self, batch, on_publish=None, grammar_barrier=None):
+        return SimpleNamespace(accept_lens=decode_lens if batch.forward_mode.kind == "decode" else
+                               torch.tensor([1, 1, 1], dtype=torch.int32), can_run_cuda_graph=True)
+
+    DFlashWorkerV2.forward_batch_generation = upstream
+    try:
+        for kind, grammar in (("extend", False), ("idle", False), ("decode", True)):
+            batch = SimpleNamespace(forward_mode=Mode(kind=kind), is_extend_in_batch=kind == "extend",
+                                    spec_info=object(), has_grammar=grammar)
+            worker.forward_batch_generation(batch)
+    finally:
+        DFlashWorkerV2.forward_batch_generation = real
+    return decode_lens.tolist()
+
+
+def scheduler_state(draft_worker, *, spec: bool = True) -> dict:
+    """The real `Scheduler.get_internal_state` (as hooked by `load_plugins`) on a stand-in scheduler, its answer
+    through the scheduler's own msgpack IPC encoding, as the tokenizer manager receives it."""
+    from sglang.srt.managers import io_struct
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.server_args import prepare_server_args, set_global_server_args_for_scheduler
+
+    set_global_server_args_for_scheduler(prepare_server_args(["--model-path", "dummy"]))
+    fake = SimpleNamespace(
+        metrics_reporter=SimpleNamespace(last_gen_throughput=1.0, spec_total_num_forward_ct=2,
+                                         spec_total_num_accept_tokens=5),
+        tp_worker=SimpleNamespace(model_runner=SimpleNamespace(weight_load_mem_usage=0.0), graph_memory_usage={}),
+        token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: SimpleNamespace(mem_usage=0.0)),
+        startup_available_gpu_memory_gb=1.0, max_total_num_tokens=1, swa_tokens_per_layer=None, startup_time=0.0,
+        max_running_requests=1, draft_worker=draft_worker,
+        spec_algorithm=SimpleNamespace(is_none=lambda: not spec, is_dspark=lambda: False),
+    )
+    answer = Scheduler.get_internal_state(fake, io_struct.GetInternalStateReq())
+    return io_struct.msgpack_decode(io_struct.msgpack_encode(answer)).internal_state
+
+
+def stats_run() -> dict:
+    """Six tree steps (greedy and sampled, some replaying a graph) and upstream's batches on one worker made by its
+    `__init__` (top-k cap 4, keep-chain), then its report through the scheduler; and the scheduler's answer for
+    upstream's DFLASH worker, for no speculative worker, and for a tree worker without keep-chain."""
+    worker = tree_worker(speculative_ddtree_topk_cap=4, speculative_ddtree_keep_chain=True)
+    stats = worker.ddtree_stats
+    steps = [decode_step(seed, sampled=seed % 2 == 1, worker=worker, graph=seed % 3 == 0) for seed in range(6)]
+    linear = upstream_steps(worker)
+    on_device = {"nodes": isinstance(stats.nodes_sum, torch.Tensor), "depths": isinstance(stats.depth_counts, torch.Tensor),
+                 "host_hist": dict(stats.accepted_depth_hist)}  # not yet read: no host count per step
+    plain_dflash = object.__new__(DFlashWorkerV2)
+    # upstream's worker hands unknown attributes to its target worker (`__getattr__`): a real one answers nothing
+    plain_dflash.__dict__.update(_draft_worker=None, _additional_graph_memory_usage={},
+                                 _target_worker=SimpleNamespace(model_runner=None))
+    return {
+        "lens": [step["lens"] for step in steps],
+        "sampled": [seed % 2 == 1 for seed in range(6)],
+        "graph": [seed % 3 == 0 for seed in range(6)],
+        "linear_lens": linear,
+        "on_device": on_device,
+        "state": scheduler_state(worker),
+        "dflash": scheduler_state(plain_dflash),
+        "none": scheduler_state(None, spec=False),
+        "no_keep_chain": scheduler_state(tree_worker()).get("ddtree", {}).get("keep_chain"),
+    }
+
+
 def _is_parent(verify, b: int, n: int, prefix, parent: int, child: int) -> bool:
     """From the mask the step sent: `parent` is `child`'s parent iff child sees parent and nothing deeper."""
     p = [int(x) for x in prefix.tolist()]
@@ -388,4 +509,5 @@ if __name__ == "__main__":
         out["refusals"] = refusals()
         out["steps"] = [decode_step(seed) for seed in range(6)]
         out["sampled_steps"] = [decode_step(seed, sampled=True) for seed in range(4)]
+        out["stats"] = stats_run()
     print(json.dumps(out))

@@ -27,7 +27,9 @@ Worker selection (0.5.17, switch on): importing this module registers, without a
 (17:managers/scheduler.py:4895 in each scheduler, which is spawned and never re-runs `__post_init__`, so a hook
 installed by `check_post_init` in the parent would not reach it). This module is imported by the base's patched
 `server_args.py`, which every process imports before it calls `load_plugins()`. The hook returns
-`DDTreeWorkerV2` for DFLASH only when the server args say `--speculative-ddtree-mode full`.
+`DDTreeWorkerV2` for DFLASH only when the server args say `--speculative-ddtree-mode full`. With it, an AFTER hook
+on `Scheduler.get_internal_state` adds the tree worker's report as `ddtree` (what v1's scheduler patch adds; `/server_info`
+→ `internal_states[0].ddtree`, read by promote's gates); any other draft worker, or none, adds nothing.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ def base_version() -> str:
 # The bases whose v2 worker has a tree step (their payload ships `ddtree_worker_v2.py`).
 TREE_STEP_BASES = ("0.5.17",)
 CREATE_WORKER_TARGET = "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.create_worker"
+INTERNAL_STATE_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_internal_state"
 
 
 def tree_step_on(environ: Any = None) -> bool:
@@ -180,17 +183,31 @@ def _create_worker(original: Any, algo: Any, server_args: Any) -> Any:
     return worker
 
 
+def _internal_state(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER `Scheduler.get_internal_state`: the tree worker's `ddtree_internal_state()` as `ddtree` in the
+    answer's `internal_state` (builtins already: string keys, numbers, None); inert for any other draft worker.
+    Looked up on the worker's class: upstream's v2 DFLASH worker hands unknown instance attributes to its target
+    worker (`DFlashWorkerV2.__getattr__`)."""
+    worker = getattr(scheduler, "draft_worker", None)
+    report = getattr(type(worker), "ddtree_internal_state", None)
+    state = getattr(result, "internal_state", None)
+    if callable(report) and isinstance(state, dict):
+        state["ddtree"] = report(worker)
+    return None  # the same answer, now with `ddtree`
+
+
 _tree_worker_registered = False
 
 
 def register_tree_worker() -> bool:
-    """Register (not apply) the worker hook, once per process, where `tree_step_on()`; whether it is registered.
-    `load_plugins()` applies it (and every other registered hook) in each process."""
+    """Register (not apply) the worker hook and the internal-state hook, once per process, where `tree_step_on()`;
+    whether they are registered. `load_plugins()` applies them (and every other registered hook) in each process."""
     global _tree_worker_registered
     if not _tree_worker_registered and tree_step_on():
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
         HookRegistry.register(CREATE_WORKER_TARGET, _create_worker, HookType.AROUND)
+        HookRegistry.register(INTERNAL_STATE_TARGET, _internal_state, HookType.AFTER)
         _tree_worker_registered = True
     return _tree_worker_registered
 

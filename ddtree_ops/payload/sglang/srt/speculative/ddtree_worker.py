@@ -29,7 +29,6 @@ sampled node draws from plain's own distribution for the request (`ddtree_sampli
 
 from __future__ import annotations
 
-import collections
 import copy
 import logging
 import os
@@ -43,6 +42,7 @@ from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.managers.schedule_batch import ScheduleBatch
 from sglang.srt.mem_cache.common import alloc_token_slots, evict_from_tree_cache
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.speculative import ddtree_stats
 from sglang.srt.speculative.ddtree_args import (
     DDTREE_FULL_ATTENTION_BACKENDS,
     FLAG_MODE,
@@ -68,9 +68,10 @@ from sglang.srt.speculative.ddtree_penalties import (
     apply_verify_penalties,
     path_tokens,
 )
-from sglang.srt.speculative.ddtree_profile import StepProfile, median
+from sglang.srt.speculative.ddtree_profile import StepProfile
 from sglang.srt.speculative.ddtree_ranks import agree_all, agree_min, agree_sum
 from sglang.srt.speculative.ddtree_sampling import sampled_rows, target_probs, tree_walk, walk_bytes
+from sglang.srt.speculative.ddtree_stats import DDTreeStats
 from sglang.srt.speculative.ddtree_step_budget import (
     StepLimits,
     VerifySizing,
@@ -254,72 +255,6 @@ def tp_cpu_group(worker: Any) -> Any:
     from sglang.srt.distributed import get_tp_group
 
     return get_tp_group().cpu_group
-
-
-@dataclass
-class DDTreeStats:
-    """Debug metrics; read by logs and by `DDTreeController.internal_state()`."""
-
-    steps: int = 0
-    tree_steps: int = 0
-    fallback_steps: int = 0
-    # Tree steps that ran a smaller budget than configured (KV pool, row, logits or mask limits),
-    # those of them padded to the verify graphs' width, and linear steps by cause ("kv_pool",
-    # "step_limits").
-    shrunk_steps: int = 0
-    padded_steps: int = 0
-    requests_sum: int = 0
-    build_ms_n: int = 0
-    # Per request and tree step: walked greedily or by sampling; steps whose logits had
-    # processors, penalties or biases applied.
-    greedy_requests: int = 0
-    sampled_requests: int = 0
-    logit_adjusted_steps: int = 0
-    # Steps whose target verify replayed a CUDA graph (the rest ran eagerly).
-    graph_steps: int = 0
-    # Tree builds replayed from a captured build graph (ddtree_build_graphs; the rest ran eagerly).
-    build_graph_steps: int = 0
-    # --speculative-ddtree-budget auto: steps it gave the chain (linear DFLASH verify; not fallbacks).
-    chain_steps: int = 0
-
-    def __post_init__(self) -> None:
-        self.accepted_depth_hist: collections.Counter[int] = collections.Counter()
-        # Recent tree-build times (draft logits + build_ddtree, CUDA events). The first build of a
-        # process includes Triton JIT compilation, so it is kept apart.
-        self.build_ms_first: float | None = None
-        self.build_ms_recent: collections.deque[float] = collections.deque(maxlen=256)
-        self.fallback_reasons: collections.Counter[str] = collections.Counter()
-        # Tree nodes summed on the device, read only when the stats are read (no sync per step).
-        self.nodes_sum: Any = 0
-
-    def add_nodes(self, num_nodes: torch.Tensor) -> None:
-        self.nodes_sum = num_nodes.sum() + self.nodes_sum
-
-    def as_dict(self) -> dict[str, Any]:
-        n_req = max(1, sum(self.accepted_depth_hist.values()))
-        return {
-            "steps": self.steps,
-            "tree_steps": self.tree_steps,
-            "fallback_steps": self.fallback_steps,
-            "shrunk_steps": self.shrunk_steps,
-            "padded_steps": self.padded_steps,
-            "fallback_reasons": dict(sorted(self.fallback_reasons.items())),
-            "avg_tree_nodes": round(float(self.nodes_sum) / max(1, self.requests_sum), 3),
-            "greedy_requests": self.greedy_requests,
-            "sampled_requests": self.sampled_requests,
-            "logit_adjusted_steps": self.logit_adjusted_steps,
-            "graph_steps": self.graph_steps,
-            "build_graph_steps": self.build_graph_steps,
-            "chain_steps": self.chain_steps,
-            "build_ms_median": round(median(self.build_ms_recent), 4),
-            "build_ms_max": round(max(self.build_ms_recent, default=0.0), 4),
-            "build_ms_first": None if self.build_ms_first is None else round(self.build_ms_first, 3),
-            "build_samples": self.build_ms_n,
-            "accepted_depth_hist": dict(sorted(self.accepted_depth_hist.items())),
-            "avg_accepted_depth": round(
-                sum(k * v for k, v in self.accepted_depth_hist.items()) / n_req, 4
-            ),
-        }
 
 
 @dataclass(frozen=True)
@@ -911,28 +846,22 @@ class DDTreeController:
                 self._auto_metrics.publish(auto.as_dict())
 
     def internal_state(self) -> dict[str, Any]:
-        """For the scheduler's get_internal_state (`/server_info` → internal_states[i]["ddtree"]);
-        string keys only, because the HTTP layer serialises with orjson."""
-        stats = self.stats.as_dict()
-        stats["accepted_depth_hist"] = {str(k): v for k, v in stats["accepted_depth_hist"].items()}
-        return {
-            "mode": self.mode,
-            "budget": "auto" if self.budget_auto else self.budget,
-            "budget_max": self.budget if self.budget_auto else None,
+        """For the scheduler's get_internal_state (`/server_info` → internal_states[i]["ddtree"]; `ddtree_stats`)."""
+        return ddtree_stats.internal_state(
+            ddtree_stats.settings(mode=self.mode, budget=self.budget, budget_auto=self.budget_auto,
+                                  topk_cap=self.topk_cap, keep_chain=self.keep_chain),
+            self.stats,
             # auto: candidates, plan per batch bucket, steps by budget, acceptance by budget, step costs
-            "auto": None if self.auto is None else self.auto.as_dict(),
-            "topk_cap": self.topk_cap,
-            "keep_chain": self.keep_chain,
-            "verify_graph_width": self.verify_graph_width,
-            "verify_graph_max_bs": self.verify_graph_max_bs,
-            "build_graph_bs": None if not self._build_graphs else next(iter(self._build_graphs.values())).sizes,
-            "build_budgets": self.build_budgets,
-            "verify_kernels": self.verify_kernels,  # the fused mask / walk / commit (ddtree_verify_step)
-            "hybrid": None if self.hybrid is None else self.hybrid.as_dict(),
+            auto=None if self.auto is None else self.auto.as_dict(),
+            verify_graph_width=self.verify_graph_width,
+            verify_graph_max_bs=self.verify_graph_max_bs,
+            build_graph_bs=None if not self._build_graphs else next(iter(self._build_graphs.values())).sizes,
+            build_budgets=self.build_budgets,
+            verify_kernels=self.verify_kernels,  # the fused mask / walk / commit (ddtree_verify_step)
+            hybrid=None if self.hybrid is None else self.hybrid.as_dict(),
             # SGLANG_DDTREE_PROFILE=1: per-phase medians since the last read (ddtree_profile)
-            "profile": None if self.profile is None else self.profile.read_and_reset(),
-            **stats,
-        }
+            profile=None if self.profile is None else self.profile.read_and_reset(),
+        )
 
 
 @dataclass

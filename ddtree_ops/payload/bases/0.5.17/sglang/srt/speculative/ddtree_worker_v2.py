@@ -40,6 +40,8 @@ from sglang.srt.configs.hybrid_arch import mambaish_config
 from sglang.srt.managers.scheduler import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.speculative import ddtree_args as _args
+from sglang.srt.speculative import ddtree_stats as _stats
+from sglang.srt.speculative import ddtree_v2_args as _v2args
 from sglang.srt.speculative import ddtree_v2_seams as _seams
 from sglang.srt.speculative.ddtree_commit import commit_tree
 from sglang.srt.speculative.ddtree_sampling import sampled_rows, tree_walk
@@ -162,10 +164,12 @@ class DDTreeWorkerV2(DFlashWorkerV2):
         self.tree_topk_cap = server_args.speculative_ddtree_topk_cap
         self.tree_keep_chain = bool(server_args.speculative_ddtree_keep_chain)
         self.sampling_rule = _args.sampling_rule(server_args)
-        self.tree_steps = 0
-        self.linear_steps = 0  # grammar batches, run by upstream's step
+        self.ddtree_stats = _stats.DDTreeStats()  # `/server_info` ddtree (`ddtree_internal_state`)
         logger.info("DDTree v2 tree worker (UNPROVEN, test switch): block %d, budget %d, verify width %d",
                     self.block_size, self.tree_budget, settings.verify_width)
+        if not _seams.hook_took(_v2args.INTERNAL_STATE_TARGET, _v2args._internal_state):
+            logger.warning("DDTree v2: /server_info carries no `ddtree` stats: the hook on %s did not take "
+                           "(the promote settings gate will say inconclusive)", _v2args.INTERNAL_STATE_TARGET)
 
     def init_cuda_graphs(self):
         backend = type(self.model_runner.attn_backend).__name__
@@ -187,9 +191,10 @@ class DDTreeWorkerV2(DFlashWorkerV2):
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None) -> GenerationBatchResult:
         decode = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle())
         if not decode or batch.spec_info is None or batch.has_grammar:
-            if decode:
-                self.linear_steps += 1
-            return super().forward_batch_generation(batch, on_publish, grammar_barrier)
+            result = super().forward_batch_generation(batch, on_publish, grammar_barrier)
+            if decode:  # upstream's linear step: a fallback, as v1 counts its linear steps in full mode
+                self._record_linear_step(result, "grammar" if batch.has_grammar else "no_draft_input")
+            return result
         if getattr(batch, "return_logprob", False):
             raise ValueError("DFLASH speculative decoding does not support return_logprob yet.")
         self._validate_phase1_sampling_support(batch)
@@ -295,7 +300,8 @@ class DDTreeWorkerV2(DFlashWorkerV2):
             cache_loc_2d=plan.cache_loc.view(bs, block), positions=plan.positions, commit_lens=commit_lens,
         )
         logits_output.hidden_states = None
-        self.tree_steps += 1
+        self._record_tree_step(tree, commit_lens, sampled=len(sampled), adjusted=self._logits_adjusted(info),
+                               graph=target_out.can_run_cuda_graph)
         return GenerationBatchResult(
             logits_output=logits_output,
             next_token_ids=commit.out_tokens.reshape(-1),
@@ -304,4 +310,64 @@ class DDTreeWorkerV2(DFlashWorkerV2):
             next_draft_input=self._make_next_draft_input_decode(bonus_tokens=bonus, new_seq_lens=new_seq_lens),
             speculative_num_draft_tokens=block,
             new_seq_lens=new_seq_lens,
+        )
+
+    # ------------------------------------------------------------------ stats (`/server_info` ddtree)
+    def _record_tree_step(self, tree: DDTree, commit_lens: torch.Tensor, *, sampled: int, adjusted: bool,
+                          graph: Any) -> None:
+        """v1's counters for a tree step, host facts only: the tree's sizes and the accepted depths
+        (`commit_lens - 1`) are summed on the device and read when the stats are (no sync per step)."""
+        stats, bs = self.ddtree_stats, int(commit_lens.shape[0])
+        stats.steps += 1
+        stats.tree_steps += 1
+        stats.requests_sum += bs
+        stats.add_nodes(tree.num_nodes)
+        stats.sampled_requests += sampled
+        stats.greedy_requests += bs - sampled
+        stats.logit_adjusted_steps += bool(adjusted)
+        stats.graph_steps += bool(graph)
+        stats.add_accepted_depths(commit_lens - 1, int(self.block_size) - 1)
+
+    def _record_linear_step(self, result: Any, reason: str) -> None:
+        """Upstream's linear DFLASH step on a decode batch (v1 counts its linear steps the same way)."""
+        stats = self.ddtree_stats
+        stats.steps += 1
+        stats.fallback_steps += 1
+        stats.fallback_reasons[reason] += 1
+        stats.graph_steps += bool(getattr(result, "can_run_cuda_graph", False))
+        accept_lens = getattr(result, "accept_lens", None)
+        if accept_lens is not None and accept_lens.numel():
+            stats.add_accepted_depths(accept_lens - 1, int(self.block_size) - 1)
+
+    @staticmethod
+    def _logits_adjusted(info: Any) -> bool:
+        """Whether upstream's verify adjustments (`apply_dflash_verify_logits_adjustments`) change this step's
+        logits: a custom processor, penalties, a grammar mask or a logit bias (host attributes only)."""
+        if info is None:
+            return False
+        penalizer = getattr(info, "penalizer_orchestrator", None)
+        return bool(
+            getattr(info, "has_custom_logit_processor", False)
+            or getattr(info, "acc_linear_penalties", None) is not None
+            or (penalizer is not None and penalizer.is_required)
+            or getattr(info, "grammar_mask", None) is not None
+            or getattr(info, "logit_bias", None) is not None
+        )
+
+    def ddtree_internal_state(self) -> dict[str, Any]:
+        """`/server_info` → internal_states[0]["ddtree"] (`ddtree_v2_args`' hook on the scheduler's
+        `get_internal_state`): v1's keys and settings names; what v2 does not have is None / empty."""
+        runner = getattr(self.target_worker.model_runner, "decode_cuda_graph_runner", None)
+        return _stats.internal_state(
+            _stats.settings(mode="full", budget=self.tree_budget, budget_auto=False, topk_cap=self.tree_topk_cap,
+                            keep_chain=self.tree_keep_chain),
+            self.ddtree_stats,
+            auto=None,
+            verify_graph_width=getattr(runner, "captured_req_width", None),
+            verify_graph_max_bs=getattr(runner, "max_bs", None),
+            build_graph_bs=None,
+            build_budgets=[self.tree_budget],
+            verify_kernels=False,
+            hybrid=None,
+            profile=None,
         )
