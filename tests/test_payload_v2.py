@@ -235,6 +235,8 @@ def test_parses_and_validates_the_ddtree_flags(base: V2Base, site: Path, tmp_pat
                                                "--disable-overlap-schedule"], "env": PROOF_SWITCH},
         {"name": "full switch without allow", "argv": [*dflash, "--speculative-ddtree-mode", "full"],
          "env": {"SGLANG_DDTREE_TEST_V2_TREE": "1"}},
+        {"name": "hybrid switch without allow", "argv": [*dflash, "--speculative-ddtree-mode", "shadow-linear"],
+         "env": {"SGLANG_DDTREE_TEST_V2_HYBRID": "1"}},
         {"name": "no dflash", "argv": [*model, "--speculative-ddtree-mode", "shadow-linear"]},
         {"name": "budget too big", "argv": [*dflash, "--speculative-ddtree-mode", "shadow-linear",
                                             "--speculative-ddtree-budget", "513"]},
@@ -277,7 +279,9 @@ def test_parses_and_validates_the_ddtree_flags(base: V2Base, site: Path, tmp_pat
     else:  # no tree step: refused whatever the switches
         for got in (proof, no_allow):
             assert not got["ok"] and f"full is not available yet on SGLang {base.version}" in got["error"], got
-    for name, words in {"no dflash": ["requires --speculative-algorithm DFLASH"],
+    for name, words in {"hybrid switch without allow": ["SGLANG_DDTREE_TEST_V2_HYBRID=1 is a test switch",
+                                                        "SGLANG_DDTREE_ALLOW_TEST_SWITCHES=1"],
+                        "no dflash": ["requires --speculative-algorithm DFLASH"],
                         "budget too big": ["--speculative-ddtree-budget must be in 1..512", "513"],
                         "budget max without auto": ["--speculative-ddtree-budget-max", "auto"],
                         "bad mode": ["--speculative-ddtree-mode must be one of off, shadow-linear, full", "wide"],
