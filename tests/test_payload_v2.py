@@ -38,13 +38,20 @@ pytestmark = pytest.mark.slow
 @dataclass(frozen=True)
 class V2Base:
     version: str
-    patched: str  # the one file its patch changes
-    patch: str  # the patch, under bases/<version>/patches/
+    patched: str  # the file its field patch changes
+    patch: str  # the field patch, under bases/<version>/patches/
     needs: tuple[str, ...]  # modules beyond this venv that importing its server_args needs
+    kernels: tuple[str, ...] = ()  # files its other patches change (0.5.17: the GDN tree kernels, as on v1)
+
+    @property
+    def all_patched(self) -> list[str]:
+        return sorted([self.patched, *self.kernels])
 
 
 V2_BASES = {
-    "0.5.17": V2Base("0.5.17", "sglang/srt/server_args.py", "server_args.patch", ("xgrammar", "tvm_ffi")),
+    "0.5.17": V2Base("0.5.17", "sglang/srt/server_args.py", "server_args.patch", ("xgrammar", "tvm_ffi"),
+                     ("sglang/kernels/ops/attention/fla/fused_sigmoid_gating_recurrent.py",
+                      "sglang/kernels/ops/mamba/causal_conv1d_triton.py")),
     "0.5.23": V2Base("0.5.23", "sglang/srt/arg_groups/fields/spec.py", "arg_groups_fields_spec.patch", ()),
 }
 
@@ -110,8 +117,8 @@ def test_builds_against_the_real_record(base: V2Base, built: B.BuildResult, whee
     assert built.bundle_path.name == f"ddtree-payload-{m.payload_version}-sglang{base.version}.tar.gz"
     with zipfile.ZipFile(wheel) as z:
         record = B.parse_record(z.read(f"sglang-{base.version}.dist-info/RECORD").decode())
-    assert [f.path for f in m.patched_files] == [base.patched]
-    assert m.patched_files[0].pristine_sha256 == record[base.patched]
+    assert [f.path for f in m.patched_files] == base.all_patched
+    assert all(f.pristine_sha256 == record[f.path] for f in m.patched_files)
     _, files = B.read_bundle(built.bundle_path)
     shared_root = B.PAYLOAD_DIR
     for f in m.new_files:
@@ -146,8 +153,9 @@ def test_the_field_patch_is_small_and_additive(base: V2Base) -> None:
 
 
 def test_installed_tree_is_the_wheel_but_the_patched_file(base: V2Base, site: Path, built: B.BuildResult) -> None:
-    assert B.check_tree_against_record(site, "sglang", base.version, ignore=[base.patched]) == []
-    assert hashlib.sha256((site / base.patched).read_bytes()).hexdigest() == built.manifest.patched_files[0].sha256
+    assert B.check_tree_against_record(site, "sglang", base.version, ignore=base.all_patched) == []
+    for f in built.manifest.patched_files:
+        assert hashlib.sha256((site / f.path).read_bytes()).hexdigest() == f.sha256, f.path
 
 
 def test_agent_pushes_and_rolls_back_the_bundle_on_the_wheels_tree(base: V2Base, unpacked: Path,
@@ -227,6 +235,8 @@ def test_parses_and_validates_the_ddtree_flags(base: V2Base, site: Path, tmp_pat
                                                "--disable-overlap-schedule"], "env": PROOF_SWITCH},
         {"name": "full switch without allow", "argv": [*dflash, "--speculative-ddtree-mode", "full"],
          "env": {"SGLANG_DDTREE_TEST_V2_TREE": "1"}},
+        {"name": "hybrid switch without allow", "argv": [*dflash, "--speculative-ddtree-mode", "shadow-linear"],
+         "env": {"SGLANG_DDTREE_TEST_V2_HYBRID": "1"}},
         {"name": "no dflash", "argv": [*model, "--speculative-ddtree-mode", "shadow-linear"]},
         {"name": "budget too big", "argv": [*dflash, "--speculative-ddtree-mode", "shadow-linear",
                                             "--speculative-ddtree-budget", "513"]},
@@ -269,7 +279,9 @@ def test_parses_and_validates_the_ddtree_flags(base: V2Base, site: Path, tmp_pat
     else:  # no tree step: refused whatever the switches
         for got in (proof, no_allow):
             assert not got["ok"] and f"full is not available yet on SGLang {base.version}" in got["error"], got
-    for name, words in {"no dflash": ["requires --speculative-algorithm DFLASH"],
+    for name, words in {"hybrid switch without allow": ["SGLANG_DDTREE_TEST_V2_HYBRID=1 is a test switch",
+                                                        "SGLANG_DDTREE_ALLOW_TEST_SWITCHES=1"],
+                        "no dflash": ["requires --speculative-algorithm DFLASH"],
                         "budget too big": ["--speculative-ddtree-budget must be in 1..512", "513"],
                         "budget max without auto": ["--speculative-ddtree-budget-max", "auto"],
                         "bad mode": ["--speculative-ddtree-mode must be one of off, shadow-linear, full", "wide"],

@@ -61,6 +61,28 @@ def ddtree_utils() -> Any:
     return payload_module("ddtree_utils")
 
 
+# Where each kernel lives: SGLang 0.5.17 moved them under sglang/kernels/ops (first), 0.5.13.post1's place second.
+KERNELS = {
+    "causal_conv1d_update": ("sglang.kernels.ops.mamba.causal_conv1d_triton",
+                             "sglang.srt.layers.attention.mamba.causal_conv1d_triton"),
+    "fused_sigmoid_gating_delta_rule_update": ("sglang.kernels.ops.attention.fla.fused_sigmoid_gating_recurrent",
+                                               "sglang.srt.layers.attention.fla.fused_sigmoid_gating_recurrent"),
+    "fused_mamba_state_scatter_with_mask": ("sglang.kernels.ops.mamba.mamba_state_scatter_triton",
+                                            "sglang.srt.layers.attention.mamba.mamba_state_scatter_triton"),
+}
+
+
+def kernel(name: str) -> Any:
+    """One of SGLang's verify kernels, from the installed version's module."""
+    for module in KERNELS[name]:
+        try:
+            return getattr(importlib.import_module(module), name)
+        except ModuleNotFoundError as e:
+            if not module.startswith(str(e.name)):
+                raise
+    raise ModuleNotFoundError(f"no SGLang module holds {name}: {KERNELS[name]}")
+
+
 def random_trees(seed: int, bs: int, budget: int, *, keep_chain: bool = False, shrink: int | None = None) -> Any:
     du = ddtree_utils()
     g = torch.Generator().manual_seed(seed)
@@ -128,12 +150,17 @@ class Case:
 
     # ---------------------------------------------------------------- kernels
     def conv(self, x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, nxt: torch.Tensor | None,
-             sib: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        from sglang.srt.layers.attention.mamba.causal_conv1d_triton import causal_conv1d_update
-
+             sib: torch.Tensor | None, *, dedup: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        causal_conv1d_update = kernel("causal_conv1d_update")
         pool = pool.clone()  # the verify writes the pool's window back; every run starts from the same one
         rows, _, length = x.shape
-        window = torch.zeros(int(slots.max()) + 1, length, self.dim, self.kw - 1, dtype=x.dtype, device=self.device)
+        if dedup:  # SGLang 0.5.17's chain layout: step t's window is columns t .. t + K - 2 of one shared buffer
+            phys = torch.zeros(int(slots.max()) + 1, self.dim, length + self.kw - 2, dtype=x.dtype, device=self.device)
+            window = phys.as_strided((phys.shape[0], length, self.dim, self.kw - 1),
+                                     (phys.stride(0), phys.stride(2), phys.stride(1), phys.stride(2)))
+        else:
+            window = torch.zeros(int(slots.max()) + 1, length, self.dim, self.kw - 1, dtype=x.dtype,
+                                 device=self.device)
         parent = torch.empty_like(nxt) if nxt is not None else None
         out = causal_conv1d_update(x, pool, self.weight, self.bias, "silu", conv_state_indices=slots,
                                    intermediate_conv_window=window, intermediate_state_indices=slots,
@@ -144,10 +171,7 @@ class Case:
                    slots: torch.Tensor, parent: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The GDN verify over `tokens` (q, k, v, a, b of `rows` sequences of `length`), each sequence
         starting from `pool[slots[r]]`."""
-        from sglang.srt.layers.attention.fla.fused_sigmoid_gating_recurrent import (
-            fused_sigmoid_gating_delta_rule_update,
-        )
-
+        fused_sigmoid_gating_delta_rule_update = kernel("fused_sigmoid_gating_delta_rule_update")
         q, k, v, a, b = tokens
         cache = torch.zeros(int(slots.max()) + 1, length, self.hv, self.dk, self.dv, device=self.device)
         cu = torch.arange(0, rows + 1, device=self.device, dtype=torch.int32) * length
@@ -161,12 +185,13 @@ class Case:
         return o.reshape(rows, length, self.hv, self.dv), cache
 
     # ---------------------------------------------------------------- runs
-    def verify(self, *, tree: bool) -> dict[str, torch.Tensor]:
+    def verify(self, *, tree: bool, dedup: bool = False) -> dict[str, torch.Tensor]:
         """The batch's verify, per request: with DDTree's arrays (`tree`), or as DFLASH verifies a block (no
-        arrays: node i after node i - 1)."""
+        arrays: node i after node i - 1); `dedup`: the per-node conv windows in 0.5.17's deduplicated chain
+        layout instead of one window per node."""
         nxt, sib = ((self.tree.retrive_next_token.to(self.device), self.tree.retrive_next_sibling.to(self.device))
                     if tree else (None, None))
-        out, window, parent = self.conv(self.x, self.conv_pool, self.slots, nxt, sib)
+        out, window, parent = self.conv(self.x, self.conv_pool, self.slots, nxt, sib, dedup=dedup)
         tokens = (self.q, self.k, self.v, self.a, self.b)
         o, cache = self.recurrence(tokens, self.bs, self.n, self.ssm_pool, self.slots, parent)
         got = {"conv": out, "window": window[self.slots.long()], "o": o, "state": cache[self.slots.long()]}
@@ -235,11 +260,7 @@ def commit_scatter(dst: torch.Tensor, src: torch.Tensor, slots: torch.Tensor, st
     update_mamba_state_after_mtp_verify does with SGLang's fused scatter (one layer here); the kernel itself
     on CUDA, which it requires."""
     if dst.is_cuda:
-        from sglang.srt.layers.attention.mamba.mamba_state_scatter_triton import (
-            fused_mamba_state_scatter_with_mask,
-        )
-
-        fused_mamba_state_scatter_with_mask(dst[None], src[None], slots, steps)
+        kernel("fused_mamba_state_scatter_with_mask")(dst[None], src[None], slots, steps)
     else:
         dst[slots.long()] = src[torch.arange(len(steps), device=src.device), steps.long()]
 
@@ -251,11 +272,8 @@ def commit_then_decode(case: Case, pool_window: torch.Tensor, pool_state: torch.
     conv_pool, ssm_pool = case.conv_pool.clone(), case.ssm_pool.clone()
     commit_scatter(conv_pool, pool_window, case.slots, steps)
     commit_scatter(ssm_pool, pool_state, case.slots, steps)
-    from sglang.srt.layers.attention.fla.fused_sigmoid_gating_recurrent import (
-        fused_sigmoid_gating_delta_rule_update,
-    )
-    from sglang.srt.layers.attention.mamba.causal_conv1d_triton import causal_conv1d_update
-
+    fused_sigmoid_gating_delta_rule_update = kernel("fused_sigmoid_gating_delta_rule_update")
+    causal_conv1d_update = kernel("causal_conv1d_update")
     out = causal_conv1d_update(case.x_new, conv_pool, case.weight, case.bias, "silu", conv_state_indices=case.slots)
     nb = case.bs
     o = fused_sigmoid_gating_delta_rule_update(
@@ -329,7 +347,7 @@ CASES = (  # name, budget, keep_chain, shrink
 GPU_CASES = (("budget 256", 256, False, None),)
 
 
-def run(device: str, *, batch: int = 3, budgets: tuple[str, ...] = ()) -> dict[str, Any]:
+def run(device: str, *, batch: int = 3, budgets: tuple[str, ...] = (), dedup: bool = False) -> dict[str, Any]:
     dev = torch.device(device)
     conv_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     report: dict[str, Any] = {"device": device, "conv_dtype": str(conv_dtype), "cases": [], "ok": True}
@@ -346,6 +364,8 @@ def run(device: str, *, batch: int = 3, budgets: tuple[str, ...] = ()) -> dict[s
         row = {"case": name, "batch": batch, "width": case.n, "tree_vs_path": tree_vs_path,
                "dflash_chain_vs_path": chain, "branching": branching(case),
                "commit": commit}
+        if dedup:  # not part of "ok": shows what a tree does to the deduplicated window layout (SGLang 0.5.17)
+            row["dedup_windows_vs_path"] = compare(case, case.verify(tree=True, dedup=True), refs, exact=True)
         wrong_commits_caught = all(commit[w]["requests_with_another_node"] > 0 and commit[w]["continued_anyway"] == 0
                                    for w in ("dflash_index", "deepest_node"))
         row["ok"] = (all(tree_vs_path[k] == 0 for k in ("conv", "window", "o", "state", "parent"))
@@ -361,8 +381,10 @@ def main() -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batch", type=int, default=3)
     p.add_argument("--case", action="append", default=[], help="only these cases (by name)")
+    p.add_argument("--dedup-windows", action="store_true",
+                   help="also verify each tree into SGLang 0.5.17's deduplicated conv-window layout (reported only)")
     a = p.parse_args()
-    report = run(a.device, batch=a.batch, budgets=tuple(a.case))
+    report = run(a.device, batch=a.batch, budgets=tuple(a.case), dedup=a.dedup_windows)
     print(json.dumps(report, indent=1))
     return 0 if report["ok"] else 1
 

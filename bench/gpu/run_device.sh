@@ -19,7 +19,7 @@
 #   COMMON_EXTRA (flags added to every server), SITE_TAR (the carried site, default .gpu/site312.tar.xz;
 #   .gpu/site312-0.5.17.tar.xz, from build_carry.sh BASE=0.5.17, is SGLang 0.5.17: dist's bundle of that base is
 #   installed). HYBRID_KERNELS=1: first hybrid_kernels_check.py on the GPU (issue 25,
-#   G1; HYBRID_KERNELS_ONLY=1 stops after it).
+#   G1; HYBRID_KERNELS_ONLY=1 stops after it; HYBRID_KERNELS_ARGS adds flags, e.g. --dedup-windows).
 # MIX=1 (issue 12): the production-mix proof instead (production_mix.py): --context-length 1024,
 #   --schedule-policy fcfs; for the random (r_) and peaked (p_) sets plain | DFLASH | full 16, 64, 256;
 #   a retraction set (*_rt: --max-total-tokens 4096, SGLANG_TEST_RETRACT=1) plain | full 64, 256; and,
@@ -86,7 +86,7 @@ print("untouched upstream files differing from RECORD:", len(bad), bad[:5])
 EOF
 ts "site extracted + bundle installed"
 if [ "${HYBRID_KERNELS:-0}" = 1 ]; then  # issue 25, G1: SGLang's GDN verify kernels on DDTrees, compiled (HYBRID.md §4)
-  timeout ${HYBRID_KERNELS_TIMEOUT:-600} python3 $HERE/hybrid_kernels_check.py --device cuda --batch ${HYBRID_KERNELS_BATCH:-4} > "$OUT/hybrid_kernels.json" 2> "$OUT/hybrid_kernels.log"
+  timeout ${HYBRID_KERNELS_TIMEOUT:-600} python3 $HERE/hybrid_kernels_check.py --device cuda --batch ${HYBRID_KERNELS_BATCH:-4} ${HYBRID_KERNELS_ARGS:-} > "$OUT/hybrid_kernels.json" 2> "$OUT/hybrid_kernels.log"
   ts "hybrid_kernels_check rc=$?"
   python3 -c "import json,sys; t=open(sys.argv[1]).read(); d=json.loads(t[t.index('{'):]); [print(c['case'], c['width'], c['tree_vs_path'], c['commit'], c['ok']) for c in d['cases']]; print('ok', d['ok'])" "$OUT/hybrid_kernels.json" || tail -20 "$OUT/hybrid_kernels.log"
   [ "${HYBRID_KERNELS_ONLY:-0}" = 1 ] && exit 0

@@ -50,8 +50,11 @@ TEST_UNPROVEN_HYBRID = "SGLANG_DDTREE_TEST_UNPROVEN_HYBRID"
 # TEST_V2_TREE serves full mode on SGLang 0.5.17's v2 DFLASH worker (ddtree_worker_v2.py), whose tree step has
 # not run on a GPU yet: the proof's own servers, nothing else (ddtree_v2_args.refuse_unavailable).
 TEST_V2_TREE = "SGLANG_DDTREE_TEST_V2_TREE"
+# TEST_V2_HYBRID additionally lets that tree step serve a hybrid (Gated DeltaNet) target (0.5.17's
+# ddtree_v2_hybrid.py), equally unproven: the hybrid proof's own servers, nothing else.
+TEST_V2_HYBRID = "SGLANG_DDTREE_TEST_V2_HYBRID"
 TEST_SWITCHES = ("SGLANG_DDTREE_TEST_BIASED_WALK", "SGLANG_DDTREE_TEST_CYCLE_BUDGETS", TEST_UNPROVEN_HYBRID,
-                 TEST_V2_TREE)
+                 TEST_V2_TREE, TEST_V2_HYBRID)
 # A deliberately wrong recurrent-state commit on hybrid targets (the hybrid proof's power check):
 # "deepest" commits each tree's deepest node, "chain" DFLASH's `commit_len - 1`, "skip" nothing.
 TEST_MAMBA_COMMIT = "SGLANG_DDTREE_TEST_MAMBA_COMMIT"

@@ -21,7 +21,8 @@ One decode step (`_tree_step`), everything on the device, no host read of device
    reservation).
 
 Out of scope, refused at start with the flag named (`v2_refusal`): auto budget, the overlap scheduler, attention
-backends other than triton, page size != 1, TP / PP > 1, the draft window, hybrid targets, simulated acceptance.
+backends other than triton, page size != 1, TP / PP > 1, the draft window, hybrid targets (served only under their
+own proof switch, `ddtree_v2_hybrid`), simulated acceptance.
 Per step: logprobs are refused as upstream refuses them; a batch holding a grammar request runs upstream's linear
 DFLASH step instead (eager at width block: the verify graphs are captured at `1 + budget`). Known gap: frequency /
 presence / repetition / min-new-tokens penalties are applied neither here nor by upstream DFLASH on 0.5.17
@@ -42,6 +43,7 @@ from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, Forw
 from sglang.srt.speculative import ddtree_args as _args
 from sglang.srt.speculative import ddtree_stats as _stats
 from sglang.srt.speculative import ddtree_v2_args as _v2args
+from sglang.srt.speculative import ddtree_v2_hybrid as _hybrid
 from sglang.srt.speculative import ddtree_v2_seams as _seams
 from sglang.srt.speculative.ddtree_commit import commit_tree
 from sglang.srt.speculative.ddtree_sampling import sampled_rows, tree_walk
@@ -60,7 +62,8 @@ class DDTreeV2Refused(_args.DDTreeConfigError):
     """A setting the v2 tree step does not serve yet."""
 
 
-def v2_refusal(server_args: Any, *, hybrid: bool = False, simulate_acc_len: int = -1) -> str | None:
+def v2_refusal(server_args: Any, *, hybrid: bool = False, simulate_acc_len: int = -1,
+               hybrid_kind: tuple[str | None, str | None] = (None, None)) -> str | None:
     """Why this first v2 tree step cannot serve `server_args` (the flag named), or None."""
     full = f"{_args.FLAG_MODE} full on SGLang 0.5.17's v2 worker (first version)"
     if _args.is_auto(getattr(server_args, "speculative_ddtree_budget", None)):
@@ -78,8 +81,10 @@ def v2_refusal(server_args: Any, *, hybrid: bool = False, simulate_acc_len: int 
             return f"{full} needs --{flag.replace('_', '-')} 1, got {getattr(server_args, flag)}."
     if getattr(server_args, "speculative_draft_window_size", None) is not None:
         return f"{full} does not support --speculative-draft-window-size (the compact draft cache) yet."
-    if hybrid:
-        return f"{full} serves non-hybrid targets only; use {_args.FLAG_MODE} shadow-linear."
+    if hybrid:  # only under its own proof switch, GDN, radix cache off (ddtree_v2_hybrid)
+        refusal = _hybrid.refusal(server_args, hybrid_kind)
+        if refusal:
+            return refusal
     if simulate_acc_len > 0:
         return f"{full} does not support SGLANG_SIMULATE_ACC_LEN (simulated acceptance)."
     return None
@@ -144,10 +149,14 @@ def host_prefix_bounds(seq_lens_cpu: Any, reserved_cpu: Any, width: int) -> tupl
 class DDTreeWorkerV2(DFlashWorkerV2):
     """DFLASH's v2 worker with DDTree's tree step on decode; prefill and idle are upstream's."""
 
+    _ddtree_hybrid: Any = None  # a hybrid target's recurrent layers (ddtree_v2_hybrid.HybridStepV2)
+
     def __init__(self, server_args: Any, gpu_id: int, ps: Any, nccl_port: int, target_worker: Any):
+        model_config = target_worker.model_runner.model_config
+        hybrid = mambaish_config(model_config) is not None
         refusal = v2_refusal(
-            server_args, hybrid=mambaish_config(target_worker.model_runner.model_config) is not None,
-            simulate_acc_len=int(SIMULATE_ACC_LEN),
+            server_args, hybrid=hybrid, simulate_acc_len=int(SIMULATE_ACC_LEN),
+            hybrid_kind=_hybrid.target_kind(model_config) if hybrid else (None, None),
         )
         if refusal:
             raise DDTreeV2Refused(refusal)
@@ -157,6 +166,7 @@ class DDTreeWorkerV2(DFlashWorkerV2):
         # Before anything is built: the target's verify width, the mask in its triton verify graphs and the
         # reservation all follow the seams from here on (the scheduler builds pools and graphs after this).
         _seams.activate(settings)
+        self._ddtree_hybrid = _hybrid.HybridStepV2(settings.verify_width) if hybrid else None  # its hooks on
         super().__init__(server_args, gpu_id, ps, nccl_port, target_worker)
         if int(self.block_size) != settings.block_size:
             raise DDTreeV2Refused(f"DFLASH block {self.block_size} differs from the seams' {settings.block_size}.")
@@ -171,8 +181,14 @@ class DDTreeWorkerV2(DFlashWorkerV2):
             logger.warning("DDTree v2: /server_info carries no `ddtree` stats: the hook on %s did not take "
                            "(the promote settings gate will say inconclusive)", _v2args.INTERNAL_STATE_TARGET)
 
+    def init_attention_backends(self):
+        super().init_attention_backends()
+        if self._ddtree_hybrid is not None:  # the target's backends and pools exist; its graphs come next
+            self._ddtree_hybrid.start(self.model_runner, self.ps.tp_rank)
+
     def init_cuda_graphs(self):
-        backend = type(self.model_runner.attn_backend).__name__
+        attn = self.model_runner.attn_backend
+        backend = type(getattr(attn, "full_attn_backend", attn)).__name__  # a hybrid's full-attention half
         if backend != "TritonAttnBackend":
             raise DDTreeV2Refused(f"{_args.FLAG_MODE} full on v2 needs the triton target backend, got {backend}.")
         super().init_cuda_graphs()
@@ -262,6 +278,8 @@ class DDTreeWorkerV2(DFlashWorkerV2):
             draft_token=verify.tokens, positions=verify.positions, draft_token_num=n,
             custom_mask=verify.custom_mask, capture_hidden_mode=CaptureHiddenMode.FULL,
         )
+        if self._ddtree_hybrid is not None:
+            self._ddtree_hybrid.attach_tree(verify_input, tree)
         batch.out_cache_loc = verify.out_cache_loc
         seq_lens_cpu_backup, seq_lens_sum_backup = batch.seq_lens_cpu, batch.seq_lens_sum
         batch.seq_lens_cpu, batch.seq_lens_sum = bounds, int(bounds.sum())  # host bound = prefix + n
@@ -287,6 +305,8 @@ class DDTreeWorkerV2(DFlashWorkerV2):
         commit = commit_tree(tree, accepted, accept_lens, bonus, req_to_token, batch.req_pool_indices,
                              prefix_lens, block)
         commit_lens = commit.commit_lens.to(torch.int32)
+        if self._ddtree_hybrid is not None:  # the recurrent state of each request's last committed node
+            self._ddtree_hybrid.commit(self, batch, tree, accepted, commit_lens)
         new_seq_lens = prefix_lens + commit_lens.to(prefix_lens.dtype)
         if on_publish is not None:
             on_publish(new_seq_lens)
