@@ -166,6 +166,8 @@ def test_tree_steps_on_a_hybrid_target_emit_plain_decoding(observed: dict) -> No
     for run in observed["decode"]:
         assert run["plain"] and run["arrays_sent"] and run["commits"] == run["steps"], run
         assert run["tokens"] > run["steps"] and run["deep"] > 0 and run["off_chain"] > 0, run
+        assert run["report"]["tree_steps"] == run["steps"], run
+        assert run["report"]["hybrid"]["linear_backend"] == "GDNAttnBackend", run  # /server_info names the layers
     for fault, runs in observed["decode_faults"].items():
         assert not any(r["plain"] for r in runs), fault
     assert not any(r["plain"] or r["arrays_sent"] for r in observed["decode_no_arrays"])

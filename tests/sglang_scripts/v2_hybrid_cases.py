@@ -41,6 +41,7 @@ from sglang.srt.speculative import ddtree_v2_hybrid as hy  # noqa: E402
 from sglang.srt.speculative import ddtree_v2_seams as seams  # noqa: E402
 from sglang.srt.speculative import ddtree_worker_v2 as w  # noqa: E402
 from sglang.srt.speculative.ddtree_sampling import tree_walk  # noqa: E402
+from sglang.srt.speculative.ddtree_stats import DDTreeStats  # noqa: E402
 from sglang.srt.speculative.ddtree_utils import build_ddtree  # noqa: E402
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput  # noqa: E402
 from sglang.version import __version__  # noqa: E402
@@ -270,7 +271,8 @@ def decode_run(seed: int, fault: str = "", attach: bool = True, steps_n: int = 6
         draft_model_runner=SimpleNamespace(forward=lambda fb: SimpleNamespace(
             logits_output=SimpleNamespace(hidden_states=draft_hidden.reshape(-1, VOCAB)))),
         _draft_block_spec_info=None, _block_pos_offsets=torch.arange(BLOCK), _draft_block_ids_buf=None,
-        tree_budget=BUDGET, tree_topk_cap=None, tree_keep_chain=False, sampling_rule="pytorch", tree_steps=0,
+        tree_budget=BUDGET, tree_topk_cap=None, tree_keep_chain=False, sampling_rule="pytorch",
+        ddtree_stats=DDTreeStats(),
         _append_target_hidden_to_draft_kv_by_loc=lambda **kw: None, _ddtree_hybrid=hybrid,
     )
     draft_input = seams.DDTreeDraftInputV2.from_dflash(
@@ -295,7 +297,9 @@ def decode_run(seed: int, fault: str = "", attach: bool = True, steps_n: int = 6
         prefix = result.new_seq_lens
         draft_input = result.next_draft_input
     lens = [len(e) for e in emitted]
-    return {"plain": all(emitted[b] == want[b][: lens[b]] for b in range(bs)), "tokens": sum(lens),
+    report = worker.ddtree_internal_state()  # /server_info's ddtree: the tree steps and the hybrid layers
+    return {"report": {"tree_steps": report["tree_steps"], "hybrid": report["hybrid"]},
+            "plain": all(emitted[b] == want[b][: lens[b]] for b in range(bs)), "tokens": sum(lens),
             "steps": steps_n, "deep": sum(1 for c in commits for s in c if s > 0),
             "arrays_sent": arrays_sent, "commits": len(commits), "off_chain": off_chain[0]}
 

@@ -388,6 +388,6 @@ class DDTreeWorkerV2(DFlashWorkerV2):
             build_graph_bs=None,
             build_budgets=[self.tree_budget],
             verify_kernels=False,
-            hybrid=None,
+            hybrid=None if self._ddtree_hybrid is None else self._ddtree_hybrid.as_dict(),
             profile=None,
         )
