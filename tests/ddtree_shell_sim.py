@@ -7,8 +7,8 @@ for each batch size.
 - The rest of a step: draft 1.2 -> 2.5 ms from batch 1 to 64; a tree step's build / mask / walk / commit
   2.2 ms + 0.05 ms a request + 0.4 ms per doubling of the width + 0.5 us a verify token (auto's measured
   cells at batch 4 grew ~1 ms per doubling); a chain step's commit 1 ms + 0.03 ms a request. Steps are noisy
-  (+-8 %), a cell's first step is slow (a graph's first replay, 3-8x), and 1 % of steps carry a spike (a
-  prefill between steps, 2-4x).
+  (+-8 %), a cell's first `slow_first` steps are slow (a graph's first replay, 3-8x), and 1 % of steps carry a
+  spike (a prefill between steps, 2-4x).
 - Acceptance (extra tokens per request-step, call 3's curve): chain 0.45, 15: 1.02, 31: 1.16, 63: 1.34,
   127: 1.34. Each request's walk draws one uniform and every budget's accepted length is the geometric
   quantile of it (capped at the block's 15), so a larger tree accepts at least what a smaller one did, as
@@ -60,10 +60,11 @@ def _quantile(u: float, mean: float) -> int:
 class ShellServer:
     """True costs and acceptance of the shell; `observation` is what one step of a candidate reports."""
 
-    def __init__(self, ab, rng: random.Random, *, accept: dict[int, float] | None = None, spikes: bool = True):
-        self.ab, self.rng, self.spikes = ab, rng, spikes
+    def __init__(self, ab, rng: random.Random, *, accept: dict[int, float] | None = None, spikes: bool = True,
+                 slow_first: int = 1):
+        self.ab, self.rng, self.spikes, self.slow_first = ab, rng, spikes, slow_first
         self.accept = dict(ACCEPT if accept is None else accept)
-        self._first: set = set()
+        self._first: dict = {}
 
     @staticmethod
     def bucket(bs: int) -> int:
@@ -92,8 +93,8 @@ class ShellServer:
         rng = self.rng
         noise = rng.uniform(0.92, 1.08)
         cell = (c, self.bucket(bs))
-        if self.spikes and cell not in self._first:
-            self._first.add(cell)
+        if self.spikes and self._first.get(cell, 0) < self.slow_first:
+            self._first[cell] = self._first.get(cell, 0) + 1
             noise *= rng.uniform(3.0, 8.0)
         elif self.spikes and rng.random() < 0.01:
             noise *= rng.uniform(2.0, 4.0)
