@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import ddtree_shell_sim as shell
 import pytest
 import torch
 from ddtree_oracle import load_payload_module
@@ -176,7 +177,9 @@ class SimulatedServer:
                                   requests=n, sampled_accepted=s_accepted, sampled_chain=s_chain, sampled_requests=s_n)
 
 
-@pytest.mark.parametrize("seed", range(16))
+# 18, 21: a cell timed once long ago, at a batch size without a start-up replay, fell back to the fit over other
+# cells (3x low there) and the plan took it; its own old timing is the better guess.
+@pytest.mark.parametrize("seed", [*range(16), 18, 21])
 def test_the_plan_converges_to_the_best_candidate_per_batch(seed: int) -> None:
     rng = random.Random(seed)
     cands = ab.auto_candidates(rng.choice([63, 127, 100]), 16)
@@ -260,7 +263,7 @@ def test_exploration_is_priced_cheap_where_cheap_rare_where_dear() -> None:
     at1, at64 = dict(auto.explore[auto.bucket_index(1)]), dict(auto.explore[auto.bucket_index(64)])
     assert auto.plan[auto.bucket_index(1)] == auto.largest and auto.plan[auto.bucket_index(64)].width == 16
     assert set(at1) == set(cands) - {auto.largest} and max(at1.values()) <= 8
-    assert at64[auto.largest] >= 8 * ab.RECHECK_EVERY > max(at1.values())
+    assert at64[auto.largest] >= 32 > max(at1.values())
     assert at64[next(c for c in cands if c.budget == 31)] <= 4
     # The oracle, at both batch sizes: what the exploring steps lose against the plan (time beyond the
     # plan's for the tokens they bring, from the true costs above) stays within EXPLORE_SHARE of the plan's
@@ -279,11 +282,119 @@ def test_exploration_is_priced_cheap_where_cheap_rare_where_dear() -> None:
         assert lost <= ab.EXPLORE_SHARE * steps * cost[plan], bs
 
 
+# What exploring may cost on the 8.2 B shell (tests/ddtree_shell_sim.py: call 3's replay table and acceptance
+# curve), per scenario: (trace, least tokens/s against the best fixed candidate of each batch bucket on the same
+# steps, warm-up included; at batch 8 and up, most steps that explore and most time they lose against that best).
+# The best candidate is 63 at batch 1 - 2 and 15 from batch 3 on; at batch 4 31 is within 1.3 % and 63 within 7 %
+# (near-ties the estimates' noise flips between), from batch 8 on every other candidate loses 8 - 80 %: exploring
+# there buys nothing once the estimates say so. Payload 0.8.0's chooser (one exploration in 16 steps, the
+# candidates that lose sharing 3 % of the plan's time whatever the evidence) made 0.986 - 0.988 at steady batch
+# 16 and 64, exploring 2.7 - 4.6 % of the steps and losing 0.7 - 1.2 % of the time there.
+SHELL_SCENARIOS = {
+    "steady 4": (lambda rng: shell.steady(4, 1500, rng, ease_walk=0.03), 0.985, None, None),
+    "steady 16": (lambda rng: shell.steady(16, 1500, rng, ease_walk=0.03), 0.99, 0.025, 0.005),
+    "steady 64": (lambda rng: shell.steady(64, 1500, rng, ease_walk=0.03), 0.99, 0.025, 0.005),
+    "moving": (lambda rng: shell.moving(5000, rng), 0.985, None, 0.006),
+    # Every cell's first three steps 3 - 8x slow (the first replays of a graph at a batch size reached for the
+    # first time): two spiky timings may not bar a candidate, nor lend their spikes to the cells around.
+    "moving, slow first steps": (lambda rng: shell.moving(5000, rng), 0.94, None, None),
+}
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("scenario", list(SHELL_SCENARIOS))
+def test_exploration_pays_for_itself_on_the_shell(scenario: str, seed: int) -> None:
+    """A fresh server on the shell's costs, noisy steps and first-use spikes, traffic whose ease moves: at a
+    steady batch size or under live traffic (batch 1 .. 64 and back), auto's tokens per second (true means of
+    what it picked, exploring and warm-up included) against an oracle that plays the best fixed candidate for
+    each batch bucket on the same steps, and what exploring costs where wide trees are dear."""
+    make, least, most_steps, most_lost = SHELL_SCENARIOS[scenario]
+    rng = random.Random(seed)
+    server = shell.ShellServer(ab, rng, slow_first=3 if "slow first" in scenario else 1)
+    auto = shell.new_auto(ab, server)
+    cells = shell.run(ab, auto, server, make(rng))
+    ratio = shell.overall(cells)
+    steps, lost = shell.explore_share(cells, 8, 64)
+    detail = (round(ratio, 4), f"explored {steps:.2%} of the steps at bs >= 8, lost {lost:.2%}",
+              {b: round(c.ratio(), 3) for b, c in sorted(cells.items())})
+    assert ratio >= least, detail
+    if most_steps is not None:
+        assert steps <= most_steps, detail
+    if most_lost is not None:
+        assert lost <= most_lost, detail
+
+
+def _shell_bucket_16() -> tuple:
+    """One bucket (batch 16), the chain, 15 and 31: true step costs 8 / 8 / 10 ms, acceptance 0.5 / 1.0 / 1.3
+    tokens a request, so 15 is the best (4.0 tokens/ms against 31's 3.68 and the chain's 3.0)."""
+    cands = ab.auto_candidates(31, 16)
+    auto = ab.AutoBudget(cands, [16], max_running=16, warmup_steps=0)
+    auto.seed_start_costs({(16, 16): 5e-3, (32, 16): 7e-3})
+    true_s = {cands[0]: 8e-3, cands[1]: 8e-3, cands[2]: 10e-3}
+
+    def step(c, seconds: float | None = None) -> None:
+        acc = [16.0, 16 * 1.3] if c.budget else [0.0, 0.0]
+        auto.observe(ab.StepObservation(budget=c.budget, width=c.width, batch_size=16,
+                                        seconds=true_s[c] if seconds is None else seconds, accepted=acc, chain=8.0,
+                                        requests=16))
+    return auto, cands, step
+
+
+def test_a_best_candidate_with_slow_first_timings_is_explored_again_soon() -> None:
+    """The best candidate's first three steps at a batch size are 3x slow (one untimed, two timed a refresh
+    apart): it looks dearer than the plan, and its own two timings alone would bar it for long. While a cell holds
+    fewer than TRUSTED_STEPS timings its optimistic cost is its prior's, so it is explored within a few rounds
+    and the plan comes back to it."""
+    auto, (chain, t15, t31), step = _shell_bucket_16()
+    for _ in range(4):
+        for i in range(16):
+            step(t31 if i else chain)
+        auto.refresh()
+    for _ in range(3):
+        step(t15, 24e-3)
+        for _ in range(15):
+            step(t31)
+        auto.refresh()
+    assert auto.plan[0] == t31 and dict(auto.explore[0])[t15] <= 8, auto.explore[0]
+    steps = 16 * 4 * 8
+    for i in range(steps):
+        step(auto.choose(16, 1000 + i))
+        if (i + 1) % 16 == 0:
+            auto.refresh()
+    assert auto.plan[0] == t15, (auto.plan[0], auto.as_dict()["step_ms"])
+
+
+def test_exploration_fades_as_evidence_accumulates() -> None:
+    """Steady batch 16, noiseless: the chain loses 25 % against the plan (15), 31 loses 8 %. Early on the chain
+    may still win for all the chooser knows and is explored; once its upper bound falls below the plan only the
+    recheck share remains. 31 stays within its bounds (the estimates' spreads, kept up by forgetting, are about
+    its 8 %) and keeps a small share. The oracle: what the exploring steps lose against the plan in the last
+    thousand steps, from the true costs, within 0.6 % of the plan's time (payload 0.8.0: 1.1 %, the chain and 31
+    explored 31 times each in every thousand steps)."""
+    auto, (chain, t15, t31), step = _shell_bucket_16()
+    cost, tokens = {chain: 8e-3, t15: 8e-3, t31: 10e-3}, {chain: 1.5, t15: 2.0, t31: 2.3}
+    explored, lost = [], []
+    for i in range(6000):
+        before = auto.explore_steps
+        c = auto.choose(16, i)
+        step(c)
+        explored.append(c if auto.explore_steps > before else None)
+        lost.append(max(0.0, cost[c] - tokens[c] * cost[t15] / tokens[t15]) if explored[-1] else 0.0)
+        if (i + 1) % 16 == 0:
+            auto.refresh()
+    assert auto.plan[0] == t15
+    early, late = explored[:1000].count(chain), explored[-1000:].count(chain)
+    assert early >= 5 and late <= min(5, early / 2), (early, late)
+    assert sum(lost[-1000:]) <= 0.006 * 1000 * cost[t15], sum(lost[-1000:]) / (1000 * cost[t15])
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_the_acceptance_curve_is_paired_against_moving_traffic(seed: int) -> None:
     """Traffic whose ease moves from step to step (x0.3 .. x1.7, every budget's walk alike): the budgets
     above the plan are measured only by exploring steps, a few per refresh. The oracle: the curve's gains
-    over the smallest budget, relative to it, against the true ones; and it never falls with the budget."""
+    over the smallest budget, relative to it, against the true ones, for every budget measured on a hundred
+    requests or more (one that cannot win at these batch sizes even at its optimistic bound is not explored
+    here: its gain stays a lower bound); and it never falls with the budget."""
     rng = random.Random(2000 + seed)
     cands = ab.auto_candidates(127, 16)
     server = SimulatedServer(rng, cands, real_size=True)
@@ -299,9 +410,15 @@ def test_the_acceptance_curve_is_paired_against_moving_traffic(seed: int) -> Non
     trees = auto.trees
     est = [auto.expected_accepted(c, ab.GREEDY) for c in trees]
     assert all(b >= a for a, b in zip(est, est[1:], strict=False)), est
-    for c, e in zip(trees[1:], est[1:], strict=True):
+    checked = 0
+    for i, (c, e) in enumerate(zip(trees[1:], est[1:], strict=True), start=1):
         true_gain = server.accept[c.budget] / server.accept[trees[0].budget]
+        if auto.accept_n[ab.GREEDY][i] < 100:
+            assert e / est[0] <= 1.1 * true_gain, (c, e / est[0], true_gain)
+            continue
         assert abs(e / est[0] - true_gain) <= 0.1 * true_gain, (c, e / est[0], true_gain)
+        checked += 1
+    assert checked >= 1
 
 
 def test_a_rarely_stepped_cell_is_not_the_minimum_of_its_noise() -> None:
@@ -363,18 +480,25 @@ def test_no_cost_known_takes_the_budget_that_accepts_most() -> None:
 
 def _overhead_oracle(auto, candidate, bucket: int) -> float:
     """The definition, recomputed from the cost cells: the least (cost - start replay) of the candidate's kind
-    in the nearest bucket that has a measured cell; else the other kind's; else 0."""
+    in the nearest bucket that has a measured cell, at most COST_SPIKE times that of the nearest measured
+    buckets either side of that one; else the other kind's; else 0."""
     kinds = ([auto.chain], auto.trees) if candidate.is_chain else (auto.trees, [auto.chain])
     for kind in kinds:
-        for k in sorted(range(len(auto.buckets)), key=lambda k: abs(k - bucket)):
+        def least(k: int, kind=kind) -> float | None:
             extra = []
             for c in kind:
                 i = auto.candidates.index(c)
                 replay = auto.start_cost.get((c.width, auto.buckets[k]))
                 if auto.cost_weight[i][k] >= ab.MIN_COST_WEIGHT and replay is not None:
                     extra.append(auto.cost[i][k] - replay)
-            if extra:
-                return max(0.0, min(extra))
+            return max(0.0, min(extra)) if extra else None
+
+        for k in sorted(range(len(auto.buckets)), key=lambda k: abs(k - bucket)):
+            if least(k) is None:
+                continue
+            below = next((x for m in range(k - 1, -1, -1) if (x := least(m)) is not None), None)
+            above = next((x for m in range(k + 1, len(auto.buckets)) if (x := least(m)) is not None), None)
+            return min([least(k), *(ab.COST_SPIKE * x for x in (below, above) if x is not None)])
     return 0.0
 
 

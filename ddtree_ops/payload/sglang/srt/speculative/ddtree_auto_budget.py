@@ -22,7 +22,11 @@ per request. Each step takes the candidate with the most expected tokens per sec
   budget only its gain over the next smaller one, from the steps that measured both. Larger budgets are
   measured only by the rarer steps that verify them (exploration), at other moments of the traffic; their
   own means move with whatever those few steps met (on the H200 budget 31 came out below budget 15), while
-  a gain measured on the same walks does not, and the curve cannot fall with the budget.
+  a gain measured on the same walks does not, and the curve cannot fall with the budget. The curve is per
+  request, not per batch: a gain is kept relative to the smallest budget's acceptance on its own walks and
+  forgets slowly (`SHAPE_DECAY`), the smallest budget's level (measured by every tree step) quickly, so what
+  steps at a cheap batch size learnt serves every other one and need not be explored again where it is
+  dear; the chain likewise, against the tree walks' bound for it in the same refreshes.
 - Greedy and sampled requests accept differently (a sampled walk accepts less, and less so on wide
   trees): acceptance is kept for each kind, and a step scores the candidates for its batch's mix.
 - Costs, measured on this server, per candidate and batch bucket (the chain and the tree of the same
@@ -32,20 +36,28 @@ per request. Each step takes the candidate with the most expected tokens per sec
   cost beyond their replays (draft, build, walk, attention over real contexts).
 - Budgets larger than the ones stepped in are only learnt by stepping in them, and a cell's cost by its
   own steps: one step in `explore_every` may explore a candidate other than the plan. Exploration is
-  priced: the candidates that lose against the plan (time beyond the plan's for the tokens they bring)
-  share `EXPLORE_SHARE` of the plan's time equally, each explored once in as many rounds as keep its
-  steps within its part, and `RECHECK_EVERY` times rarer when it could not win even with the largest
-  tree's acceptance. On a
-  real-size target a wide tree at a large batch costs several plain steps, so it is explored where it
-  is cheap (small batches) and rarely where it is dear.
+  priced per batch bucket (`_explore_table`): a step of a candidate loses its time at this batch beyond
+  what the plan takes for the tokens it brings, and earns only if the candidate may still beat the plan
+  here: its optimistic tokens per second (acceptance `UCB_Z` spreads above its estimate, and no more than
+  best-first trees allow a budget never explored; cost as many spreads below, a thinly measured cell never
+  above its prior's bound) against the plan's. The candidates that may win share `EXPLORE_SHARE` of the
+  plan's time, each by the part of its optimistic range above the plan, so exploration fades as evidence
+  accumulates and ends where the bound falls below the plan; the others share `RECHECK_SHARE` (an estimate
+  may be what is wrong), and decay widens a stale estimate's range until it is explored again. On a
+  real-size target a wide tree at a large batch costs several plain steps and cannot win there: it is
+  explored where it is cheap (small batches) and almost never where it is dear.
 - A step's wall time has one-off spikes (a graph's first replay, a first kernel launch): a cell's
   first step is not timed, each refresh keeps the median of a cell's steps, a refresh's median above
   `COST_SPIKE` times the cell's estimate counts as that much, one below the estimate by as much replaces
   it (the estimate was a spike), anything between is averaged in (taking the lower at once instead made
   the rarely stepped cells the minimum of their noise, the plan's cell their median: on the H200 the chain
-  looked 25 % cheaper than the width-16 tree at batch 4, and ran), and a cell never stepped in borrows
-  the smallest overhead of its kind (optimistic, so the plan visits it and measures it, where a
-  pessimistic guess would never be corrected).
+  looked 25 % cheaper than the width-16 tree at batch 4, and ran), a cell's first timing counts at most
+  `COST_SPIKE` times its prior, and a cell never stepped in borrows the smallest overhead of its kind
+  (optimistic, so the plan visits it and measures it, where a pessimistic guess would never be corrected),
+  at most `COST_SPIKE` times what the nearest measured buckets' cells do (a batch size reached for the
+  first time lends no first-step spikes to the cells around it); a cell whose steps have decayed below
+  trust goes back to that prior, or keeps its own old estimate where it has no replay (a fit over other
+  cells is a worse guess).
 
 Every decision is a function of the step index, the batch size and a plan recomputed every
 `refresh_every` steps from accumulators that `refresh` first sums over the TP ranks (the caller passes
@@ -64,17 +76,37 @@ from typing import Any
 # Decay per refresh of the acceptance and cost accumulators: a refresh every 16 steps forgets half of
 # what it knew in about 7 refreshes (~110 steps): traffic changes within minutes, not within steps.
 DECAY = 0.9
+# The acceptance curve's shape (each larger budget's gain relative to the smallest budget's acceptance on
+# the same walks) forgets ten times slower: easy or hard traffic moves every budget's acceptance alike, which
+# the smallest budget's mean (every tree step measures it) follows at DECAY; the shape is the drafter's and
+# the tree's, and is measured by the rarer steps that verify the larger budgets, at any batch size.
+SHAPE_DECAY = 0.99
+# A gain is taken relative to the smallest budget's acceptance on its walks once those walks accepted this
+# many tokens (decayed); before, as tokens per request.
+MIN_SHAPE_BASE = 4.0
 # Costs change with the contexts' lengths, slowly; their cells are visited rarely (exploration), so they
 # forget ten times slower.
 COST_DECAY = 0.99
 EWMA_ALPHA = 0.2
-# A cost cell is trusted once it holds this much (decayed) observation weight.
+# A cost cell is trusted as a measure of its kind's overhead (what the cells never stepped in borrow, and
+# the fit) once it holds this much (decayed) observation weight.
 MIN_COST_WEIGHT = 1.0
 # Exploration's share of the plan's step time: what exploring steps lose against the plan, at most.
 EXPLORE_SHARE = 0.03
-# A candidate that could not beat the plan even with the largest tree's acceptance is explored this
-# many times rarer (still measured now and then: its estimate may be what is wrong).
-RECHECK_EVERY = 4
+# Of it, what the candidates that cannot beat the plan even at their optimistic bounds share: still
+# measured now and then (an estimate may be what is wrong), rarely where a step of them is dear.
+RECHECK_SHARE = EXPLORE_SHARE / 30
+# The optimistic bounds a candidate is explored against (`_optimistic_accepted`, `_optimistic_seconds`):
+# this many spreads above its estimate. A walk's accepted length spreads by about ACCEPT_SD tokens (a geometric length of mean ~1);
+# a cost cell's refresh median by COST_CV (COST_FLOOR at least: contexts grow, clocks differ); a cell
+# never stepped in (its replay plus a borrowed overhead) by PRIOR_CV.
+UCB_Z = 2.0
+ACCEPT_SD = 1.5
+COST_CV = 0.1
+COST_FLOOR = 0.02
+PRIOR_CV = 0.07
+# A cell's own steps bound its optimistic cost alone once it holds this many (decayed) timed steps.
+TRUSTED_STEPS = 3.0
 # Steps of a cell (candidate, batch bucket) not timed: the first replays of a graph, first launches.
 UNTIMED_FIRST_STEPS = 1
 # During warm-up (nothing accepted yet) the largest tree whose replay at the batch costs at most this
@@ -196,11 +228,17 @@ class AutoBudget:
         self.warmup_steps = int(warmup_steps)
         nb, nc, nk = len(self.budgets), len(self.candidates), len(self.buckets)
         # Decayed state (identical on every rank after a refresh), acceptance per kind of request: index 0
-        # the smallest budget's accepted tokens, index i > 0 budget i's gain over budget i - 1 (`observe`).
+        # the smallest budget's accepted tokens, index i > 0 budget i's gain over budget i - 1 (`observe`),
+        # and `accept_base[.][i]` the smallest budget's accepted tokens on the walks that measured gain i.
         self.accept_sum = [[0.0] * nb for _ in KINDS]
         self.accept_n = [[0.0] * nb for _ in KINDS]
+        self.accept_base = [[0.0] * nb for _ in KINDS]
         self.chain_tree_sum, self.chain_tree_n = [0.0] * len(KINDS), [0.0] * len(KINDS)
         self.chain_step_sum, self.chain_step_n = [0.0] * len(KINDS), [0.0] * len(KINDS)
+        # The chain's shape: its steps' accepted tokens, and what the tree walks' bound for the chain was in
+        # the same refreshes for as many requests (`_fold`), and those requests (SHAPE_DECAY).
+        self.chain_shape_sum, self.chain_shape_ref = [0.0] * len(KINDS), [0.0] * len(KINDS)
+        self.chain_shape_n = [0.0] * len(KINDS)
         self.cost = [[0.0] * nk for _ in range(nc)]  # EWMA seconds per (candidate, bucket)
         self.cost_weight = [[0.0] * nk for _ in range(nc)]
         self.start_cost: dict[tuple[int, int], float] = {}
@@ -253,6 +291,7 @@ class AutoBudget:
                     break
                 self._p_accept_sum[kind][i] += accepted[i] - below
                 self._p_accept_n[kind][i] += requests
+                self._p_accept_base[kind][i] += accepted[0]
                 below = accepted[i]
             self._p_chain_tree_sum[kind] += chain
             self._p_chain_tree_n[kind] += requests
@@ -336,31 +375,46 @@ class AutoBudget:
         if candidate.is_chain:
             step_sum, step_n = (sum(x[k] for k in kinds) for x in (self.chain_step_sum, self.chain_step_n))
             tree_sum, tree_n = (sum(x[k] for k in kinds) for x in (self.chain_tree_sum, self.chain_tree_n))
+            shape_sum, shape_ref = (sum(x[k] for k in kinds) for x in (self.chain_shape_sum, self.chain_shape_ref))
+            if tree_n > 0 and shape_ref >= MIN_SHAPE_BASE:
+                # The tree walks' bound at today's level, times what chain steps accepted over that bound.
+                return tree_sum / tree_n * shape_sum / shape_ref
             if step_n >= MIN_CHAIN_REQUESTS:
                 return step_sum / step_n
             if tree_n > 0:
                 return tree_sum / tree_n
             return step_sum / step_n if step_n > 0 else None
-        # The smallest budget's mean plus the mean gain of each budget up to this one; a gain never
-        # measured counts 0 (a larger tree holds the smaller one: a lower bound until explored).
-        total = None
-        for j in range(self.budgets.index(candidate.budget) + 1):
+        # The smallest budget's mean plus the gain of each budget up to this one: relative to the smallest
+        # budget's acceptance on the gain's own walks, at today's level (the shape: `SHAPE_DECAY`), or per
+        # request while those walks accepted too little to tell a ratio; a gain never measured counts 0 (a
+        # larger tree holds the smaller one: a lower bound until explored).
+        n0 = sum(self.accept_n[k][0] for k in kinds)
+        if n0 <= 0:
+            return None
+        base = sum(self.accept_sum[k][0] for k in kinds) / n0
+        total = base
+        for j in range(1, self.budgets.index(candidate.budget) + 1):
             n = sum(self.accept_n[k][j] for k in kinds)
-            if n > 0:
-                total = (total or 0.0) + sum(self.accept_sum[k][j] for k in kinds) / n
-            elif j == 0:
-                return None
+            if n <= 0:
+                continue
+            gain, walks = sum(self.accept_sum[k][j] for k in kinds), sum(self.accept_base[k][j] for k in kinds)
+            total += base * gain / walks if walks >= MIN_SHAPE_BASE else gain / n
         return total
 
     def step_seconds(self, candidate: Candidate, bucket: int) -> float | None:
-        """Estimated wall seconds of a step of `candidate` in bucket index `bucket`: the cell's own steps;
-        else its start-up replay plus what its kind's steps cost beyond their replays; else a fit over the
-        measured cells of its kind."""
+        """Estimated wall seconds of a step of `candidate` in bucket index `bucket`: the cell's own steps while
+        they are trusted (`MIN_COST_WEIGHT`); else its start-up replay plus what its kind's steps cost beyond
+        their replays (optimistic: the plan visits it and measures it again; a few spiky steps long ago do not
+        bar it); else its own steps however old (a fit is a worse guess); else a fit over the measured cells of
+        its kind."""
         i = self._index[candidate]
-        if self.cost_weight[i][bucket] >= MIN_COST_WEIGHT:
+        weight = self.cost_weight[i][bucket]
+        if weight >= MIN_COST_WEIGHT:
             return self.cost[i][bucket]
         prior = self._prior(candidate, bucket)
-        return prior if prior is not None else self._fitted(candidate, self.buckets[bucket])
+        if prior is not None:
+            return prior
+        return self.cost[i][bucket] if weight > 0 else self._fitted(candidate, self.buckets[bucket])
 
     # ------------------------------------------------------------------ reporting
     def as_dict(self) -> dict[str, Any]:
@@ -397,6 +451,7 @@ class AutoBudget:
         nb, nc, nk = len(self.budgets), len(self.candidates), len(self.buckets)
         self._p_accept_sum = [[0.0] * nb for _ in KINDS]
         self._p_accept_n = [[0.0] * nb for _ in KINDS]
+        self._p_accept_base = [[0.0] * nb for _ in KINDS]
         self._p_chain_tree_sum, self._p_chain_tree_n = [0.0] * len(KINDS), [0.0] * len(KINDS)
         self._p_chain_step_sum, self._p_chain_step_n = [0.0] * len(KINDS), [0.0] * len(KINDS)
         self._p_times: list[list[list[float]]] = [[[] for _ in range(nk)] for _ in range(nc)]
@@ -404,7 +459,8 @@ class AutoBudget:
     def _pending_vector(self) -> list[float]:
         v: list[float] = []
         for k in KINDS:
-            v += [*self._p_accept_sum[k], *self._p_accept_n[k], self._p_chain_tree_sum[k], self._p_chain_tree_n[k],
+            v += [*self._p_accept_sum[k], *self._p_accept_n[k], *self._p_accept_base[k],
+                  self._p_chain_tree_sum[k], self._p_chain_tree_n[k],
                   self._p_chain_step_sum[k], self._p_chain_step_n[k]]
         # Per cell: the median of this refresh's steps (a spike among them does not move it), then their
         # count; summed over the ranks, which time the same steps.
@@ -417,14 +473,26 @@ class AutoBudget:
     def _fold(self, v: list[float], world: int) -> None:
         nb, nc, nk = len(self.budgets), len(self.candidates), len(self.buckets)
         # Acceptance is the same on every rank (same trees, same walk): the sum is world times it.
-        per_kind = 2 * nb + 4
+        per_kind = 3 * nb + 4
         for k in KINDS:
             part = [x / world for x in v[k * per_kind:(k + 1) * per_kind]]
             for i in range(nb):
-                self.accept_sum[k][i] = DECAY * self.accept_sum[k][i] + part[i]
-                self.accept_n[k][i] = DECAY * self.accept_n[k][i] + part[nb + i]
+                decay = DECAY if i == 0 else SHAPE_DECAY  # the level, then the shape
+                self.accept_sum[k][i] = decay * self.accept_sum[k][i] + part[i]
+                self.accept_n[k][i] = decay * self.accept_n[k][i] + part[nb + i]
+                self.accept_base[k][i] = decay * self.accept_base[k][i] + part[2 * nb + i]
+            tree_sum, tree_n, step_sum, step_n = part[3 * nb:]
+            # The chain steps' shape against the tree walks' bound of the same refresh (else the last known).
+            if step_n > 0 and (tree_n > 0 or self.chain_tree_n[k] > 0):
+                bound = tree_sum / tree_n if tree_n > 0 else self.chain_tree_sum[k] / self.chain_tree_n[k]
+                for state, x in zip((self.chain_shape_sum, self.chain_shape_ref, self.chain_shape_n),
+                                    (step_sum, step_n * bound, step_n), strict=True):
+                    state[k] = SHAPE_DECAY * state[k] + x
+            else:
+                for state in (self.chain_shape_sum, self.chain_shape_ref, self.chain_shape_n):
+                    state[k] *= SHAPE_DECAY
             for state, x in zip((self.chain_tree_sum, self.chain_tree_n, self.chain_step_sum, self.chain_step_n),
-                                part[2 * nb:], strict=True):
+                                (tree_sum, tree_n, step_sum, step_n), strict=True):
                 state[k] = DECAY * state[k] + x
         t0 = len(KINDS) * per_kind
         for w in range(nc):
@@ -436,7 +504,11 @@ class AutoBudget:
                     continue
                 mean = median_sum / world  # the ranks' mean of their medians
                 old, est = self.cost_weight[w][k], self.cost[w][k]
-                if old <= 0 or mean * COST_SPIKE < est:
+                if old <= 0:
+                    # A cell's first timing, against its prior (a spike there would bar it for long).
+                    prior = self._prior(self.candidates[w], k)
+                    est = mean if prior is None else min(mean, prior * COST_SPIKE)
+                elif mean * COST_SPIKE < est:
                     est = mean
                 else:
                     alpha = max(EWMA_ALPHA, count / (count + old))
@@ -462,9 +534,10 @@ class AutoBudget:
 
     def _overhead(self, candidate: Candidate, bucket: int) -> float:
         """What steps of the candidate's kind (chain, or tree) cost beyond their verify replay in this bucket
-        (draft, build, walk, real-context attention), from its kind's measured cells; else the nearest
-        measured bucket's; else the other kind's (both draft); else 0. The smallest of them: a guess too low
-        is corrected by the plan's next steps, one too high never is (nothing steps there)."""
+        (draft, build, walk, real-context attention), from its kind's measured cells here and in the nearest
+        measured buckets either side (`_measure_extra`); else the nearest measured bucket's; else the other
+        kind's (both draft); else 0. The smallest of them: a guess too low is corrected by the plan's next
+        steps, one too high never is (nothing steps there)."""
         for chain in (candidate.is_chain, not candidate.is_chain):
             extra = self._extra[chain]
             for k in self._nearest[bucket]:
@@ -473,12 +546,25 @@ class AutoBudget:
         return 0.0
 
     def _measure_extra(self) -> None:
+        """Per kind and bucket, the least that its measured cells cost beyond their replays, at most
+        `COST_SPIKE` times that of the nearest measured buckets either side (the overhead moves little from
+        one bucket to the next, while a bucket whose only measured cell had slow first steps, at a batch size
+        reached for the first time, would otherwise lend its spikes to every cell around it, and bar them)."""
         for chain, kind in ((True, [self.chain]), (False, self.trees)):
+            here: list[float | None] = []
             for k in range(len(self.buckets)):
                 extra = [self.cost[self._index[c]][k] - replay for c in kind
                          if self.cost_weight[self._index[c]][k] >= MIN_COST_WEIGHT
                          and (replay := self._start_replay(c.width, k)) is not None]
-                self._extra[chain][k] = max(0.0, min(extra)) if extra else None
+                here.append(max(0.0, min(extra)) if extra else None)
+            measured = [k for k, x in enumerate(here) if x is not None]
+            out = self._extra[chain]
+            for k in range(len(self.buckets)):
+                out[k] = None
+            for j, k in enumerate(measured):
+                around = [here[m] for m in (measured[j - 1] if j else None, measured[j + 1] if j + 1 < len(measured)
+                                            else None) if m is not None]
+                out[k] = min([here[k], *(COST_SPIKE * x for x in around)])
 
     def _fitted(self, candidate: Candidate, batch_size: int) -> float | None:
         """`a + b * batch + c * width * batch` (per step, per request, per verify token) least-squares fitted
@@ -506,60 +592,140 @@ class AutoBudget:
         return max(sum(c * xi for c, xi in zip(coef, x, strict=False)), 1e-9)
 
     def _replan(self) -> None:
+        # Lists by candidate index: hashing the Candidate dataclass was most of a refresh.
+        cands = self.candidates
         self._measure_extra()
-        accepted = {c: self.expected_accepted(c) for c in self.candidates}
-        by_kind = {c: [self.expected_accepted(c, kind) for kind in KINDS] for c in self.candidates}
-        ceiling = max((a for a in accepted.values() if a is not None), default=None)
+        accepted = [self.expected_accepted(c) for c in cands]
+        by_kind = [[self.expected_accepted(c, kind) for kind in KINDS] for c in cands]
+        optimistic = self._optimistic_accepted(accepted)
         for k in range(len(self.buckets)):
-            seconds = {c: self.step_seconds(c, k) for c in self.candidates}
-            self._scores[k] = [(c, seconds[c], by_kind[c]) for c in self.candidates
-                               if accepted[c] is not None and seconds[c] is not None and seconds[c] > 0]
-            if all(s is None for s in seconds.values()):
+            seconds = [self.step_seconds(c, k) for c in cands]
+            self._scores[k] = [(c, seconds[i], by_kind[i]) for i, c in enumerate(cands)
+                               if accepted[i] is not None and seconds[i] is not None and seconds[i] > 0]
+            if all(s is None for s in seconds):
                 # No cost known for this bucket (no graphs timed, nothing stepped yet): as far as we know
                 # the candidates cost alike, so the one that accepts most wins (ties: the narrower).
-                known = [c for c in self.candidates if accepted[c] is not None]
-                self.plan[k] = max(known, key=lambda c: (accepted[c], -c.width)) if known else self.largest
-                self.explore[k] = [(c, 1) for c in self.candidates if c != self.plan[k]]
+                known = [i for i in range(len(cands)) if accepted[i] is not None]
+                self.plan[k] = cands[max(known, key=lambda i: (accepted[i], -cands[i].width))] if known else self.largest
+                self.explore[k] = [(c, 1) for c in cands if c is not self.plan[k]]
                 continue
-            scored = [(self.buckets[k] * (1.0 + accepted[c]) / s, c) for c, s, _ in self._scores[k]]
+            scored = [(self.buckets[k] * (1.0 + accepted[self._index[c]]) / s, c) for c, s, _ in self._scores[k]]
             if not scored:
                 self.plan[k] = self.largest
-                self.explore[k] = [(c, 1) for c in self.candidates if c != self.largest]
+                self.explore[k] = [(c, 1) for c in cands if c is not self.largest]
                 continue
-            best = max(s for s, _ in scored)
             plan = self.plan[k] = _narrowest_best(scored)
-            losses = {c: self._explore_loss(c, plan, seconds, accepted) for c in self.candidates if c != plan}
-            lossy = sum(1 for loss in losses.values() if loss > 0.0)
-            self.explore[k] = [(c, self._explore_rounds(c, k, loss, lossy, seconds, ceiling, best))
-                               for c, loss in losses.items()]
+            self.explore[k] = self._explore_table(k, self._index[plan], seconds, accepted, optimistic)
+
+    def _explore_table(self, k: int, plan: int, seconds: list, accepted: list,
+                       optimistic: list) -> list[tuple[Candidate, int]]:
+        """Once in how many of bucket `k`'s exploration rounds each candidate other than the plan (index
+        `plan`; the other arguments by candidate index) is explored.
+
+        A step of `c` loses `loss` plan steps (`_explore_loss`: its time at this batch beyond what the plan
+        takes for the tokens `c` brings). What it can earn is the chance that `c` beats the plan here: its
+        optimistic tokens per second (`_optimistic_accepted`, `_optimistic_seconds`) against the plan's
+        estimate; a cost that is only a fit over other cells (`_guessed`) may be anything. The candidates that
+        may still win share `EXPLORE_SHARE - RECHECK_SHARE` of the plan's time, each in proportion to the part
+        of its optimistic range above the plan (all of it while its estimate wins or ties, none once its upper
+        bound falls below the plan: evidence ends its exploration); every candidate that loses has at least
+        an equal part of `RECHECK_SHARE`. Equal parts for a fixed total keep the staleness of all of them
+        lowest: a cheap candidate is explored often, a dear one rarely. A candidate whose acceptance or cost
+        here is not known at all is explored every round: it must be measured."""
+        bs = self.buckets[k]
+        plan_rate = bs * (1.0 + accepted[plan]) / seconds[plan]
+        rows: list[tuple[int, float, float | None]] = []  # (candidate index, loss, weight)
+        for i in range(len(self.candidates)):
+            if i == plan:
+                continue
+            loss = self._explore_loss(i, plan, seconds, accepted)
+            if seconds[i] is None or accepted[i] is None or optimistic[i] is None:
+                rows.append((i, loss, None))
+                continue
+            rate = bs * (1.0 + accepted[i]) / seconds[i]
+            upper = bs * (1.0 + optimistic[i]) / self._optimistic_seconds(i, k, seconds[i])
+            if rate >= plan_rate or self._guessed(i, k):
+                weight = 1.0
+            elif upper <= plan_rate:
+                weight = 0.0
+            else:
+                weight = min(1.0, (upper - plan_rate) / (upper - rate))
+            rows.append((i, loss, weight))
+        lossy = sum(1 for _, loss, _ in rows if loss > 0.0)
+        hopeful = sum(1 for _, loss, weight in rows if loss > 0.0 and weight)
+        table = []
+        for i, loss, weight in rows:
+            if weight is None or loss <= 0.0:
+                table.append((self.candidates[i], 1))
+                continue
+            share = max(RECHECK_SHARE / lossy, (EXPLORE_SHARE - RECHECK_SHARE) * weight / max(1, hopeful))
+            table.append((self.candidates[i], max(1, math.ceil(loss / (share * self.explore_every)))))
+        return table
+
+    def _optimistic_accepted(self, accepted: list) -> list[float | None]:
+        """The acceptance each candidate (by index) could still have (pooled kinds, as the plan): `UCB_Z`
+        spreads of its measured requests above the estimate, and never more than best-first trees allow: a
+        node added later is worth at most one added earlier, so a budget's gain over the next smaller one is at
+        most its added nodes times the (optimistic) gain per node below it, the smallest budget's acceptance
+        per node first. That bounds a budget never explored too, from what smaller ones showed at any batch
+        size. The chain: the spread of its own steps' requests (at most the largest tree's bound), else the
+        same-width tree's bound; never below its estimate."""
+        out: list[float | None] = [None] * len(self.candidates)
+        below = per_node = None
+        for j, c in enumerate(self.trees):
+            i = self._index[c]
+            a = accepted[i]
+            if a is None:
+                return out  # nothing measured yet
+            n = sum(self.accept_n[kind][j] for kind in KINDS)
+            spread = UCB_Z * ACCEPT_SD / math.sqrt(n) if n > 0 else math.inf
+            if below is None:
+                out[i] = a + spread
+                per_node = out[i] / max(1, c.budget)
+            else:
+                nodes = c.budget - self.trees[j - 1].budget
+                gain = min(a - accepted[self._index[self.trees[j - 1]]] + spread, nodes * per_node)
+                per_node = gain / max(1, nodes)
+                out[i] = below + gain
+            below = out[i]
+        chain = self._index[self.chain]
+        a = accepted[chain]
+        n = sum(self.chain_shape_n) if sum(self.chain_shape_ref) >= MIN_SHAPE_BASE else sum(self.chain_step_n)
+        if a is not None and n > 0:
+            out[chain] = a + UCB_Z * ACCEPT_SD / math.sqrt(n)
+            if below is not None:
+                out[chain] = max(a, min(out[chain], below))
+        elif self.trees:
+            out[chain] = max(a or 0.0, out[self._index[self.trees[0]]])
+        return out
+
+    def _guessed(self, i: int, bucket: int) -> bool:
+        """Whether cell (candidate index `i`, `bucket`)'s cost is only the fit over other cells (no steps of its
+        own, no start-up replay)."""
+        return self.cost_weight[i][bucket] <= 0 and self._start_replay(self.candidates[i].width, bucket) is None
+
+    def _optimistic_seconds(self, i: int, bucket: int, seconds: float) -> float:
+        """The least a step of candidate index `i` in `bucket` may cost: `UCB_Z` spreads below its estimate
+        (its own steps' spread, `COST_CV` over the root of their decayed count; a prior's, `PRIOR_CV`); while
+        the cell holds fewer than `TRUSTED_STEPS` steps, never above its prior's bound (one spiky step, a
+        prefill between steps, cannot bar a candidate: it is explored on its prior until measured)."""
+        weight = self.cost_weight[i][bucket]
+        trusted = weight >= MIN_COST_WEIGHT or (weight > 0 and self._start_replay(self.candidates[i].width, bucket) is None)
+        spread = max(COST_FLOOR, COST_CV / math.sqrt(weight)) if trusted else PRIOR_CV
+        low = seconds * max(0.5, 1.0 - UCB_Z * spread)
+        if weight < TRUSTED_STEPS and (prior := self._prior(self.candidates[i], bucket)) is not None:
+            low = min(low, prior * (1.0 - UCB_Z * PRIOR_CV))
+        return low
 
     @staticmethod
-    def _explore_loss(c: Candidate, plan: Candidate, seconds: dict, accepted: dict) -> float:
-        """What one step of `c` loses against the plan, in plan steps: its time beyond what the plan takes
-        for the tokens `c` brings (0 where a cost is unknown: such a cell must be measured anyway)."""
-        s, s_plan, a_plan = seconds[c], seconds[plan], accepted[plan]
+    def _explore_loss(i: int, plan: int, seconds: list, accepted: list) -> float:
+        """What one step of candidate `i` loses against the plan, in plan steps: its time beyond what the plan
+        takes for the tokens `i` brings (0 where a cost is unknown: such a cell must be measured anyway)."""
+        s, s_plan, a_plan = seconds[i], seconds[plan], accepted[plan]
         if s is None or s_plan is None or a_plan is None:
             return 0.0
-        a = a_plan if accepted[c] is None else accepted[c]
+        a = a_plan if accepted[i] is None else accepted[i]
         return max(0.0, s / s_plan - (1.0 + a) / (1.0 + a_plan))
-
-    def _explore_rounds(self, c: Candidate, k: int, loss: float, lossy: int, seconds: dict,
-                        ceiling: float | None, best: float) -> int:
-        """Once in how many exploration rounds `c` is explored in bucket `k`, losing `loss` a step: the
-        `lossy` candidates that lose anything share `EXPLORE_SHARE` of the plan's time equally (for a
-        fixed total, equal shares keep the staleness of all of them lowest: a cheap candidate is explored
-        often, a dear one rarely), so exploring all of them together stays within it. `RECHECK_EVERY`
-        times rarer when `c` could not win even with the largest tree's acceptance (10 % slack for the
-        cost estimates)."""
-        rounds = max(1, math.ceil(loss * max(1, lossy) / (EXPLORE_SHARE * self.explore_every)))
-        s = seconds[c]
-        hopeless = (s is not None and self._measured(c, k) and ceiling is not None
-                    and self.buckets[k] * (1.0 + ceiling) / s < 0.9 * best)
-        return rounds * RECHECK_EVERY if hopeless else rounds
-
-    def _measured(self, candidate: Candidate, bucket: int) -> bool:
-        return (self.cost_weight[self._index[candidate]][bucket] >= MIN_COST_WEIGHT
-                or self._start_replay(candidate.width, bucket) is not None)
 
 
 def _narrowest_best(scored: list[tuple[float, Candidate]]) -> Candidate:
