@@ -4,7 +4,10 @@ relies on; its pure pieces (the verify input: tokens, positions `prefix + depth`
 triton backend indexes, the reserved-row slots) match independent oracles on random trees, a chain giving DFLASH's
 causal mask; `create_worker` returns it only under full mode with the proof switch; the out-of-scope settings are
 refused naming their flag; and whole decode steps run on stand-ins for the models (greedy = plain greedy decoding
-of a made-up target; the segment permuted in place; the draft-KV plan; a logit bias applied; a sampled row).
+of a made-up target; the segment permuted in place; the draft-KV plan; a logit bias applied; a sampled row); over
+many steps with random frequency / presence / repetition / min_new_tokens / logit-bias settings the greedy outputs,
+and the logits at every committed node bit for bit, equal plain greedy decoding driven through SGLang's own
+penalizers, and five deliberately broken variants are caught.
 `/server_info`'s `ddtree`: a run of steps on one worker (made by its `__init__`) fills v1's counters as the steps'
 own results say; the real `Scheduler.get_internal_state`, hooked by `load_plugins`, carries them (and nothing for
 upstream's worker) through the scheduler's IPC encoding; promote's settings gate judges that answer as it judges v1's.
@@ -209,3 +212,28 @@ def test_settings_gate_judges_the_v2_report_as_v1s(observed: dict, tmp_path: Pat
     failed = verdict(wrong)
     assert failed.verdict == "fail" and "keep_chain=False" in failed.reason
     assert verdict(run["dflash"]).verdict == "inconclusive"
+
+
+def test_penalties_at_every_node_are_plain_decodings(observed: dict) -> None:
+    """Issue 26: 6 x 24 tree steps of 4 requests (request 0 unpenalised, the others random), against plain greedy
+    decoding of the made-up target through SGLang's real `BatchedPenalizerOrchestrator`, `SamplingBatchInfo` and
+    `ScheduleBatch.cumulate_penalty_output_tokens`; the step sees a real `copy_for_forward` of a sampling info
+    whose orchestrator never counted a token (as under spec decoding)."""
+    pen = observed["penalties"]
+    assert pen["order"] == pen["oracle_order"] and pen["display_as_upstream"]  # plain's order in this process
+    runs = pen["runs"]
+    for run in [*runs, pen["neutral"]]:
+        assert run["match"] and run["bad_count"] == 0, run["bad"]
+        assert run["exact_nodes"] == run["tokens"] > 300  # every committed token's logits compared bit for bit
+    total = {k: sum(r[k] for r in runs) for k in ("changed", "banned", "bias_changed", "deep_penalised",
+                                                   "penalised_tokens")}
+    assert total["changed"] >= 0.2 * total["penalised_tokens"], total  # the penalties decide the token often
+    assert total["banned"] >= 30 and total["bias_changed"] >= 30, total  # min_new_tokens bans, the bias decides
+    assert total["deep_penalised"] >= 500, total  # penalised tokens committed below the root: paths count
+    # nothing penalised: the per-node code never runs (no host read), the bias still applies
+    assert pen["neutral_calls"] == 0 and pen["neutral"]["bias_changed"] > 0
+    controls = pen["controls"]
+    for name in ("upstream_only", "paths_ignored", "min_new_skipped"):
+        assert controls[name]["runs_differing"] >= 5, (name, controls[name])
+    for name in ("bias_twice", "order_reversed"):
+        assert controls[name]["runs_differing"] >= 2 and controls[name]["logits_differing"] > 100, controls[name]

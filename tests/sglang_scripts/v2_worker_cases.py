@@ -3,7 +3,10 @@ tree worker (`ddtree_worker_v2.py`) against the real upstream classes and print 
 
 What runs for real: the module's import against 0.5.17, `DFlashWorkerV2` / `DFlashVerifyInput` /
 `GenerationBatchResult` / `ForwardBatch` / `ReqToTokenPool`-shaped tensors, SGLang's `HookRegistry` and
-`SpeculativeAlgorithm.create_worker`, the payload's tree builder, walk and commit (torch paths).
+`SpeculativeAlgorithm.create_worker`, the payload's tree builder, walk and commit (torch paths); in the penalty case
+SGLang's penalizers, `BatchedPenalizerOrchestrator`, `SamplingBatchInfo` (`copy_for_forward`, `apply_logits_bias`)
+and `ScheduleBatch.cumulate_penalty_output_tokens`, both for the oracle (plain decoding) and for the sampling info
+the step sees.
 Stand-ins (CPU, no model): in the decode-step case, the draft runner (returns chosen hidden states), the target
 verify (logits of a made-up deterministic "target": next token = f(position, token)), `prepare_for_verify`
 (needs a model runner; records the verify input instead), upstream's triton `assign_extend_cache_locs_func` (the
@@ -17,15 +20,18 @@ Usage: python v2_worker_cases.py   (env: SGLANG_DDTREE_TEST_V2_TREE / _ALLOW_TES
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import random
 import re
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import torch
 from sglang.srt.plugins import load_plugins
+from sglang.srt.speculative import ddtree_penalties as dp
 from sglang.srt.speculative import ddtree_v2_args as v2args
 from sglang.srt.speculative import ddtree_v2_seams as seams
 from sglang.srt.speculative import ddtree_worker_v2 as w
@@ -247,35 +253,24 @@ def sampling(bs: int) -> tuple[Sampling, list]:
     info = Sampling(temperatures=torch.ones((bs, 1)), top_ks=torch.tensor(top_k), top_ps=torch.ones(bs),
                     min_ps=torch.zeros(bs), need_min_p_sampling=False, has_custom_logit_processor=False,
                     penalizer_orchestrator=None, grammar_mask=None, logit_bias=bias, acc_linear_penalties=None)
-    return info, [SimpleNamespace(sampling_params=SimpleNamespace(top_k=k)) for k in top_k]
+    return info, [SimpleNamespace(sampling_params=SimpleNamespace(top_k=k), output_ids=[1, 2]) for k in top_k]
 
 
-def decode_step(seed: int, sampled: bool = False, *, worker: w.DDTreeWorkerV2 | None = None, graph: bool = False) -> dict:
-    """One tree step on the stand-ins: of a fresh worker (made without `__init__`), or of `worker` (its settings and
-    stats kept); `graph`: what the stand-in target verify says of `can_run_cuda_graph`."""
-    gen = torch.Generator().manual_seed(seed)
-    bs, width = 3, 40
-    prefix = torch.tensor([5, 9, 2])
-    rows = torch.tensor([2, 0, 3])
-    req_to_token = torch.zeros((4, width), dtype=torch.int32)
-    req_to_token.view(-1)[:] = torch.randperm(4 * width, generator=gen).to(torch.int32) + 1
-    before = req_to_token.clone()
-    bonus_in = torch.randint(0, VOCAB, (bs,), generator=gen)
+def one_hot_target(position: int, token: int) -> torch.Tensor:
+    """The stand-in target's verify logits at a node: 5 at `target_next`, -5 elsewhere."""
+    logits = torch.full((VOCAB,), -5.0)
+    logits[target_next(position, token)] = 5.0
+    return logits
 
-    # the draft guesses the target's chain at most depths (one-hot hidden states through an identity LM head)
-    chain = []
-    for b in range(bs):
-        tokens, tok = [], int(bonus_in[b])
-        for d in range(BLOCK - 1):
-            tok = target_next(int(prefix[b]) + d, tok)
-            tokens.append(tok)
-        chain.append(tokens)
-    draft_hidden = torch.randn((bs, BLOCK, VOCAB), generator=gen)
-    for b in range(bs):
-        for d, tok in enumerate(chain[b]):
-            if (b + d + seed) % 3:  # sometimes the draft's best guess is wrong
-                draft_hidden[b, d + 1, tok] += 6.0
 
+def run_step(prefix: torch.Tensor, rows: torch.Tensor, req_to_token: torch.Tensor, bonus_in: torch.Tensor,
+             draft_hidden: torch.Tensor, target_logits, info, reqs, *, worker: w.DDTreeWorkerV2 | None = None,
+             graph: bool = False) -> tuple:
+    """One `_tree_step` on the stand-ins (module docstring), of a fresh worker made without `__init__` or of `worker`
+    (its settings and stats kept): the draft returns `draft_hidden` `[bs, block, vocab]` (an identity LM head), the
+    target's verify logits at a node are `target_logits(position, token)`, and it says `can_run_cuda_graph=graph`.
+    Returns (the result, what the stand-ins recorded, what was published)."""
+    bs = len(prefix)
     recorded: dict = {}
 
     def prepare_for_verify(self, batch, target_worker):
@@ -285,11 +280,9 @@ def decode_step(seed: int, sampled: bool = False, *, worker: w.DDTreeWorkerV2 | 
 
     def target_forward(batch=None, forward_batch=None, is_verify=False, skip_attn_backend_init=False):
         v = forward_batch.spec_info
-        n = v.draft_token_num
-        logits = torch.full((bs * n, VOCAB), -5.0)
-        for r in range(bs * n):
-            logits[r, target_next(int(v.positions[r]), int(v.draft_token[r]))] = 5.0
-        hidden = torch.arange(bs * n, dtype=torch.float32)[:, None].repeat(1, 2)  # row id as the state
+        logits = torch.stack([target_logits(int(v.positions[r]), int(v.draft_token[r]))
+                              for r in range(bs * v.draft_token_num)])
+        hidden = torch.arange(bs * v.draft_token_num, dtype=torch.float32)[:, None].repeat(1, 2)  # row id
         return SimpleNamespace(logits_output=SimpleNamespace(next_token_logits=logits, hidden_states=hidden),
                                can_run_cuda_graph=graph)
 
@@ -324,12 +317,43 @@ def decode_step(seed: int, sampled: bool = False, *, worker: w.DDTreeWorkerV2 | 
         w.DFlashWorkerV2._make_next_draft_input_decode(worker, bonus_tokens=bonus_in, new_seq_lens=prefix))
     batch = SimpleNamespace(
         seq_lens=prefix.clone(), seq_lens_cpu=prefix.clone().to(torch.int32), seq_lens_sum=int(prefix.sum()),
-        req_pool_indices=rows, spec_info=draft_input, out_cache_loc=None, sampling_info=None, reqs=[None] * bs,
+        req_pool_indices=rows, spec_info=draft_input, out_cache_loc=None, sampling_info=info, reqs=reqs,
     )
-    if sampled:
-        batch.sampling_info, batch.reqs = sampling(bs)
-    published = []
+    published: list = []
     result = worker._tree_step(batch, published.append)
+    return result, recorded, published
+
+
+def decode_step(seed: int, sampled: bool = False, *, worker: w.DDTreeWorkerV2 | None = None, graph: bool = False) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    bs, width = 3, 40
+    prefix = torch.tensor([5, 9, 2])
+    rows = torch.tensor([2, 0, 3])
+    req_to_token = torch.zeros((4, width), dtype=torch.int32)
+    req_to_token.view(-1)[:] = torch.randperm(4 * width, generator=gen).to(torch.int32) + 1
+    before = req_to_token.clone()
+    bonus_in = torch.randint(0, VOCAB, (bs,), generator=gen)
+
+    # the draft guesses the target's chain at most depths (one-hot hidden states through an identity LM head)
+    chain = []
+    for b in range(bs):
+        tokens, tok = [], int(bonus_in[b])
+        for d in range(BLOCK - 1):
+            tok = target_next(int(prefix[b]) + d, tok)
+            tokens.append(tok)
+        chain.append(tokens)
+    draft_hidden = torch.randn((bs, BLOCK, VOCAB), generator=gen)
+    for b in range(bs):
+        for d, tok in enumerate(chain[b]):
+            if (b + d + seed) % 3:  # sometimes the draft's best guess is wrong
+                draft_hidden[b, d + 1, tok] += 6.0
+
+    if sampled:
+        info, reqs = sampling(bs)
+    else:
+        info, reqs = None, [None] * bs
+    result, recorded, published = run_step(prefix, rows, req_to_token, bonus_in, draft_hidden, one_hot_target,
+                                           info, reqs, worker=worker, graph=graph)
 
     # oracles: (1) what the step emits is plain greedy decoding of the stand-in target from each bonus token;
     # (2) its length is how far the tree holds that chain (the tree read back from the tokens, positions and
@@ -386,6 +410,248 @@ def decode_step(seed: int, sampled: bool = False, *, worker: w.DDTreeWorkerV2 | 
         "host_seq_lens": recorded["host_seq_lens"],
         "verify_width": recorded["verify"].draft_token_num,
         "mask_cells": int(recorded["verify"].custom_mask.numel()),
+    }
+
+
+# --- penalties over many decode steps ----------------------------------------------------------------------------
+
+EOS, EXTRA_STOP, STOP = 9, 8, 7  # the tokenizer's eos and additional stop id; a request's own stop_token_ids
+TOKENIZER = SimpleNamespace(eos_token_id=EOS, additional_stop_token_ids={EXTRA_STOP})
+
+
+@functools.cache
+def penalty_target(position: int, token: int) -> torch.Tensor:
+    """A made-up target whose choices penalties change often: float32 logits of both signs with small gaps (randn
+    * 1.5 over 11 tokens), the stop tokens lifted so min_new_tokens has something to ban. Read-only: cached."""
+    gen = torch.Generator().manual_seed(7919 * position + 104729 * token + 13)
+    logits = torch.randn(VOCAB, generator=gen) * 1.5
+    logits[EOS] += 1.2
+    logits[EXTRA_STOP] += 0.6
+    return logits
+
+
+PENALIZER_CLASSES = ("BatchedFrequencyPenalizer", "BatchedMinNewTokensPenalizer", "BatchedPresencePenalizer",
+                     "BatchedRepetitionPenalizer")
+
+
+class _Batch(SimpleNamespace):
+    """What a penalizer orchestrator reads of its ScheduleBatch (held by weak reference)."""
+
+
+def _orchestrator(reqs: list):
+    """A real `BatchedPenalizerOrchestrator` over `reqs`, its classes displayed as `from_schedule_batch` does."""
+    from sglang.srt.sampling import penaltylib
+
+    holder = _Batch(reqs=reqs, device="cpu")
+    orch = penaltylib.BatchedPenalizerOrchestrator(vocab_size=VOCAB, batch=holder, penalizers={
+        penaltylib.BatchedFrequencyPenalizer,
+        penaltylib.BatchedMinNewTokensPenalizer,
+        penaltylib.BatchedPresencePenalizer,
+        penaltylib.BatchedRepetitionPenalizer,
+    })
+    return holder, orch
+
+
+def _sampling_info(reqs: list, bias: torch.Tensor | None):
+    """A real greedy `SamplingBatchInfo` with a real orchestrator (what `from_schedule_batch` builds)."""
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+    bs = len(reqs)
+    holder, orch = _orchestrator(reqs)
+    info = SamplingBatchInfo(
+        temperatures=torch.ones((bs, 1)), top_ps=torch.ones(bs), top_ks=torch.ones(bs, dtype=torch.int32),
+        min_ps=torch.zeros(bs), is_all_greedy=True, is_any_greedy=True, need_top_p_sampling=False,
+        need_top_k_sampling=False, need_min_p_sampling=False, vocab_size=VOCAB, penalizer_orchestrator=orch,
+        logit_bias=None if bias is None else bias.clone(), device="cpu")
+    holder.sampling_info = info
+    return holder, info
+
+
+def _request(settings: dict, first: int, prompt_len: int) -> SimpleNamespace:
+    sp = SimpleNamespace(top_k=1, top_p=1.0, min_p=0.0, temperature=1.0, stop_token_ids=settings["stop_ids"],
+                         frequency_penalty=settings["frequency"], presence_penalty=settings["presence"],
+                         repetition_penalty=settings["repetition"], min_new_tokens=settings["min_new_tokens"])
+    return SimpleNamespace(sampling_params=sp, tokenizer=TOKENIZER, output_ids=[first],
+                           origin_input_ids=[0] * prompt_len)
+
+
+def plain_greedy(settings: list, firsts: list, prompt_lens: list, bias, length: int) -> dict:
+    """The oracle: plain greedy decoding of `penalty_target` without the overlap scheduler, driven through SGLang's
+    own code: per step `ScheduleBatch.cumulate_penalty_output_tokens` (prepare_for_decode), then the target's logits
+    through `SamplingBatchInfo.update_regex_vocab_mask` / `apply_logits_bias` (model_runner._preprocess_logits: the
+    scheduler's own sampling info, its orchestrator applied in its dict order, then the bias), argmax, append.
+    Returns each request's output and its penalised logits per output index, and how often the penalties (the bias
+    apart) and min_new_tokens changed the argmax."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+    reqs = [_request(s, f, p) for s, f, p in zip(settings, firsts, prompt_lens, strict=True)]
+    holder, info = _sampling_info(reqs, bias)
+    orch = info.penalizer_orchestrator
+    logits_at: list[dict] = [{} for _ in reqs]
+    changed = banned = bias_changed = penalised_tokens = 0
+    for _ in range(length):
+        if orch.is_required:
+            ScheduleBatch.cumulate_penalty_output_tokens(holder)
+        raw = torch.stack([penalty_target(p + len(r.output_ids) - 1, r.output_ids[-1]) for p, r in
+                           zip(prompt_lens, reqs, strict=True)])
+        logits = raw.clone()
+        info.update_regex_vocab_mask()
+        info.apply_logits_bias(logits)
+        unbiased = raw.clone()  # the penalties alone
+        if orch.is_required:
+            orch.apply(unbiased)
+        for b, r in enumerate(reqs):
+            logits_at[b][len(r.output_ids)] = logits[b].clone()
+            if dp.request_penalties(r).active:
+                penalised_tokens += 1
+                changed += int(unbiased[b].argmax()) != int(raw[b].argmax())
+                banned += bool(int(raw[b].argmax()) in (EOS, EXTRA_STOP, *settings[b]["stop_ids"])
+                               and len(r.output_ids) < settings[b]["min_new_tokens"])
+            bias_changed += int(logits[b].argmax()) != int(unbiased[b].argmax())
+        for b, r in enumerate(reqs):
+            r.output_ids.append(int(logits[b].argmax()))
+    return {"outputs": [list(r.output_ids) for r in reqs], "logits_at": logits_at, "order": tuple(
+        type(p).__name__ for p in orch.penalizers.values()), "changed": changed, "banned": banned,
+        "bias_changed": bias_changed, "penalised_tokens": penalised_tokens}
+
+
+def random_settings(rng: random.Random, bs: int, neutral: bool) -> tuple[list, torch.Tensor | None]:
+    """Per request random penalty settings (request 0 always unpenalised), and a logit bias on some rows."""
+    settings = []
+    for b in range(bs):
+        plain = neutral or b == 0 or rng.random() < 0.15
+        settings.append({
+            "frequency": 0.0 if plain else rng.choice([0.0, 0.25, 0.6, 1.1]),
+            "presence": 0.0 if plain else rng.choice([0.0, 0.0, 0.4, 0.9]),
+            "repetition": 1.0 if plain else rng.choice([1.0, 1.25, 1.6, 0.85]),
+            "min_new_tokens": 0 if plain else rng.choice([0, 4, 12, 40]),
+            "stop_ids": {STOP} if rng.random() < 0.5 else set(),
+        })
+    bias = None
+    if neutral or rng.random() < 0.7:
+        bias = torch.zeros((bs, VOCAB))
+        for b in range(bs):
+            if rng.random() < 0.6:
+                bias[b, rng.randrange(VOCAB)] = rng.choice([0.7, -0.9, 1.5])
+    return settings, bias
+
+
+def penalty_run(seed: int, steps: int = 24, neutral: bool = False) -> dict:
+    """`steps` tree steps of a batch of 4 requests with random penalty settings, each step's output appended to
+    `req.output_ids` as the scheduler does; the sampling info each step sees is a real forward copy
+    (`copy_for_forward`, as `Scheduler._forward_isolation` makes it) of a sampling info whose orchestrator, as under
+    spec decoding, never counted a token. Compared with `plain_greedy`: the tokens, and the logits the walk read at
+    every committed node bit for bit."""
+    rng = random.Random(1000 + seed)
+    gen = torch.Generator().manual_seed(seed)
+    bs = 4
+    settings, bias = random_settings(rng, bs, neutral)
+    prompt_lens = [rng.randint(3, 9) for _ in range(bs)]
+    firsts = [rng.choice([0, 1, 2, 3, 4, 5, 6]) for _ in range(bs)]  # the prefill's token (never a stop token)
+    oracle = plain_greedy(settings, firsts, prompt_lens, bias, steps * BLOCK + 1)
+    reqs = [_request(s, f, p) for s, f, p in zip(settings, firsts, prompt_lens, strict=True)]
+    _, spec_info = _sampling_info(reqs, bias)  # the spec batch's own: nothing is ever cumulated into it
+
+    seen: dict = {}
+    walk = w.tree_walk
+
+    def recording_walk(tree, candidates, logits, **kw):
+        seen["tree"], seen["candidates"], seen["logits"] = tree, candidates, logits.clone()
+        return walk(tree, candidates, logits, **kw)
+
+    w.tree_walk = recording_walk
+    bad: list[str] = []
+    exact_nodes = deep = 0
+    try:
+        for step in range(steps):
+            prefix = torch.tensor([p + len(r.output_ids) - 1 for p, r in zip(prompt_lens, reqs, strict=True)])
+            width = int(prefix.max()) + BUDGET + 2
+            req_to_token = torch.randperm(bs * width, generator=gen).to(torch.int32).view(bs, width) + 1
+            rows = torch.randperm(bs, generator=gen)
+            bonus_in = torch.tensor([r.output_ids[-1] for r in reqs])
+            # the draft: plain's continuation (mostly), plain's unpenalised choice as a rival, noise
+            draft_hidden = torch.randn((bs, BLOCK, VOCAB), generator=gen)
+            for b, r in enumerate(reqs):
+                L, want = len(r.output_ids), oracle["outputs"][b]
+                for d in range(BLOCK - 1):
+                    if L + d < len(want) and rng.random() < 0.8:
+                        draft_hidden[b, d + 1, want[L + d]] += 6.0
+                    if L + d - 1 < len(want):
+                        rival = int(penalty_target(prompt_lens[b] + L + d - 1, want[L + d - 1]).argmax())
+                        draft_hidden[b, d + 1, rival] += 4.0
+            result, _, _ = run_step(prefix, rows, req_to_token, bonus_in, draft_hidden, penalty_target,
+                                    spec_info.copy_for_forward(), reqs)
+            out = result.next_token_ids.view(bs, BLOCK).tolist()
+            lens = result.accept_lens.tolist()
+            tree, cand, logits = seen["tree"], seen["candidates"], seen["logits"]
+            for b, r in enumerate(reqs):
+                L = len(r.output_ids)
+                node = 0
+                for d in range(lens[b]):  # the committed path's nodes: their logits are plain's there
+                    if not torch.equal(logits[b, node], oracle["logits_at"][b][L + d]):
+                        bad.append(f"seed {seed} step {step} req {b} depth {d}: logits differ")
+                    exact_nodes += 1
+                    deep += d > 0 and dp.request_penalties(r).active
+                    if d + 1 < lens[b]:
+                        kids = [j for j in range(1, cand.shape[1]) if int(tree.parents[b, j]) == node
+                                and int(cand[b, j]) == out[b][d]]
+                        node = kids[0]
+                r.output_ids.extend(out[b][: lens[b]])
+    finally:
+        w.tree_walk = walk
+    match = all(r.output_ids == o[: len(r.output_ids)] for r, o in zip(reqs, oracle["outputs"], strict=True))
+    return {"match": match, "bad": bad[:10], "bad_count": len(bad), "exact_nodes": exact_nodes, "deep_penalised": deep,
+            "tokens": sum(len(r.output_ids) - 1 for r in reqs), "order": oracle["order"],
+            **{k: oracle[k] for k in ("changed", "banned", "bias_changed", "penalised_tokens")}}
+
+
+def penalties() -> dict:
+    """The tree step's greedy outputs with random penalties equal plain greedy decoding (`plain_greedy`), over many
+    steps; the order the step uses is plain's; a batch with nothing penalised never reaches the per-node code; and
+    broken variants (upstream's adjustments only: the gap before issue 26; the paths ignored; min_new_tokens
+    skipped; the bias applied twice; the penalizers in reverse order) are told apart by the same comparison."""
+    from sglang.srt.sampling import sampling_batch_info
+
+    source = Path(sampling_batch_info.__file__).read_text()
+    display = "penalizers={" + ",".join(f"penaltylib.{c}" for c in PENALIZER_CLASSES) + ",}"
+    calls = []
+    apply = dp.apply_verify_penalties
+    dp.apply_verify_penalties = lambda *a, **k: (calls.append(1), apply(*a, **k))[1]
+    try:
+        runs = [penalty_run(seed) for seed in range(6)]
+        before = len(calls)
+        neutral = penalty_run(100, neutral=True)
+        neutral_calls = len(calls) - before
+    finally:
+        dp.apply_verify_penalties = apply
+    order = w.plain_penalizer_order()
+
+    def upstream_only(logits, batch, tree, candidates):  # the step before issue 26
+        w.apply_dflash_verify_logits_adjustments(next_token_logits=logits, sampling_info=batch.sampling_info,
+                                                 draft_token_num=candidates.shape[1])
+        return True
+
+    paths = dp.path_tokens
+    breaks = {
+        "upstream_only": mock.patch.object(w, "adjust_tree_verify_logits", upstream_only),
+        "paths_ignored": mock.patch.object(dp, "path_tokens", lambda *a: paths(*a).fill_(-1)),
+        "min_new_skipped": mock.patch.object(w, "plain_penalizer_order",
+                                             lambda: tuple(x for x in order if x != "min_new_tokens")),
+        "bias_twice": mock.patch.dict(w._APPLIED, {k: v for k, v in w._APPLIED.items() if k != "logit_bias"},
+                                      clear=True),
+        "order_reversed": mock.patch.object(w, "plain_penalizer_order", lambda: order[::-1]),
+    }
+    controls = {}
+    for name, patch in breaks.items():
+        with patch:
+            broken = [penalty_run(seed) for seed in range(6)]
+        controls[name] = {"runs_differing": sum(not r["match"] for r in broken),
+                          "logits_differing": sum(r["bad_count"] for r in broken)}
+    return {
+        "runs": runs, "neutral": neutral, "neutral_calls": neutral_calls, "controls": controls,
+        "order": list(order),
+        "oracle_order": [dp.PENALIZERS[c] for c in runs[0]["order"]],
+        "display_as_upstream": re.sub(r"\s+", "", source).count(display) == 1,
     }
 
 
@@ -510,4 +776,5 @@ if __name__ == "__main__":
         out["steps"] = [decode_step(seed) for seed in range(6)]
         out["sampled_steps"] = [decode_step(seed, sampled=True) for seed in range(4)]
         out["stats"] = stats_run()
+        out["penalties"] = penalties()
     print(json.dumps(out))

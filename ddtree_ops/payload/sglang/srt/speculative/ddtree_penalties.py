@@ -1,9 +1,14 @@
 """Penalties on verify logits, exactly as plain decoding applies them at every verified position
-(installed as `sglang/srt/speculative/ddtree_penalties.py` by the ddtree-ops payload; imports only torch).
+(installed as `sglang/srt/speculative/ddtree_penalties.py` by the ddtree-ops payload; imports only torch, and
+SGLang's compiled repetition scaling lazily on CUDA). Used by the v1 worker (0.5.13.post1) and the 0.5.17 v2
+tree step alike; each base's glue only says where the penalizers' order comes from.
 
 Plain decoding with the flags DFLASH runs under (no overlap scheduler) samples output token `L` of a
 request from the target's float32 logits after `SamplingBatchInfo.apply_logits_bias`: the batch's
-penalizers in their dict order (`PENALIZERS`, read from the batch), each in place:
+penalizers in their dict order (`PENALIZERS`), each in place. 0.5.17 too: its non-overlap plain step runs
+on the scheduler's own sampling info (17:managers/scheduler.py:3680-3689, no `_forward_isolation` copy), whose
+`acc_*_penalties` stay None, so `apply_logits_bias` (17:sampling/sampling_batch_info.py:284) reaches
+`penalizer_orchestrator.apply` without `repeat`:
 - frequency: `x - F(t)`, `F(t)` the penalty added once per earlier occurrence of `t` among the output
   tokens (a running float32 sum, as `scatter_add_` builds it step by step);
 - presence: `x - P` for tokens that occurred;
@@ -26,12 +31,15 @@ tokens), so the work is a gather and a scatter per penalised request, never a de
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Sequence
+import types
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-__all__ = ["PENALIZERS", "RequestPenalties", "apply_verify_penalties", "frequency_sums", "path_tokens"]
+__all__ = ["NOTHING_REQUIRED", "PENALIZERS", "RequestPenalties", "apply_verify_penalties", "frequency_sums",
+           "order_of", "path_tokens", "penalise_and_bias", "request_penalties", "sglang_scale_fn"]
 
 # SGLang's penalizer classes by the name this module applies them under.
 PENALIZERS = {
@@ -43,6 +51,10 @@ PENALIZERS = {
 DEFAULT_ORDER = tuple(PENALIZERS.values())
 
 ScaleFn = Callable[[torch.Tensor, torch.Tensor], None]
+
+# What upstream's own penalty block reads once the glue has applied the penalties itself (a penalizer
+# orchestrator that requires nothing).
+NOTHING_REQUIRED = types.SimpleNamespace(is_required=False)
 
 
 @dataclass(frozen=True)
@@ -61,6 +73,61 @@ class RequestPenalties:
         """Whether any verify position of this request is penalised (a path only lengthens the output)."""
         return (self.frequency != 0.0 or self.presence != 0.0 or self.repetition != 1.0
                 or len(self.output_ids) < self.min_new_tokens)
+
+
+def request_penalties(req: Any) -> RequestPenalties:
+    """A request's penalty settings as plain's penalizers read them (stop tokens as
+    BatchedMinNewTokensPenalizer collects them), with its output so far."""
+    sp = req.sampling_params
+    stops = set(getattr(sp, "stop_token_ids", None) or ())
+    tokenizer = getattr(req, "tokenizer", None)
+    if tokenizer is not None:
+        stops |= set(getattr(tokenizer, "additional_stop_token_ids", None) or ())
+        stops.add(getattr(tokenizer, "eos_token_id", None))
+    return RequestPenalties(
+        output_ids=req.output_ids,
+        frequency=float(getattr(sp, "frequency_penalty", 0.0) or 0.0),
+        presence=float(getattr(sp, "presence_penalty", 0.0) or 0.0),
+        repetition=float(getattr(sp, "repetition_penalty", 1.0) or 1.0),
+        min_new_tokens=int(getattr(sp, "min_new_tokens", 0) or 0),
+        stop_ids=tuple(sorted(t for t in stops if t is not None)),
+    )
+
+
+def order_of(penalizers: Iterable[Any]) -> tuple[str, ...]:
+    """The names (`PENALIZERS` values) of SGLang's penalizer classes in `penalizers`' iteration order (an
+    orchestrator's `penalizers` dict, or a set of the classes); `DEFAULT_ORDER` unless all four are there."""
+    order = tuple(PENALIZERS[c.__name__] for c in penalizers if getattr(c, "__name__", None) in PENALIZERS)
+    return order if len(order) == len(PENALIZERS) else DEFAULT_ORDER
+
+
+def sglang_scale_fn(logits: torch.Tensor) -> ScaleFn | None:
+    """On CUDA plain's own compiled repetition scaling (its division is the one plain computes); else None
+    (the eager `torch.where` of the same expression)."""
+    if not logits.is_cuda:
+        return None
+    from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties
+
+    return apply_scaling_penalties
+
+
+def penalise_and_bias(
+    logits: torch.Tensor, reqs: Sequence[Any], logit_bias: torch.Tensor | None, *, parents: torch.Tensor,
+    depths: torch.Tensor, tokens: torch.Tensor, max_depth: int, order: Sequence[str],
+) -> bool:
+    """Penalties (exact per verify position, `apply_verify_penalties`) then the logit bias `[bs, vocab]` on
+    the verify logits `[bs, n, vocab]` of a tree or of a chain (`parents` / `depths` / `tokens`, the root's
+    token first, as `path_tokens` reads them) of the requests `reqs`; returns whether anything was applied.
+    Requests at neutral settings are skipped: when none is penalised, no host read of device data."""
+    settings = [request_penalties(req) for req in reqs]
+    rows = [i for i, p in enumerate(settings) if p.active]
+    if rows:
+        kw = {"scale_fn": fn} if (fn := sglang_scale_fn(logits)) is not None else {}
+        apply_verify_penalties(logits, rows, [settings[i] for i in rows],
+                               path_tokens(parents, depths, tokens, max_depth), depths, order=order, **kw)
+    if logit_bias is not None:
+        logits.add_(logit_bias[:, None, :])
+    return bool(rows) or logit_bias is not None
 
 
 def _f32(x: float) -> float:

@@ -33,7 +33,6 @@ import copy
 import logging
 import os
 import time
-import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,13 +60,7 @@ from sglang.srt.speculative.ddtree_auto_budget import (
 )
 from sglang.srt.speculative.ddtree_hybrid import HybridTree, hf_config_dict, runtime_refusal
 from sglang.srt.speculative.ddtree_metrics import AutoMetrics
-from sglang.srt.speculative.ddtree_penalties import (
-    DEFAULT_ORDER,
-    PENALIZERS,
-    RequestPenalties,
-    apply_verify_penalties,
-    path_tokens,
-)
+from sglang.srt.speculative.ddtree_penalties import NOTHING_REQUIRED, order_of, penalise_and_bias
 from sglang.srt.speculative.ddtree_profile import StepProfile
 from sglang.srt.speculative.ddtree_ranks import agree_all, agree_min, agree_sum
 from sglang.srt.speculative.ddtree_sampling import sampled_rows, target_probs, tree_walk, walk_bytes
@@ -158,43 +151,9 @@ def full_mode_refusal_at_start(model_runner: Any) -> str | None:
     return full_mode_refusal(hf_config_dict(model_runner), allow_unproven_hybrid=test_switch(TEST_UNPROVEN_HYBRID))
 
 
-def request_penalties(req: Any) -> RequestPenalties:
-    """A request's penalty settings as plain's penalizers read them (stop tokens as
-    BatchedMinNewTokensPenalizer collects them), with its output so far."""
-    sp = req.sampling_params
-    stops = set(getattr(sp, "stop_token_ids", None) or ())
-    tokenizer = getattr(req, "tokenizer", None)
-    if tokenizer is not None:
-        stops |= set(getattr(tokenizer, "additional_stop_token_ids", None) or ())
-        stops.add(getattr(tokenizer, "eos_token_id", None))
-    return RequestPenalties(
-        output_ids=req.output_ids,
-        frequency=float(getattr(sp, "frequency_penalty", 0.0) or 0.0),
-        presence=float(getattr(sp, "presence_penalty", 0.0) or 0.0),
-        repetition=float(getattr(sp, "repetition_penalty", 1.0) or 1.0),
-        min_new_tokens=int(getattr(sp, "min_new_tokens", 0) or 0),
-        stop_ids=tuple(sorted(t for t in stops if t is not None)),
-    )
-
-
 def penalizer_order(info: Any) -> tuple[str, ...]:
     """The order plain applies the batch's penalizers in (their dict in the batch's orchestrator)."""
-    penalizers = getattr(getattr(info, "penalizer_orchestrator", None), "penalizers", None) or {}
-    order = tuple(PENALIZERS[c.__name__] for c in penalizers if getattr(c, "__name__", None) in PENALIZERS)
-    return order if len(order) == len(PENALIZERS) else DEFAULT_ORDER
-
-
-# What upstream's penalty block reads once this payload has applied the penalties itself.
-_NOTHING_REQUIRED = types.SimpleNamespace(is_required=False)
-
-
-def _scale_fn(logits: torch.Tensor) -> Any:
-    """On CUDA plain's own compiled repetition scaling (its division is the one plain computes)."""
-    if not logits.is_cuda:
-        return None
-    from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties
-
-    return apply_scaling_penalties
+    return order_of(getattr(getattr(info, "penalizer_orchestrator", None), "penalizers", None) or {})
 
 
 def adjust_verify_logits(
@@ -211,18 +170,11 @@ def adjust_verify_logits(
     info = batch.sampling_info
     if info is None:
         return None, False
-    settings = [request_penalties(req) for req in batch.reqs]
-    rows = [i for i, p in enumerate(settings) if p.active]
-    if rows:
-        kw = {"scale_fn": fn} if (fn := _scale_fn(logits)) is not None else {}
-        apply_verify_penalties(logits, rows, [settings[i] for i in rows],
-                               path_tokens(parents, depths, tokens, max_depth), depths,
-                               order=penalizer_order(info), **kw)
-    if info.logit_bias is not None:
-        logits.add_(info.logit_bias[:, None, :])
+    adjusted = penalise_and_bias(logits, batch.reqs, info.logit_bias, parents=parents, depths=depths,
+                                 tokens=tokens, max_depth=max_depth, order=penalizer_order(info))
     applied = copy.copy(info)
-    applied.penalizer_orchestrator, applied.logit_bias = _NOTHING_REQUIRED, None
-    return applied, bool(rows) or info.logit_bias is not None
+    applied.penalizer_orchestrator, applied.logit_bias = NOTHING_REQUIRED, None
+    return applied, adjusted
 
 
 def verify_target_probs(logits: torch.Tensor, info: Any, n: int) -> torch.Tensor:

@@ -3,7 +3,7 @@ by the 0.5.17 payload; 0.5.17's own glue). FIRST VERSION, NEVER RUN ON A GPU: se
 `SGLANG_DDTREE_TEST_V2_TREE=1` (ddtree_v2_args), whose hook on `SpeculativeAlgorithm.create_worker` picks this class.
 
 One decode step (`_tree_step`), everything on the device, no host read of device data (the sampled walk's
-`target_probs` excepted, as on v1):
+`target_probs` and penalised requests excepted, as on v1):
 1. draft: upstream's block `[bonus, mask x (block - 1)]` through the draft runner (its eager prepare-block path),
    keeping the draft's hidden states (the folded draft sampler is off: `_maybe_build_draft_sampler` -> None);
 2. tree: `build_ddtree` on the target LM head's logits of draft positions 1 .. block - 1 (v1's mapping: draft
@@ -12,7 +12,9 @@ One decode step (`_tree_step`), everything on the device, no host read of device
    custom mask in the triton backend's verify layout, and node i's cache slot = the request's reserved row at
    `prefix + i` (the v2 contract; the seams reserve `committed + block + 1 + budget`);
 4. target verify at width `1 + budget` exactly as upstream (graph when the runner can, the seams captured it with
-   the mask), then upstream's own logit adjustments (`apply_dflash_verify_logits_adjustments`: logit bias);
+   the mask), then the logit adjustments (`adjust_tree_verify_logits`): at every node the frequency / presence /
+   repetition / min-new-tokens penalties exactly as plain decoding applies them after the request's output so far
+   plus the node's path (`ddtree_penalties`, v1's code), in plain's penalizer order, then the logit bias;
 5. walk (`ddtree_sampling.tree_walk`: argmax for greedy rows, the sampled walk for the others), commit
    (`ddtree_commit.commit_tree`: the row segment permuted so the path's slots come first; out_tokens / commit_lens
    in DFLASH's `[bs, block]` contract), `on_publish(prefix + commit_lens)`;
@@ -24,13 +26,25 @@ Out of scope, refused at start with the flag named (`v2_refusal`): auto budget, 
 backends other than triton, page size != 1, TP / PP > 1, the draft window, hybrid targets (served only under their
 own proof switch, `ddtree_v2_hybrid`), simulated acceptance.
 Per step: logprobs are refused as upstream refuses them; a batch holding a grammar request runs upstream's linear
-DFLASH step instead (eager at width block: the verify graphs are captured at `1 + budget`). Known gap: frequency /
-presence / repetition / min-new-tokens penalties are applied neither here nor by upstream DFLASH on 0.5.17
-(bench/gpu/V2_WORKER.md §1.4); the logit bias is, the same way upstream applies it to its chain.
+DFLASH step instead (eager at width block: the verify graphs are captured at `1 + budget`).
+
+Penalties, from host data: each request's settings from `req.sampling_params` / `req.tokenizer` (stop ids as
+`BatchedMinNewTokensPenalizer` collects them) and its output so far from `req.output_ids`. Without the overlap
+scheduler that holds every committed token when the step starts, the root (the bonus) included: the scheduler extends
+it with the accepted tokens before it builds the next batch (17:scheduler_components/batch_result_processor.py:859).
+With `L = len(output_ids)`, a node at depth d predicts output token `L + d`: its counts are the output's plus its
+path's, its min_new_tokens length `L + d`. The batch's own penalizer state is not used: the forward copy of the
+sampling info has no orchestrator (17:sampling_batch_info.py:454-457) and spec decoding never cumulates output tokens
+(17:schedule_batch.py:2960-2965, spec_utils.py:1037-1038), so its `acc_additive_penalties` are stale (min_new_tokens
+at length 0, nothing counted). The penalizers' order is plain's in this process (`plain_penalizer_order`).
+Upstream's `apply_dflash_verify_logits_adjustments` still runs, on a copy with every penalty source and the bias
+removed, so nothing is applied twice. A batch with no penalised request reads nothing from the device for this; a
+penalised one does (`ddtree_penalties`' gathers, as on v1).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +60,7 @@ from sglang.srt.speculative import ddtree_v2_args as _v2args
 from sglang.srt.speculative import ddtree_v2_hybrid as _hybrid
 from sglang.srt.speculative import ddtree_v2_seams as _seams
 from sglang.srt.speculative.ddtree_commit import commit_tree
+from sglang.srt.speculative.ddtree_penalties import NOTHING_REQUIRED, order_of, penalise_and_bias
 from sglang.srt.speculative.ddtree_sampling import sampled_rows, tree_walk
 from sglang.srt.speculative.ddtree_utils import DDTree, build_ddtree
 from sglang.srt.speculative.ddtree_verify_step import tree_custom_mask_bounded
@@ -144,6 +159,45 @@ def host_prefix_bounds(seq_lens_cpu: Any, reserved_cpu: Any, width: int) -> tupl
         bounds = reserved_cpu.to(torch.int64)
         return bounds, int(bounds.sum()) - width * len(bounds)
     return None, None
+
+
+def plain_penalizer_order() -> tuple[str, ...]:
+    """The order plain decoding applies the penalizers in, in this process. `SamplingBatchInfo.from_schedule_batch`
+    builds every orchestrator's dict from this set display of the same four classes (17:sampling_batch_info.py:
+    188-197; merge and filter keep the dict); the same objects displayed in the same order iterate alike within a
+    process. The forward copy a v2 step sees has no orchestrator to read it from."""
+    from sglang.srt.sampling import penaltylib
+
+    return order_of({
+        penaltylib.BatchedFrequencyPenalizer,
+        penaltylib.BatchedMinNewTokensPenalizer,
+        penaltylib.BatchedPresencePenalizer,
+        penaltylib.BatchedRepetitionPenalizer,
+    })
+
+
+# What upstream's verify adjustments must not apply again (0.5.17 reads `acc_linear_penalties`, the orchestrator,
+# and, on its dense path, `apply_logits_bias`: the `acc_*_penalties` and the bias).
+_APPLIED = {"penalizer_orchestrator": NOTHING_REQUIRED, "acc_linear_penalties": None,
+            "acc_additive_penalties": None, "acc_scaling_penalties": None, "logit_bias": None}
+
+
+def adjust_tree_verify_logits(logits: torch.Tensor, batch: Any, tree: DDTree, candidates: torch.Tensor) -> bool:
+    """The verify logits `[bs * n, vocab]` (in place) as plain decoding samples them at every node: upstream's
+    adjustments with the penalties and the bias taken out (a custom logit processor, refused in full mode by
+    ddtree_args), then the penalties per node and the logit bias (`ddtree_penalties.penalise_and_bias`);
+    `candidates` `[bs, n]`: the root's token then the tree's. Returns whether a penalty or a bias was applied."""
+    info = batch.sampling_info
+    if info is None:
+        return False
+    bs, n = candidates.shape
+    stripped = copy.copy(info)
+    for name, value in _APPLIED.items():
+        setattr(stripped, name, value)
+    apply_dflash_verify_logits_adjustments(next_token_logits=logits, sampling_info=stripped, draft_token_num=n)
+    return penalise_and_bias(logits.view(bs, n, -1), batch.reqs, info.logit_bias, parents=tree.parents,
+                             depths=tree.depths, tokens=candidates, max_depth=tree.max_depth,
+                             order=plain_penalizer_order())
 
 
 class DDTreeWorkerV2(DFlashWorkerV2):
@@ -291,11 +345,10 @@ class DDTreeWorkerV2(DFlashWorkerV2):
         logits_output = target_out.logits_output
         logits = logits_output.next_token_logits
         info = batch.sampling_info
-        if info is not None:
-            apply_dflash_verify_logits_adjustments(next_token_logits=logits, sampling_info=info, draft_token_num=n)
+        candidates = verify.tokens.view(bs, n)
+        adjusted = adjust_tree_verify_logits(logits, batch, tree, candidates)
 
         sampled = sampled_rows(batch.reqs) if info is not None else []
-        candidates = verify.tokens.view(bs, n)
         accepted, accept_lens, bonus = tree_walk(
             tree, candidates, logits.view(bs, n, -1), sampled_rows=sampled, rule=self.sampling_rule,
             temperatures=None if info is None else info.temperatures,
@@ -320,7 +373,7 @@ class DDTreeWorkerV2(DFlashWorkerV2):
             cache_loc_2d=plan.cache_loc.view(bs, block), positions=plan.positions, commit_lens=commit_lens,
         )
         logits_output.hidden_states = None
-        self._record_tree_step(tree, commit_lens, sampled=len(sampled), adjusted=self._logits_adjusted(info),
+        self._record_tree_step(tree, commit_lens, sampled=len(sampled), adjusted=adjusted,
                                graph=target_out.can_run_cuda_graph)
         return GenerationBatchResult(
             logits_output=logits_output,
@@ -358,21 +411,6 @@ class DDTreeWorkerV2(DFlashWorkerV2):
         accept_lens = getattr(result, "accept_lens", None)
         if accept_lens is not None and accept_lens.numel():
             stats.add_accepted_depths(accept_lens - 1, int(self.block_size) - 1)
-
-    @staticmethod
-    def _logits_adjusted(info: Any) -> bool:
-        """Whether upstream's verify adjustments (`apply_dflash_verify_logits_adjustments`) change this step's
-        logits: a custom processor, penalties, a grammar mask or a logit bias (host attributes only)."""
-        if info is None:
-            return False
-        penalizer = getattr(info, "penalizer_orchestrator", None)
-        return bool(
-            getattr(info, "has_custom_logit_processor", False)
-            or getattr(info, "acc_linear_penalties", None) is not None
-            or (penalizer is not None and penalizer.is_required)
-            or getattr(info, "grammar_mask", None) is not None
-            or getattr(info, "logit_bias", None) is not None
-        )
 
     def ddtree_internal_state(self) -> dict[str, Any]:
         """`/server_info` → internal_states[0]["ddtree"] (`ddtree_v2_args`' hook on the scheduler's
