@@ -20,16 +20,13 @@ Skipped when the wheel, or xgrammar / tvm_ffi, cannot be had (see test_payload_v
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 
 from ddtree_ops import bundle as B
-from tests.test_payload_v2 import extra_path
+from tests.test_payload_v2 import extra_path, run_in_site, site_report
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "sglang_scripts" / "v2_hybrid_cases.py"
@@ -64,19 +61,8 @@ def site(built: B.BuildResult, tmp_path_factory) -> Path:
     return site
 
 
-def _run(site: Path, args: list[str], env_add: dict[str, str], timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "SGLANG", "DDTREE", "TRITON"))}
-    env.update(env_add)
-    env["PYTHONPATH"] = os.pathsep.join([str(site), *extra_path("xgrammar", "tvm_ffi")])
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=site)
-
-
 def _cases(site: Path, env_add: dict[str, str]) -> dict:
-    proc = _run(site, [str(SCRIPT)], env_add)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["version"] == BASE
-    return out
+    return site_report(site, SCRIPT, env_add, version=BASE)
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +160,7 @@ def test_tree_steps_on_a_hybrid_target_emit_plain_decoding(observed: dict) -> No
 
 
 def test_the_patched_kernels_follow_ddtree_parents_and_need_dense_windows(site: Path) -> None:
-    proc = _run(site, [str(KERNELS), "--device", "cpu", "--batch", "2", "--case", "budget 15",
+    proc = run_in_site(site, [str(KERNELS), "--device", "cpu", "--batch", "2", "--case", "budget 15",
                        "--case", "64 shrunk to 20, padded", "--dedup-windows"], {"TRITON_INTERPRET": "1"}, timeout=900)
     report = json.loads(proc.stdout[proc.stdout.index("{"):])
     assert [c["case"] for c in report["cases"]] == ["budget 15", "64 shrunk to 20, padded"]

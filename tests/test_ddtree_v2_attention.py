@@ -8,16 +8,12 @@ verify without the mask (DFLASH's causal rule), the mask in a wrong layout, and 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.test_ddtree_worker_v2 import BASE, site  # noqa: F401 (the unpacked 0.5.17 tree with the payload)
-from tests.test_payload_v2 import extra_path
+from tests.test_payload_v2 import site_report
 
 SCRIPT = Path(__file__).parent / "sglang_scripts" / "v2_tree_attention.py"
 EXACT = 1e-5  # float32 on the CPU: the kernel's online softmax against the oracle's, a few ulps apart
@@ -29,14 +25,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def trials(site: Path) -> list[dict]:  # noqa: F811
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "SGLANG", "DDTREE"))}
-    env.update(TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(site), *extra_path("xgrammar", "tvm_ffi")]))
-    proc = subprocess.run([sys.executable, "-W", "ignore", str(SCRIPT)], capture_output=True, text=True,
-                          timeout=600, env=env, cwd=site)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["version"] == BASE
-    return out["trials"]
+    return site_report(site, SCRIPT, {"TRITON_INTERPRET": "1"}, version=BASE)["trials"]
 
 
 def test_the_tree_mask_is_read_as_the_tree_eager_and_from_graph_buffers(trials: list[dict]) -> None:

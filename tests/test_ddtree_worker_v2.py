@@ -17,11 +17,7 @@ stand-ins it uses). Skipped when the wheel, or xgrammar / tvm_ffi, cannot be had
 from __future__ import annotations
 
 import collections
-import json
-import os
 import shutil
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
@@ -29,7 +25,7 @@ import pytest
 
 from ddtree_ops import bundle as B
 from ddtree_ops import gates, rollout
-from tests.test_payload_v2 import extra_path
+from tests.test_payload_v2 import extra_path, site_report
 
 SCRIPT = Path(__file__).parent / "sglang_scripts" / "v2_worker_cases.py"
 BASE = "0.5.17"
@@ -55,15 +51,7 @@ def site(tmp_path_factory) -> Path:
 
 
 def _run(site: Path, switches: dict[str, str]) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "SGLANG", "DDTREE"))}
-    env.update(switches)
-    env["PYTHONPATH"] = os.pathsep.join([str(site), *extra_path("xgrammar", "tvm_ffi")])
-    proc = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=300, env=env,
-                          cwd=site)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["version"] == BASE
-    return out
+    return site_report(site, SCRIPT, switches, version=BASE, timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -69,6 +69,26 @@ def extra_path(*modules: str) -> list[str]:
                 "set DDTREE_TEST_SGLANG_V2_EXTRA to a directory holding them")
 
 
+def run_in_site(site: Path, args: list[str], env_add: dict[str, str] | None = None,
+                timeout: int = 600) -> subprocess.CompletedProcess:
+    """`python args` in an unpacked SGLang tree: the tree and xgrammar / tvm_ffi on PYTHONPATH, none of this
+    process's PYTHON* / SGLANG* / DDTREE* / TRITON* variables, `env_add` on top."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "SGLANG", "DDTREE", "TRITON"))}
+    env.update(env_add or {})
+    env["PYTHONPATH"] = os.pathsep.join([str(site), *extra_path("xgrammar", "tvm_ffi")])
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=site)
+
+
+def site_report(site: Path, script: Path, env_add: dict[str, str] | None = None, *, version: str,
+                timeout: int = 600) -> dict:
+    """The JSON object a case script prints last, run by `run_in_site`; it must succeed on SGLang `version`."""
+    proc = run_in_site(site, [str(script)], env_add, timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["version"] == version
+    return out
+
+
 @pytest.fixture(scope="module", params=sorted(V2_BASES))
 def base(request) -> V2Base:
     return V2_BASES[request.param]

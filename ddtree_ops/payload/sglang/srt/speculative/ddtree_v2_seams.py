@@ -222,24 +222,28 @@ def hook_took(target: str, hook: Callable[..., Any]) -> bool:
     return False
 
 
-def install() -> None:
-    """Register the three hooks with SGLang's `HookRegistry` and apply them (once per process).
+def install_hooks(hooks: list[tuple[str, Callable[..., Any], Any]], what: str) -> None:
+    """Register `hooks` (target, hook, kind) with SGLang's `HookRegistry`, apply them, and refuse the start
+    (`SeamsNotInstalled`, naming `what`) if one did not take.
 
     `apply_hooks` may run after the targets' modules are imported: it sets the new attribute on the class
     or module and rewrites stale `from X import name` bindings in loaded modules; it skips targets already
     patched, so plugins' earlier hooks are left as they are. A target it cannot resolve is only logged
-    there, so each hook is checked here and a missing one refuses the start."""
-    global _installed
-    if _installed:
-        return
+    there, so each hook is checked here."""
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    hooks = _hooks()
     for target, hook, kind in hooks:
         HookRegistry.register(target, hook, kind)
     HookRegistry.apply_hooks()
     missing = [target for target, hook, _ in hooks if not hook_took(target, hook)]
     if missing:
-        raise SeamsNotInstalled(f"DDTree v2 seams did not take on {', '.join(missing)}: "
+        raise SeamsNotInstalled(f"DDTree v2 {what} did not take on {', '.join(missing)}: "
                                 "this SGLang's names differ from what the payload was written against")
-    _installed = True
+
+
+def install() -> None:
+    """Install the three seams' hooks (once per process)."""
+    global _installed
+    if not _installed:
+        install_hooks(_hooks(), "seams")
+        _installed = True

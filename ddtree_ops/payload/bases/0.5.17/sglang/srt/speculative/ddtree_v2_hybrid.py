@@ -46,7 +46,7 @@ import torch
 from sglang.srt.speculative import ddtree_args as _args
 from sglang.srt.speculative.ddtree_hybrid import HybridTree, hf_config_dict
 from sglang.srt.speculative.ddtree_utils import DDTreeRefused, hybrid_kind, hybrid_support, proven_hybrids
-from sglang.srt.speculative.ddtree_v2_seams import SeamsNotInstalled, hook_took
+from sglang.srt.speculative.ddtree_v2_seams import install_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -227,22 +227,11 @@ def _hooks() -> list[tuple[str, Any, Any]]:
 
 
 def install() -> None:
-    """Register the hooks with SGLang's `HookRegistry` and apply them (once per process); refuse the start if one
-    did not take (the registry only logs a target it cannot resolve)."""
+    """Install the hybrid hooks (once per process); a hook that did not take refuses the start."""
     global _installed
-    if _installed:
-        return
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
-    hooks = _hooks()
-    for target, hook, kind in hooks:
-        HookRegistry.register(target, hook, kind)
-    HookRegistry.apply_hooks()
-    missing = [target for target, hook, _ in hooks if not hook_took(target, hook)]
-    if missing:
-        raise SeamsNotInstalled(f"DDTree v2 hybrid hooks did not take on {', '.join(missing)}: this SGLang's "
-                                "names differ from what the payload was written against")
-    _installed = True
+    if not _installed:
+        install_hooks(_hooks(), "hybrid hooks")
+        _installed = True
 
 
 # ------------------------------------------------------------------------------------------------ per step
