@@ -69,24 +69,40 @@ def settings_for(server_args: Any) -> SeamSettings | None:
     return SeamSettings(block_size=block, verify_width=1 + _shared.configured_budget(server_args, block))
 
 
-_active: SeamSettings | None = None
+class HookSwitch:
+    """Hooks installed once per process (`install_hooks`) and inert until `activate(settings)`: each hook reads
+    `settings`, and None makes it answer upstream's answer (the hooks stay installed)."""
+
+    def __init__(self, hooks: Callable[[], list[tuple[str, Callable[..., Any], Any]]], what: str) -> None:
+        self._hooks, self._what = hooks, what
+        self._installed = False
+        self.settings: Any = None
+
+    def install(self) -> None:
+        if not self._installed:
+            install_hooks(self._hooks(), self._what)
+            self._installed = True
+
+    def activate(self, settings: Any) -> None:
+        self.install()
+        self.settings = settings
+
+    def deactivate(self) -> None:
+        self.settings = None
 
 
 def active() -> SeamSettings | None:
-    return _active
+    return _switch.settings
 
 
 def activate(settings: SeamSettings) -> None:
     """Install the hooks (once per process) and turn the seams on with `settings`."""
-    global _active
-    install()
-    _active = settings
+    _switch.activate(settings)
 
 
 def deactivate() -> None:
     """Seams off: every hook answers upstream's answer again (they stay installed)."""
-    global _active
-    _active = None
+    _switch.deactivate()
 
 
 # --- 1. verify width --------------------------------------------------------------------------------------
@@ -95,7 +111,7 @@ def deactivate() -> None:
 def _target_verify_width(original: Callable[..., int], algo: Any, num_draft_tokens: int,
                          is_draft_worker: bool) -> int:
     width = original(algo, num_draft_tokens, is_draft_worker)
-    settings = _active
+    settings = _switch.settings
     if settings is None or is_draft_worker or not algo.is_dflash():
         return width  # the draft runner runs (and captures) its block
     return settings.verify_width
@@ -106,7 +122,7 @@ def _target_verify_width(original: Callable[..., int], algo: Any, num_draft_toke
 
 def _mask_policy(original: Callable[[Any], tuple[str, bool]], attn_backend: Any) -> tuple[str, bool]:
     name, build_custom_mask = original(attn_backend)
-    if _active is None:
+    if _switch.settings is None:
         return name, build_custom_mask
     return name, True  # a tree is not causal on any backend; the caller still leaves the draft runner's off
 
@@ -120,7 +136,7 @@ def _widen_verify_mask(result: Any, backend: Any, *args: Any, **kwargs: Any) -> 
     the old one yet (graphs are captured after this method), so it is swapped whole, as verify_mask.py asks.
     `backend.num_draft_tokens` stays the block: DFLASH's verify input always carries its own
     `draft_token_num`, so that attribute is only the fallback width (and draft-extend's, not used here)."""
-    settings = _active
+    settings = _switch.settings
     mask = getattr(backend, "_verify_mask", None)
     if settings is None or mask is None or backend.is_draft_runner:
         return None
@@ -169,7 +185,7 @@ class DDTreeDraftInputV2(_info.DFlashDraftInputV2):
         return cls(**fields)
 
     def prepare_for_decode(self, batch: Any) -> None:
-        settings = _active
+        settings = _switch.settings
         if settings is not None and batch.batch_size() > 0:
             self._reserve_tree(batch, settings.reserve)
         super().prepare_for_decode(batch)
@@ -193,9 +209,6 @@ class DDTreeDraftInputV2(_info.DFlashDraftInputV2):
 
 
 # --- registration ---------------------------------------------------------------------------------------------
-
-_installed = False
-
 
 def _hooks() -> list[tuple[str, Callable[..., Any], Any]]:
     from sglang.srt.plugins.hook_registry import HookType
@@ -241,9 +254,9 @@ def install_hooks(hooks: list[tuple[str, Callable[..., Any], Any]], what: str) -
                                 "this SGLang's names differ from what the payload was written against")
 
 
+_switch = HookSwitch(_hooks, "seams")
+
+
 def install() -> None:
     """Install the three seams' hooks (once per process)."""
-    global _installed
-    if not _installed:
-        install_hooks(_hooks(), "seams")
-        _installed = True
+    _switch.install()

@@ -46,7 +46,7 @@ import torch
 from sglang.srt.speculative import ddtree_args as _args
 from sglang.srt.speculative.ddtree_hybrid import HybridTree, hf_config_dict
 from sglang.srt.speculative.ddtree_utils import DDTreeRefused, hybrid_kind, hybrid_support, proven_hybrids
-from sglang.srt.speculative.ddtree_v2_seams import install_hooks
+from sglang.srt.speculative.ddtree_v2_seams import HookSwitch
 
 logger = logging.getLogger(__name__)
 
@@ -127,40 +127,34 @@ class HybridSettings:
     verify_width: int  # 1 + budget: the per-node states each request keeps, the tree graphs' width
 
 
-_active: HybridSettings | None = None
-
-
 def active() -> HybridSettings | None:
-    return _active
+    return _switch.settings
 
 
 def activate(settings: HybridSettings) -> None:
     """Install the hooks (once per process) and turn them on."""
-    global _active
-    install()
-    _active = settings
+    _switch.activate(settings)
 
 
 def deactivate() -> None:
-    global _active
-    _active = None
+    _switch.deactivate()
 
 
 def _tree_mode(result: Any, backend: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER `MambaAttnBackendBase.__init__`: a GDN target's backend verifies trees (`topk > 1`)."""
-    if (_active is not None and not getattr(backend, "is_draft_worker", False)
+    if (_switch.settings is not None and not getattr(backend, "is_draft_worker", False)
             and type(backend).__name__ in _args.HYBRID_TREE_BACKENDS):
         backend.topk = max(int(backend.topk or 0), 2)
 
 
 def _dense_windows(original: Any, *args: Any, **kwargs: Any) -> bool:
     """AROUND `conv_window_dedup_enabled`: a tree needs one conv window per node."""
-    return False if _active is not None else original(*args, **kwargs)
+    return False if _switch.settings is not None else original(*args, **kwargs)
 
 
 def _plan_at_tree_width(original: Any, configurator: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND `KVCacheConfigurator._handle_max_mamba_cache`: plan the per-node states at the width allocated."""
-    settings = _active
+    settings = _switch.settings
     if settings is None or getattr(configurator, "is_draft_worker", False):
         return original(configurator, *args, **kwargs)
     from sglang.srt.mem_cache import kv_cache_configurator as kvc
@@ -176,7 +170,7 @@ def _plan_at_tree_width(original: Any, configurator: Any, *args: Any, **kwargs: 
 def _eager_chain(original: Any, backend: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND `_forward_metadata`: a verify input without tree arrays (upstream's linear step) verifies a chain."""
     spec = forward_batch.spec_info
-    if (_active is not None and int(backend.topk or 0) > 1 and spec is not None
+    if (_switch.settings is not None and int(backend.topk or 0) > 1 and spec is not None
             and forward_batch.forward_mode.is_target_verify() and not hasattr(spec, "retrieve_next_token")):
         spec.retrieve_next_token = None
         spec.retrieve_next_sibling = None
@@ -191,7 +185,7 @@ def _replay_chain(original: Any, backend: Any, *args: Any, **kwargs: Any) -> Any
     when the block equals 1 + budget), the captured arrays get a chain instead of the previous step's tree."""
     global _REPLAY_SIGNATURE
     metadata = original(backend, *args, **kwargs)
-    if _active is None or int(backend.topk or 0) <= 1:
+    if _switch.settings is None or int(backend.topk or 0) <= 1:
         return metadata
     if _REPLAY_SIGNATURE is None:
         _REPLAY_SIGNATURE = inspect.signature(original)
@@ -211,9 +205,6 @@ def _replay_chain(original: Any, backend: Any, *args: Any, **kwargs: Any) -> Any
     return metadata
 
 
-_installed = False
-
-
 def _hooks() -> list[tuple[str, Any, Any]]:
     from sglang.srt.plugins.hook_registry import HookType
 
@@ -226,12 +217,12 @@ def _hooks() -> list[tuple[str, Any, Any]]:
     ]
 
 
+_switch = HookSwitch(_hooks, "hybrid hooks")
+
+
 def install() -> None:
     """Install the hybrid hooks (once per process); a hook that did not take refuses the start."""
-    global _installed
-    if not _installed:
-        install_hooks(_hooks(), "hybrid hooks")
-        _installed = True
+    _switch.install()
 
 
 # ------------------------------------------------------------------------------------------------ per step
