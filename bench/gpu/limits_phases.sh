@@ -73,7 +73,7 @@ wait $P1 $P2 $P3 $P4 $P5 $P6
 ts "A1 done (workloads made)"
 # A2
 JOBS=()
-for t in r_dflash r_full15 r_full64 r_full256 r_auto; do has $t && { ( work $t mix; work $t limits ) & JOBS+=($!); }; done
+for t in r_dflash r_full15 r_full64 r_full256 r_auto r_full64_eager; do has $t && { ( work $t mix; work $t limits ) & JOBS+=($!); }; done
 for t in q_dflash q_full64 q_full512 q_auto; do has $t && { ( work $t limits ) & JOBS+=($!); }; done
 for t in h_dflash h_full15 h_full64 h_full256 h_full64_deepest k_dflash k_full64 k_full256 k_full64_deepest \
          x_dflash x_full64 x_full256 x_full64_deepest; do
@@ -81,12 +81,13 @@ for t in h_dflash h_full15 h_full64 h_full256 h_full64_deepest k_dflash k_full64
 done
 for t in k_plain x_plain; do has $t && { ( samples $t 1 1 ) & JOBS+=($!); }; done
 TP=${T1:+1}; TP=${TP:-0.95}; TT=${T1:-0.8}
-has p_dflash && { ( work p_dflash penalties; work p_dflash mix ) & JOBS+=($!); }
-has p_full64 && { ( work p_full64 penalties; work p_full64 mix; samples p_full64 $TT $TP ) & JOBS+=($!); }
+LIVE=; [ "${LIMITS_LIVE:-0}" = 1 ] && LIVE=1
+has p_dflash && { ( work p_dflash penalties; work p_dflash mix; [ -z "$LIVE" ] || live p_dflash --liveness ) & JOBS+=($!); }
+has p_full64 && { ( work p_full64 penalties; work p_full64 mix; samples p_full64 $TT $TP; [ -z "$LIVE" ] || live p_full64 --liveness ) & JOBS+=($!); }
 has p_auto && { ( work p_auto penalties; work p_auto mix; samples p_auto $TT $TP ) & JOBS+=($!); }
 has p_plain && { ( samples p_plain $TT $TP ) & JOBS+=($!); }
 has p_full64_bias && { ( samples p_full64_bias $TT $TP ) & JOBS+=($!); }
-for t in p_dflash_pristine p_full64_old; do has $t && { ( work $t penalties ) & JOBS+=($!); }; done
+for t in p_dflash_pristine p_full64_old; do has $t && { ( work $t penalties; [ -z "$LIVE" ] || work $t mix ) & JOBS+=($!); }; done
 [ ${#JOBS[@]} = 0 ] || wait "${JOBS[@]}"
 ts "A2 done"
 # B (LIMITS_SET=hd / hm HYB_PAIR=1): the trained pair's speed, one server at a time (batch 1, 8, 32)
@@ -113,10 +114,10 @@ MIXC=(python3 $HERE/production_mix.py compare "$OUT")
   echo "--- builder and verify-step Triton tests on the GPU"; tail -3 "$OUT/triton_tests.log" 2>/dev/null
   if has r_plain; then
     echo "--- production mix (r, context 1024, graphs on)"
-    "${MIXC[@]}" r_plain --suffix _mix -- $(served r_dflash r_full15 r_full64 r_full256 r_auto); echo "rc=$?"
+    "${MIXC[@]}" r_plain --suffix _mix -- $(served r_dflash r_full15 r_full64 r_full256 r_auto r_full64_eager); echo "rc=$?"
     echo "--- limits: a graph batch of 32 at --context-length 1024"
     "${MIXC[@]}" r_plain --suffix _limits --expect-dead $(served r_dflash_pristine) -- \
-      $(served r_dflash r_full15 r_full64 r_full256 r_auto r_dflash_pristine); echo "rc=$?"
+      $(served r_dflash r_full15 r_full64 r_full256 r_auto r_full64_eager r_dflash_pristine); echo "rc=$?"
   fi
   if has q_plain; then
     echo "--- limits: a graph batch of 8 at --context-length 4096"
@@ -130,11 +131,12 @@ MIXC=(python3 $HERE/production_mix.py compare "$OUT")
     python3 -c "import json,sys; [print(t, json.load(open(f'$OUT/{t}_penalties.json')).get('logprob_probe')) for t in sys.argv[1:]]" \
       $(served p_plain p_dflash p_full64 p_auto)
     echo "--- production mix (p, context 1024, graphs on)"
-    "${MIXC[@]}" p_plain --suffix _mix -- $(served p_dflash p_full64 p_auto); echo "rc=$?"
+    "${MIXC[@]}" p_plain --suffix _mix -- $(served p_dflash p_full64 p_auto)$([ -n "$LIVE" ] && served p_dflash_pristine); echo "rc=$?"
     echo "--- samples at T $TT / top_p $TP"
     "${PROOF[@]}" compare "$OUT" --plain p_plain_t$TT --cand p_full64_t$TT \
       $(has p_full64_bias && echo --biased p_full64_bias_t$TT); echo "rc=$?"
     has p_auto && { "${PROOF[@]}" compare "$OUT" --plain p_plain_t$TT --cand p_auto_t$TT; echo "rc=$?"; }
+    [ -n "$LIVE" ] && { echo "--- liveness (8 sampled + 8 greedy, 20 rounds)"; "${PROOF[@]}" compare "$OUT" --plain p_plain_t$TT --liveness $(served p_dflash p_full64); echo "rc=$?"; }
   fi
   if has h_plain; then  # LIMITS_SET=h / hd: the hybrids; on the MoE pair what the margin rule leaves goes to the float32 oracle
     echo "--- hybrid ($LIMITS_SET): production mix (context 1024, graphs on up to 32)"

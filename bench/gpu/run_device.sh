@@ -20,6 +20,7 @@
 #   .gpu/site312-0.5.17.tar.xz, from build_carry.sh BASE=0.5.17, is SGLang 0.5.17: dist's bundle of that base is
 #   installed). HYBRID_KERNELS=1: first hybrid_kernels_check.py on the GPU (issue 25,
 #   G1; HYBRID_KERNELS_ONLY=1 stops after it; HYBRID_KERNELS_ARGS adds flags, e.g. --dedup-windows).
+# NORADIX_SETS="r q" (set prefixes): those servers also get --disable-radix-cache.
 # MIX=1 (issue 12): the production-mix proof instead (production_mix.py): --context-length 1024,
 #   --schedule-policy fcfs; for the random (r_) and peaked (p_) sets plain | DFLASH | full 16, 64, 256;
 #   a retraction set (*_rt: --max-total-tokens 4096, SGLANG_TEST_RETRACT=1) plain | full 64, 256; and,
@@ -47,7 +48,8 @@
 #   LIMITS_SET=hd the hybrid without MoE, LIMITS_SET=hm Qwen3.5's MoE architecture):
 #   full graph batches at the context limit (1024 and 4096), penalties,
 #   samples at T 1 / top_p 1, the logprob probe, the production mix; upstream DFLASH (and, with
-#   dist/old/, the previous payload's full 64) on the limits workload, expected to crash.
+#   dist/old/, the previous payload's full 64) on the limits workload, expected to crash. LIMITS_LIVE=1: p_dflash and
+#   p_full64 also run graphs_proof.py's liveness rounds (issue 26 asks them of each base).
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 source "$HERE/device_env.sh"
@@ -80,7 +82,7 @@ import sys
 from ddtree_ops.bundle import check_tree_against_record, install_bundle
 m = install_bundle(sys.argv[1], "/tmp/site")
 print("installed", sys.argv[1], m.payload_version, [f.path for f in m.patched_files + m.new_files])
-bad = check_tree_against_record("/tmp/site", ignore=[f.path for f in m.patched_files])
+bad = check_tree_against_record("/tmp/site", version=m.base_version, ignore=[f.path for f in m.patched_files])
 bad = [b for b in bad if b.startswith("sglang/") and not b.endswith(": missing")]  # the carry drops tests/benchmarks
 print("untouched upstream files differing from RECORD:", len(bad), bad[:5])
 EOF
@@ -253,6 +255,8 @@ if [ "${LIMITS:-0}" = 1 ]; then
     "q_full512|/tmp/tiny_r|$FULL 512 CTX4K"
     "p_plain|/tmp/tiny_p|" "p_dflash|/tmp/tiny_p|DF" "p_full64|/tmp/tiny_p|$FULL 64"
     "r_dflash_pristine|/tmp/tiny_r|DF PRISTINE" "q_full512_old|/tmp/tiny_r|$FULL 512 CTX4K OLD"  # upstream / the previous payload: run last
+    "r_full64_eager|/tmp/tiny_r|$FULL 64 EAGER"  # (served with ONLY=...) a graph fault told from a tree-step fault
+    "p_dflash_pristine|/tmp/tiny_p|DF PRISTINE"  # (served with ONLY=...) upstream's DFLASH on p's mix and penalties
     # issue 24: --speculative-ddtree-budget auto at the limits (its ladder up to each set's largest fixed budget)
     "r_auto|/tmp/tiny_r|$FULL auto --speculative-ddtree-budget-max 255"
     "q_auto|/tmp/tiny_r|$FULL auto --speculative-ddtree-budget-max 511 CTX4K"
@@ -395,6 +399,8 @@ launch() {  # TAG MODEL_DIR EXTRA...
   # SGLang picks a free torch.distributed port at random when not told, and servers starting together
   # can pick the same one (EADDRINUSE, seen in a LIMITS call): each gets its own, beside its HTTP port.
   [[ " ${args[*]} " == *" --nccl-port "* ]] || args+=(--nccl-port $(( PORT[$tag] + 5 )))
+  # NORADIX_SETS="r q": those sets' servers without the radix cache (a fault told from prefix sharing)
+  [[ " ${NORADIX_SETS:-} " == *" ${tag%%_*} "* ]] && args+=(--disable-radix-cache)
   rm -f /tmp/spid_$tag
   env "${envs[@]}" setsid bash -c 'echo $$ > /tmp/spid_'$tag'; exec python3 -m sglang.launch_server "$@"' _ \
     --model-path "$model/target" --port "${PORT[$tag]}" "${COMMON[@]}" "${args[@]}" > "$OUT/server_$tag.log" 2>&1 &
