@@ -28,6 +28,20 @@ start_watchdog $(( DEADLINE - $(date +%s) - 10 )) at_deadline
 start_servers 200
 has() { [ -n "${PORT[$1]:-}" ]; }
 served() { for t; do has "$t" && printf '%s ' "$t"; done; }
+if [ "${LEAK_PROBE:-0}" = 1 ]; then  # issue 26: which request kind leaks KV slots (leak_probe.py), every server at once
+  LP=()
+  for v in "${TAGS[@]}"; do t=${v%%|*}; ctx=1024; [ "${t%%_*}" = q ] && ctx=4096
+    timeout $(( DEADLINE - $(date +%s) - 30 )) python3 $HERE/leak_probe.py --port "${PORT[$t]}" --tag "$t" \
+      --out "$OUT/${t}_leak.json" --context-length $ctx --pid "${PID[$t]}" --wait $(( DEADLINE - $(date +%s) - 60 )) \
+      > "$OUT/client_$t.log" 2>&1 & LP+=($!)
+  done
+  wait "${LP[@]}"
+  stop_all; trap - EXIT
+  { cat "$OUT"/client_*.log; for t in "${!PID[@]}"; do
+      grep -hE "memory leak detected" "$OUT/server_$t.log" | head -2 | sed "s/^/[$t] /" | cut -c1-300; done
+  } 2>&1 | tee "$OUT/summary.txt"
+  stop_watchdog; pack; exit 0
+fi
 work() {  # TAG KIND [ARGS...]: one production_mix.py workload on one server
   local tag=$1 kind=$2 set=${1%%_*}; shift 2
   local ctx=1024 gbs=32

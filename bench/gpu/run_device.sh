@@ -48,7 +48,8 @@
 #   LIMITS_SET=hd the hybrid without MoE, LIMITS_SET=hm Qwen3.5's MoE architecture):
 #   full graph batches at the context limit (1024 and 4096), penalties,
 #   samples at T 1 / top_p 1, the logprob probe, the production mix; upstream DFLASH (and, with
-#   dist/old/, the previous payload's full 64) on the limits workload, expected to crash. LIMITS_LIVE=1: p_dflash and
+#   dist/old/, the previous payload's full 64) on the limits workload, expected to crash. LEAK_PROBE=1 (with LIMITS=1):
+#   instead, leak_probe.py on every server (one request kind at a time, each followed by an idle check). LIMITS_LIVE=1: p_dflash and
 #   p_full64 also run graphs_proof.py's liveness rounds (issue 26 asks them of each base).
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
