@@ -101,7 +101,10 @@ has p_full64 && { ( work p_full64 penalties; work p_full64 mix; samples p_full64
 has p_auto && { ( work p_auto penalties; work p_auto mix; samples p_auto $TT $TP ) & JOBS+=($!); }
 has p_plain && { ( samples p_plain $TT $TP ) & JOBS+=($!); }
 has p_full64_bias && { ( samples p_full64_bias $TT $TP ) & JOBS+=($!); }
-for t in p_dflash_pristine p_full64_old; do has $t && { ( work $t penalties; [ -z "$LIVE" ] || work $t mix ) & JOBS+=($!); }; done
+# upstream's DFLASH also takes p's mix when served with the full list's p set (LIMITS_SET=p keeps it to the penalties)
+PRISTINE_MIX=; [ "${LIMITS_SET:-}" = p ] || PRISTINE_MIX=1
+for t in p_dflash_pristine p_full64_old; do has $t && { ( work $t penalties
+  [ -z "$PRISTINE_MIX" ] || [ $t != p_dflash_pristine ] || work $t mix ) & JOBS+=($!); }; done
 [ ${#JOBS[@]} = 0 ] || wait "${JOBS[@]}"
 ts "A2 done"
 # B (LIMITS_SET=hd / hm HYB_PAIR=1): the trained pair's speed, one server at a time (batch 1, 8, 32)
@@ -145,7 +148,7 @@ MIXC=(python3 $HERE/production_mix.py compare "$OUT")
     python3 -c "import json,sys; [print(t, json.load(open(f'$OUT/{t}_penalties.json')).get('logprob_probe')) for t in sys.argv[1:]]" \
       $(served p_plain p_dflash p_full64 p_auto)
     echo "--- production mix (p, context 1024, graphs on)"
-    "${MIXC[@]}" p_plain --suffix _mix -- $(served p_dflash p_full64 p_auto)$([ -n "$LIVE" ] && served p_dflash_pristine); echo "rc=$?"
+    "${MIXC[@]}" p_plain --suffix _mix -- $(served p_dflash p_full64 p_auto)$([ -n "$PRISTINE_MIX" ] && served p_dflash_pristine); echo "rc=$?"
     echo "--- samples at T $TT / top_p $TP"
     "${PROOF[@]}" compare "$OUT" --plain p_plain_t$TT --cand p_full64_t$TT \
       $(has p_full64_bias && echo --biased p_full64_bias_t$TT); echo "rc=$?"
