@@ -30,6 +30,9 @@ installed by `check_post_init` in the parent would not reach it). This module is
 `DDTreeWorkerV2` for DFLASH only when the server args say `--speculative-ddtree-mode full`. With it, an AFTER hook
 on `Scheduler.get_internal_state` adds the tree worker's report as `ddtree` (what v1's scheduler patch adds; `/server_info`
 → `internal_states[0].ddtree`, read by promote's gates); any other draft worker, or none, adds nothing.
+
+Row headroom (0.5.17, every DFLASH server, no switch): an AROUND hook on the `req_to_token` row's headroom, registered
+the same way, so that a row holds a decode step's whole reservation (the section below says why).
 """
 
 from __future__ import annotations
@@ -74,6 +77,9 @@ def base_version() -> str:
 
 # The bases whose v2 worker has a tree step (their payload ships `ddtree_worker_v2.py`).
 TREE_STEP_BASES = ("0.5.17",)
+# The bases whose `req_to_token` rows are too short for the v2 DFLASH reservation at page size 1 (below).
+ROW_HEADROOM_BASES = ("0.5.17",)
+ROW_HEADROOM_TARGET = "sglang.srt.mem_cache.allocation_sizing.get_req_to_token_extra_context_len"
 CREATE_WORKER_TARGET = "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.create_worker"
 INTERNAL_STATE_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_internal_state"
 
@@ -196,6 +202,54 @@ def _internal_state(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> N
     return None  # the same answer, now with `ddtree`
 
 
+# --- req_to_token row headroom (0.5.17, every DFLASH server) ------------------------------------------------
+# Each decode step of the v2 worker holds `committed + 2 * block` slots per request in its `req_to_token` row
+# (17:speculative/dflash_info_v2.py:154; the tree worker `committed + block + 1 + budget`, ddtree_v2_seams), but
+# at page size 1 the row is `context + 4 + max_speculative_num_draft_tokens` long
+# (17:mem_cache/allocation_sizing.py:46-62). Near the context limit the reservation runs past the row's end:
+# the triton kernel that writes it (`assign_req_to_token_pool`, 17:mem_cache/allocation.py:597) bounds nothing,
+# so the slots land in the next request's row, and the release slices the row and never frees them. The idle
+# pool check then kills the server (`pool memory leak detected!`, H200 2026-12-05: 2 slots for each request
+# that finished 8 short of the limit, on upstream's DFLASH and the tree worker alike), and a neighbour's first
+# positions point at slots nobody wrote. Upstream sizes the row for the reservation only when pages are larger.
+
+
+def decode_reservation(server_args: Any) -> int:
+    """Slots past the committed length one v2 decode step holds per request: upstream's `2 * block`, or the
+    tree worker's `block + 1 + budget` (auto: its largest) where that is more."""
+    block = int(server_args.speculative_num_draft_tokens or 0)
+    need = 2 * block
+    if getattr(server_args, "speculative_ddtree_mode", "off") == "full":
+        need = max(need, block + 1 + _shared.configured_budget(server_args, block))
+    return need
+
+
+def _row_headroom(original: Any, server_args: Any) -> int:
+    """AROUND `get_req_to_token_extra_context_len`: a DFLASH server's rows hold its whole reservation (plus
+    upstream's 4, and a page's rounding)."""
+    extra = original(server_args)
+    if str(getattr(server_args, "speculative_algorithm", None) or "").upper() != "DFLASH":
+        return extra
+    page = int(getattr(server_args, "page_size", 1) or 1)
+    return max(extra, 4 + decode_reservation(server_args) + page - 1)
+
+
+_row_headroom_registered = False
+
+
+def register_row_headroom() -> bool:
+    """Register (not apply) the row-headroom hook once per process on the bases that need it; whether it is.
+    Every process imports this module (the patched `server_args.py` does) before `load_plugins()`, which the
+    scheduler runs before it builds its pools (17:managers/scheduler.py:4895)."""
+    global _row_headroom_registered
+    if not _row_headroom_registered and base_version() in ROW_HEADROOM_BASES:
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        HookRegistry.register(ROW_HEADROOM_TARGET, _row_headroom, HookType.AROUND)
+        _row_headroom_registered = True
+    return _row_headroom_registered
+
+
 _tree_worker_registered = False
 
 
@@ -212,4 +266,5 @@ def register_tree_worker() -> bool:
     return _tree_worker_registered
 
 
+register_row_headroom()
 register_tree_worker()
