@@ -10,17 +10,13 @@ CPU; skipped when the 0.5.17 wheel, xgrammar or tvm_ffi cannot be had (see test_
 
 from __future__ import annotations
 
-import shutil
-import zipfile
 from pathlib import Path
 
 import pytest
 
-from ddtree_ops import bundle as B
-from tests.test_payload_v2 import site_report
+from tests.test_payload_v2 import site_report, wheel_site
 
 SCRIPT = Path(__file__).parent / "sglang_scripts" / "v2_row_headroom_cases.py"
-SPEC_DIR = "sglang/srt/speculative"
 PAYLOAD_FILES = ("ddtree_v2_args.py", "ddtree_args.py", "ddtree_v2_seams.py")
 CONTEXT = 96  # the script's context length
 
@@ -29,15 +25,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def observed(tmp_path_factory) -> dict:
-    try:
-        wheel = B.download_wheel("sglang", "0.5.17")
-    except B.BundleError as e:
-        pytest.skip(f"no sglang 0.5.17 wheel available: {e}")
-    site = tmp_path_factory.mktemp("site")
-    with zipfile.ZipFile(wheel) as z:
-        z.extractall(site, members=[n for n in z.namelist() if n.startswith("sglang/")])
-    for name in PAYLOAD_FILES:
-        shutil.copyfile(B.PAYLOAD_DIR / SPEC_DIR / name, site / SPEC_DIR / name)
+    site = wheel_site("0.5.17", tmp_path_factory, PAYLOAD_FILES)
     out = site_report(site, SCRIPT, version="0.5.17", timeout=300)
     assert out["registered"]
     return out

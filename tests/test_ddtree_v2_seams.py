@@ -8,19 +8,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
 
-from ddtree_ops import bundle as B
-from tests.test_payload_v2 import V2_BASES, extra_path
+from tests.test_payload_v2 import V2_BASES, extra_path, wheel_site
 
 SCRIPT = Path(__file__).parent / "sglang_scripts" / "v2_seams_cases.py"
-SPEC_DIR = "sglang/srt/speculative"
 # the seams module and what it imports from the payload
 PAYLOAD_FILES = ("ddtree_v2_seams.py", "ddtree_args.py")
 
@@ -34,15 +30,7 @@ pytestmark = pytest.mark.slow
 def observed(request, tmp_path_factory) -> dict:
     base = V2_BASES[request.param]
     extra = extra_path(*RUNTIME_NEEDS[base.version])
-    try:
-        wheel = B.download_wheel("sglang", base.version)
-    except B.BundleError as e:
-        pytest.skip(f"no sglang {base.version} wheel available: {e}")
-    site = tmp_path_factory.mktemp("site")
-    with zipfile.ZipFile(wheel) as z:
-        z.extractall(site, members=[n for n in z.namelist() if n.startswith("sglang/")])
-    for name in PAYLOAD_FILES:
-        shutil.copyfile(B.PAYLOAD_DIR / SPEC_DIR / name, site / SPEC_DIR / name)
+    site = wheel_site(base.version, tmp_path_factory, PAYLOAD_FILES, needs=RUNTIME_NEEDS[base.version])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "SGLANG", "DDTREE"))}
     env["PYTHONPATH"] = os.pathsep.join([str(site), *extra])
     proc = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=300, env=env,

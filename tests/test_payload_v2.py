@@ -15,6 +15,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -67,6 +68,23 @@ def extra_path(*modules: str) -> list[str]:
         return [extra]
     pytest.skip(f"needs {', '.join(missing)} (apache-tvm-ffi==0.1.11, xgrammar==0.2.1), which this venv lacks; "
                 "set DDTREE_TEST_SGLANG_V2_EXTRA to a directory holding them")
+
+
+def wheel_site(version: str, tmp_path_factory, payload_modules: tuple[str, ...] = (),
+               needs: tuple[str, ...] = ("xgrammar", "tvm_ffi")) -> Path:
+    """SGLang `version`'s wheel unpacked (its `sglang/` tree), with these payload modules of `sglang/srt/speculative/`
+    copied beside upstream's; skips the test when the wheel or the modules it `needs` cannot be had."""
+    extra_path(*needs)
+    try:
+        wheel = B.download_wheel("sglang", version)
+    except B.BundleError as e:
+        pytest.skip(f"no sglang {version} wheel available: {e}")
+    site = tmp_path_factory.mktemp("site")
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(site, members=[n for n in z.namelist() if n.startswith("sglang/")])
+    for name in payload_modules:
+        shutil.copyfile(B.PAYLOAD_DIR / "sglang/srt/speculative" / name, site / "sglang/srt/speculative" / name)
+    return site
 
 
 def run_in_site(site: Path, args: list[str], env_add: dict[str, str] | None = None,
