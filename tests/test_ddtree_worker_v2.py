@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import collections
 import shutil
-import zipfile
 from pathlib import Path
 
 import pytest
 
 from ddtree_ops import bundle as B
 from ddtree_ops import gates, rollout
-from tests.test_payload_v2 import extra_path, site_report
+from tests.test_payload_v2 import site_report, wheel_site
 
 SCRIPT = Path(__file__).parent / "sglang_scripts" / "v2_worker_cases.py"
 BASE = "0.5.17"
@@ -36,14 +35,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
-    extra_path("xgrammar", "tvm_ffi")  # skips early when they cannot be had
-    try:
-        wheel = B.download_wheel("sglang", BASE)
-    except B.BundleError as e:
-        pytest.skip(f"no sglang {BASE} wheel available: {e}")
-    site = tmp_path_factory.mktemp("site")
-    with zipfile.ZipFile(wheel) as z:
-        z.extractall(site, members=[n for n in z.namelist() if n.startswith("sglang/")])
+    site = wheel_site(BASE, tmp_path_factory)
     for rel, src in B.payload_sources(base=BASE).items():
         if rel.endswith(".py") and "/speculative/" in rel:
             shutil.copyfile(src, site / rel)
