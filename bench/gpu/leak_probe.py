@@ -13,13 +13,12 @@ on the second.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import time
 
 import requests
-from production_mix import stream_and_abort
+from production_mix import _write, stream_and_abort, wait_healthy
 
 
 def probes(ctx: int, rng: random.Random) -> list[dict]:
@@ -74,11 +73,6 @@ def send(base: str, req: dict) -> dict:
     return {"tokens": len(out.get("output_ids", []) or []), "finish": (out.get("meta_info") or {}).get("finish_reason")}
 
 
-def write(path: str, doc: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, required=True)
@@ -90,13 +84,10 @@ def main() -> int:
     ap.add_argument("--wait", type=float, default=120.0)
     a = ap.parse_args()
     base = f"http://127.0.0.1:{a.port}"
-    t0 = time.time()
-    while not alive(base, a.pid):
-        if time.time() - t0 > a.wait or dead(a.pid):
-            write(a.out, {"tag": a.tag, "ready": False})
-            print(f"[leak] {a.tag}: never healthy")
-            return 2
-        time.sleep(1)
+    if wait_healthy(base, a.wait, a.pid) is None:
+        _write(a.out, {"tag": a.tag, "ready": False})
+        print(f"[leak] {a.tag}: never healthy")
+        return 2
     steps, culprit = [], None
     for req in probes(a.context_length, random.Random(7)):
         for attempt in (1, 2):
@@ -112,7 +103,7 @@ def main() -> int:
                 break
         if culprit:
             break
-    write(a.out, {"tag": a.tag, "ready": True, "culprit": culprit, "steps": steps})
+    _write(a.out, {"tag": a.tag, "ready": True, "culprit": culprit, "steps": steps})
     print(f"[leak] {a.tag}: {'died after ' + culprit if culprit else 'alive after every probe'} ({len(steps)} probes)")
     return 0
 
