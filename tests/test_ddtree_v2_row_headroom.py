@@ -1,4 +1,4 @@
-"""The `req_to_token` row headroom on SGLang 0.5.17 (`ddtree_v2_args`' hook on
+"""The `req_to_token` row headroom on SGLang 0.5.17 and 0.5.23 (`ddtree_v2_args`' hook on
 `allocation_sizing.get_req_to_token_extra_context_len`): at page size 1 upstream makes each row
 `context + 4 + max_speculative_num_draft_tokens` long while its v2 DFLASH worker reserves `committed + 2 x block`
 (the tree worker `committed + block + 1 + budget`). Near the context limit the reservation's slots land in the
@@ -6,7 +6,8 @@ next request's row and the release never frees them: on the H200 every 0.5.17 sp
 pool check, 2 slots for each request that finished 8 short of the limit. Here SGLang's own `prepare_for_decode`
 and `alloc_for_spec_decode` reproduce those 2 slots on the CPU with upstream's rows, and lose none with the
 rows the hook makes once SGLang's `load_plugins()` applies it (tests/sglang_scripts/v2_row_headroom_cases.py).
-CPU; skipped when the 0.5.17 wheel, xgrammar or tvm_ffi cannot be had (see test_payload_v2.py)."""
+0.5.23 has the same arithmetic behind a different signature (no argument: it reads the published bags); the
+same hook serves both. CPU; skipped when a wheel, xgrammar or tvm_ffi cannot be had (see test_payload_v2.py)."""
 
 from __future__ import annotations
 
@@ -23,11 +24,11 @@ CONTEXT = 96  # the script's context length
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def observed(tmp_path_factory) -> dict:
-    site = wheel_site("0.5.17", tmp_path_factory, PAYLOAD_FILES)
-    out = site_report(site, SCRIPT, version="0.5.17", timeout=300)
-    assert out["registered"]
+@pytest.fixture(scope="module", params=["0.5.17", "0.5.23"])
+def observed(request, tmp_path_factory) -> dict:
+    site = wheel_site(request.param, tmp_path_factory, PAYLOAD_FILES)
+    out = site_report(site, SCRIPT, version=request.param, timeout=300)
+    assert out["version"] == request.param and out["registered"]
     return out
 
 

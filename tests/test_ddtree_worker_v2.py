@@ -71,11 +71,13 @@ def test_small_pieces(observed: dict) -> None:
 
 
 def test_create_worker_picks_the_tree_worker_only_in_full_mode(site: Path, observed: dict) -> None:
+    """Shadow-linear gets the counting shadow worker on every v2 server (ddtree_v2_shadow); full the tree worker
+    only under the proof switch; EAGLE its own."""
     assert observed["selection"] == {"registered": True, "state_hook": True, "full": "DDTreeWorkerV2",
-                                     "shadow": "DFlashWorkerV2", "eagle_full": "EAGLEWorkerV2"}
-    plain = _run(site, {})  # no proof switch: nothing registered, DFLASH keeps its own worker
-    assert plain["selection"] == {"registered": False, "state_hook": False, "full": "DFlashWorkerV2",
-                                  "shadow": "DFlashWorkerV2", "eagle_full": "EAGLEWorkerV2"}
+                                     "shadow": "DDTreeShadowWorkerV2", "eagle_full": "EAGLEWorkerV2"}
+    plain = _run(site, {})  # no proof switch: DFLASH keeps its own worker in full mode (refused at parsing)
+    assert plain["selection"] == {"registered": True, "state_hook": True, "full": "DFlashWorkerV2",
+                                  "shadow": "DDTreeShadowWorkerV2", "eagle_full": "EAGLEWorkerV2"}
 
 
 def test_out_of_scope_settings_are_refused_naming_the_flag(observed: dict) -> None:

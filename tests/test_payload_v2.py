@@ -332,6 +332,22 @@ def test_parses_and_validates_the_ddtree_flags(base: V2Base, site: Path, tmp_pat
     assert not r["budget max not int"]["ok"] and r["budget max not int"]["exit"] == 2  # argparse: int
 
 
+def test_dflash_rows_hold_the_v2_reservation(base: V2Base, site: Path, tmp_path: Path) -> None:
+    """The installed payload's row-headroom hook (tests/test_ddtree_v2_row_headroom.py says why) on each base's
+    real path: args parsed by SGLang's parser, on 0.5.23 published into the runtime context's bags, the pool
+    builder's own name after `load_plugins()`. Upstream would say 4 + block for every DFLASH server."""
+    model = [*model_args(base, tmp_path), "--page-size", "1"]  # resolve_once (not run here) would default it
+    dflash = [*model, *DFLASH_FLAGS]
+    r = _cases(site, tmp_path, [
+        {"name": "off", "argv": dflash, "headroom": True},
+        {"name": "shadow", "argv": [*dflash, "--speculative-num-draft-tokens", "8", "--speculative-ddtree-mode",
+                                    "shadow-linear", "--speculative-ddtree-budget", "31"], "headroom": True},
+        {"name": "no speculation", "argv": model, "headroom": True},
+    ], extra_path(*base.needs, "tvm_ffi"))
+    assert {name: got.get("headroom", got) for name, got in r.items()} == \
+        {"off": 4 + 2 * 16, "shadow": 4 + 2 * 8, "no speculation": 4}
+
+
 def test_the_real_resolution_refuses_full_mode(base: V2Base, site: Path, tmp_path: Path) -> None:
     """The base's real resolution (dummy model, CPU: 0.5.23's resolve_once, 0.5.17's __post_init__) reaches the
     payload's early step before its dummy-model return."""

@@ -15,6 +15,7 @@ from unittest import mock
 
 import sglang.srt.speculative.ddtree_worker as dw
 import torch
+from sglang.srt.speculative.ddtree_penalties import chain_shape
 from sglang.srt.speculative.ddtree_utils import build_ddtree, shrink_tree
 
 VOCAB = 11
@@ -787,7 +788,7 @@ def penalty_checks() -> list[str]:
         if chain:
             tokens = torch.randint(0, vocab, (bs, n), generator=rng)
             tokens[:, 0] = torch.tensor([h[-1] for h in histories])
-            shape = dw.chain_shape(bs, n, "cpu")
+            shape = chain_shape(bs, n, "cpu")
             paths = [[tokens[i, 1 : j + 1].tolist() for j in range(n)] for i in range(bs)]
         else:
             tree = build_ddtree(torch.randn(bs, depth, vocab, generator=rng), budget)

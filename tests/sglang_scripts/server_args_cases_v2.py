@@ -12,6 +12,9 @@ A case with "resolve": true runs the base's real resolution instead (dummy model
 0.5.17's `__post_init__` untouched, whose dummy-model return comes after the payload's early refusal.
 
 A case's "env" (optional) is set in os.environ while it is parsed (the DDTree test switches are read then).
+A case with "headroom": true also reports the `req_to_token` row headroom the pool builder would use for it
+(`kv_cache_configurator.get_req_to_token_extra_context_len`, after SGLang's own `load_plugins()`): on 0.5.23
+from the runtime context's bags, published from the parsed record as a scheduler publishes its args.
 
 Usage: python server_args_cases_v2.py CASES.json   (a list of {"name", "argv", "resolve"?, "env"?})
 """
@@ -19,6 +22,7 @@ Usage: python server_args_cases_v2.py CASES.json   (a list of {"name", "argv", "
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import json
 import os
@@ -91,6 +95,20 @@ def environ(env: dict[str, str]):
                 os.environ[k] = v
 
 
+def headroom(args: Any) -> int:
+    from sglang.srt.mem_cache import kv_cache_configurator
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()  # idempotent: applies the hooks the payload registered at import
+    extra_len = kv_cache_configurator.get_req_to_token_extra_context_len
+    if inspect.signature(extra_len).parameters:  # 0.5.17: the server args are the argument
+        return extra_len(args)
+    from sglang.srt import runtime_context
+
+    runtime_context._CONTEXT.set_server_args(args)
+    return extra_len()
+
+
 def run(case: dict) -> dict:
     err = io.StringIO()
     try:
@@ -100,7 +118,10 @@ def run(case: dict) -> dict:
         return {"name": case["name"], "ok": False, "error": err.getvalue().strip().splitlines()[-1:], "exit": e.code}
     except Exception as e:
         return {"name": case["name"], "ok": False, "error": f"{type(e).__name__}: {e}"}
-    return {"name": case["name"], "ok": True, "raw": raw, **{f: field(args, f) for f in FIELDS}}
+    out = {"name": case["name"], "ok": True, "raw": raw, **{f: field(args, f) for f in FIELDS}}
+    if case.get("headroom"):
+        out["headroom"] = headroom(args)
+    return out
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
-"""Run inside an unpacked SGLang 0.5.17 tree (on PYTHONPATH, with the payload's `ddtree_v2_args.py`,
+"""Run inside an unpacked SGLang 0.5.17 or 0.5.23 tree (on PYTHONPATH, with the payload's `ddtree_v2_args.py`,
 `ddtree_args.py` and `ddtree_v2_seams.py` beside it): the `req_to_token` row headroom before and after SGLang's
 own `load_plugins()` applies the hook `ddtree_v2_args` registers at import, and what SGLang's real
 `DFlashDraftInputV2.prepare_for_decode` / `alloc_for_spec_decode` do near the context limit with each; prints
 one JSON object.
 
-Stand-ins (v2_seams_cases.py's, and why): `get_spec()`, and the triton kernel `assign_req_to_token_pool` —
+Stand-ins (v2_seams_cases.py's, and why): `get_spec()` (0.5.23: the published bags
+`allocation_sizing` reads — spec, schedule, parallel — hold each case's settings), and the triton kernel `assign_req_to_token_pool` —
 here written as the kernel addresses memory (`row * row_len + position` in the pool's flat storage, no bound on
 the position: 17:mem_cache/allocation.py:597-626), so a reservation past a row's end lands where it lands on
 the GPU. The release is SGLang's `_release_overallocated_kv_indices` slice of the row.
@@ -14,6 +15,7 @@ Usage: python v2_row_headroom_cases.py
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -60,6 +62,20 @@ def args(**kw) -> SimpleNamespace:
     return SimpleNamespace(**{**base, **kw})
 
 
+# 0.5.17 passes the server args to the row headroom; 0.5.23 reads the runtime context's published bags
+TAKES_ARGS = bool(inspect.signature(sizing.get_req_to_token_extra_context_len).parameters)
+
+
+def headroom(a: SimpleNamespace) -> int:
+    if TAKES_ARGS:
+        return sizing.get_req_to_token_extra_context_len(a)
+    sizing.get_spec = lambda: a
+    sizing.get_schedule = lambda: SimpleNamespace(page_size=a.page_size)
+    sizing.get_parallel = lambda: SimpleNamespace(attn_dcp_size=1)
+    sizing.max_speculative_num_draft_tokens = lambda: a.max_speculative_num_draft_tokens
+    return sizing.get_req_to_token_extra_context_len()
+
+
 CASES = {
     "dflash": args(),
     "tree64": args(speculative_ddtree_mode="full", speculative_ddtree_budget=64, max_speculative_num_draft_tokens=65),
@@ -73,7 +89,13 @@ CASES = {
 
 
 def extras() -> dict:
-    return {name: sizing.get_req_to_token_extra_context_len(a) for name, a in CASES.items()}
+    return {name: headroom(a) for name, a in CASES.items()}
+
+
+def _kv(committed: int) -> ReqKvInfo:
+    if cases.V23:
+        return ReqKvInfo(kv_committed_len=committed, kv_allocated_len=committed)
+    return ReqKvInfo(kv_allocated_len=committed, swa_evicted_seqlen=0)
 
 
 def near_limit(extra: int, cls, committed: int) -> dict:
@@ -82,10 +104,10 @@ def near_limit(extra: int, cls, committed: int) -> dict:
     neighbour's row still says."""
     pool = ReqToTokenPool(size=3, max_context_len=CONTEXT + extra, device="cpu", enable_memory_saver=False)
     allocator = TokenToKVPoolAllocator(size=4096, dtype=torch.bfloat16, device="cpu", kvcache=None, need_sort=False)
-    req = SimpleNamespace(kv=ReqKvInfo(kv_allocated_len=committed, swa_evicted_seqlen=0), kv_committed_len=committed,
+    req = SimpleNamespace(kv=_kv(committed), kv_committed_len=committed,
                           req_pool_idx=None, decode_batch_idx=0, sampling_params=SimpleNamespace(top_k=1),
                           inflight_middle_chunks=0)
-    neighbour = SimpleNamespace(req_pool_idx=None)
+    neighbour = SimpleNamespace(kv=_kv(20), req_pool_idx=None)
     req.req_pool_idx, neighbour.req_pool_idx = pool.alloc([req, neighbour])
     pool.req_to_token[req.req_pool_idx, :committed] = -7
     pool.req_to_token[neighbour.req_pool_idx, :20] = torch.arange(NEIGHBOUR, NEIGHBOUR + 20, dtype=torch.int32)
@@ -101,7 +123,7 @@ def near_limit(extra: int, cls, committed: int) -> dict:
     free0 = allocator.available_size()
     spec.prepare_for_decode(batch)
     taken = free0 - allocator.available_size()
-    # what `_release_overallocated_kv_indices` slices (17:mem_cache/common.py:196): the row from the committed
+    # what `_release_overallocated_kv_indices` slices (17:mem_cache/common.py:196, 23:mem_cache/common.py:447): the row from the committed
     # length to the allocated length, clipped by the row's end
     freed = pool.req_to_token[req.req_pool_idx][committed : int(req.kv.kv_allocated_len)].numel()
     row = pool.req_to_token[neighbour.req_pool_idx, :20].tolist()

@@ -20,7 +20,6 @@ Usage: python v2_worker_cases.py   (env: SGLANG_DDTREE_TEST_V2_TREE / _ALLOW_TES
 
 from __future__ import annotations
 
-import functools
 import inspect
 import json
 import random
@@ -29,6 +28,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
+import penalty_oracle as po  # beside this script
 import torch
 from sglang.srt.plugins import load_plugins
 from sglang.srt.speculative import ddtree_penalties as dp
@@ -220,7 +220,7 @@ def worker_selection() -> dict:
     full = SimpleNamespace(speculative_ddtree_mode="full", enable_multi_layer_eagle=False)
     shadow = SimpleNamespace(speculative_ddtree_mode="shadow-linear")
     return {
-        "registered": v2args._tree_worker_registered,
+        "registered": v2args._workers_registered,
         "state_hook": seams.hook_took(v2args.INTERNAL_STATE_TARGET, v2args._internal_state),
         "full": SpeculativeAlgorithm.DFLASH.create_worker(full).__name__,
         "shadow": SpeculativeAlgorithm.DFLASH.create_worker(shadow).__name__,
@@ -230,12 +230,12 @@ def worker_selection() -> dict:
 
 # --- one decode step on CPU stand-ins ---------------------------------------------------------------------------
 
-VOCAB, BLOCK, BUDGET = 11, 4, 7
+BLOCK, BUDGET = 4, 7
 
 
 def target_next(position: int, token: int) -> int:
     """The stand-in target's greedy choice after `token` at `position`."""
-    return (3 * token + 5 * position + 1) % VOCAB
+    return (3 * token + 5 * position + 1) % po.VOCAB
 
 
 class Sampling(SimpleNamespace):
@@ -247,7 +247,7 @@ class Sampling(SimpleNamespace):
 
 def sampling(bs: int) -> tuple[Sampling, list]:
     """Request 0 greedy with a logit bias that forces token 0, request 1 sampled (T = 1), the others greedy."""
-    bias = torch.zeros((bs, VOCAB))
+    bias = torch.zeros((bs, po.VOCAB))
     bias[0, 0] = 100.0
     top_k = [1, 1 << 30] + [1] * (bs - 2)
     info = Sampling(temperatures=torch.ones((bs, 1)), top_ks=torch.tensor(top_k), top_ps=torch.ones(bs),
@@ -258,7 +258,7 @@ def sampling(bs: int) -> tuple[Sampling, list]:
 
 def one_hot_target(position: int, token: int) -> torch.Tensor:
     """The stand-in target's verify logits at a node: 5 at `target_next`, -5 elsewhere."""
-    logits = torch.full((VOCAB,), -5.0)
+    logits = torch.full((po.VOCAB,), -5.0)
     logits[target_next(position, token)] = 5.0
     return logits
 
@@ -300,16 +300,16 @@ def run_step(prefix: torch.Tensor, rows: torch.Tensor, req_to_token: torch.Tenso
         worker = object.__new__(w.DDTreeWorkerV2)
         worker.__dict__.update(tree_budget=BUDGET, tree_topk_cap=None, tree_keep_chain=False, sampling_rule="pytorch",
                                ddtree_stats=DDTreeStats())
-    lm_head = SimpleNamespace(weight=torch.eye(VOCAB))
+    lm_head = SimpleNamespace(weight=torch.eye(po.VOCAB))
     model = SimpleNamespace(lm_head=lm_head, get_input_embeddings=lambda: (lambda ids: ids[..., None].float()))
     graphs = SimpleNamespace(captured_req_width=BUDGET + 1, max_bs=16)  # 0.5.17's DecodeCudaGraphRunner's names
     runner = SimpleNamespace(req_to_token_pool=SimpleNamespace(req_to_token=req_to_token), model=model,
                              decode_cuda_graph_runner=graphs)
     worker.__dict__.update(
-        block_size=BLOCK, device=torch.device("cpu"), model_runner=runner, _mask_token_id=VOCAB - 1,
+        block_size=BLOCK, device=torch.device("cpu"), model_runner=runner, _mask_token_id=po.VOCAB - 1,
         _target_worker=SimpleNamespace(model_runner=runner, forward_batch_generation=target_forward),
         draft_model_runner=SimpleNamespace(forward=lambda fb: SimpleNamespace(
-            logits_output=SimpleNamespace(hidden_states=draft_hidden.reshape(-1, VOCAB)))),
+            logits_output=SimpleNamespace(hidden_states=draft_hidden.reshape(-1, po.VOCAB)))),
         _draft_block_spec_info=None, _block_pos_offsets=torch.arange(BLOCK), _draft_block_ids_buf=None,
         _append_target_hidden_to_draft_kv_by_loc=append_kv,
     )
@@ -332,7 +332,7 @@ def decode_step(seed: int, sampled: bool = False, *, worker: w.DDTreeWorkerV2 | 
     req_to_token = torch.zeros((4, width), dtype=torch.int32)
     req_to_token.view(-1)[:] = torch.randperm(4 * width, generator=gen).to(torch.int32) + 1
     before = req_to_token.clone()
-    bonus_in = torch.randint(0, VOCAB, (bs,), generator=gen)
+    bonus_in = torch.randint(0, po.VOCAB, (bs,), generator=gen)
 
     # the draft guesses the target's chain at most depths (one-hot hidden states through an identity LM head)
     chain = []
@@ -342,7 +342,7 @@ def decode_step(seed: int, sampled: bool = False, *, worker: w.DDTreeWorkerV2 | 
             tok = target_next(int(prefix[b]) + d, tok)
             tokens.append(tok)
         chain.append(tokens)
-    draft_hidden = torch.randn((bs, BLOCK, VOCAB), generator=gen)
+    draft_hidden = torch.randn((bs, BLOCK, po.VOCAB), generator=gen)
     for b in range(bs):
         for d, tok in enumerate(chain[b]):
             if (b + d + seed) % 3:  # sometimes the draft's best guess is wrong
@@ -415,127 +415,6 @@ def decode_step(seed: int, sampled: bool = False, *, worker: w.DDTreeWorkerV2 | 
 
 # --- penalties over many decode steps ----------------------------------------------------------------------------
 
-EOS, EXTRA_STOP, STOP = 9, 8, 7  # the tokenizer's eos and additional stop id; a request's own stop_token_ids
-TOKENIZER = SimpleNamespace(eos_token_id=EOS, additional_stop_token_ids={EXTRA_STOP})
-
-
-@functools.cache
-def penalty_target(position: int, token: int) -> torch.Tensor:
-    """A made-up target whose choices penalties change often: float32 logits of both signs with small gaps (randn
-    * 1.5 over 11 tokens), the stop tokens lifted so min_new_tokens has something to ban. Read-only: cached."""
-    gen = torch.Generator().manual_seed(7919 * position + 104729 * token + 13)
-    logits = torch.randn(VOCAB, generator=gen) * 1.5
-    logits[EOS] += 1.2
-    logits[EXTRA_STOP] += 0.6
-    return logits
-
-
-PENALIZER_CLASSES = ("BatchedFrequencyPenalizer", "BatchedMinNewTokensPenalizer", "BatchedPresencePenalizer",
-                     "BatchedRepetitionPenalizer")
-
-
-class _Batch(SimpleNamespace):
-    """What a penalizer orchestrator reads of its ScheduleBatch (held by weak reference)."""
-
-
-def _orchestrator(reqs: list):
-    """A real `BatchedPenalizerOrchestrator` over `reqs`, its classes displayed as `from_schedule_batch` does."""
-    from sglang.srt.sampling import penaltylib
-
-    holder = _Batch(reqs=reqs, device="cpu")
-    orch = penaltylib.BatchedPenalizerOrchestrator(vocab_size=VOCAB, batch=holder, penalizers={
-        penaltylib.BatchedFrequencyPenalizer,
-        penaltylib.BatchedMinNewTokensPenalizer,
-        penaltylib.BatchedPresencePenalizer,
-        penaltylib.BatchedRepetitionPenalizer,
-    })
-    return holder, orch
-
-
-def _sampling_info(reqs: list, bias: torch.Tensor | None):
-    """A real greedy `SamplingBatchInfo` with a real orchestrator (what `from_schedule_batch` builds)."""
-    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
-
-    bs = len(reqs)
-    holder, orch = _orchestrator(reqs)
-    info = SamplingBatchInfo(
-        temperatures=torch.ones((bs, 1)), top_ps=torch.ones(bs), top_ks=torch.ones(bs, dtype=torch.int32),
-        min_ps=torch.zeros(bs), is_all_greedy=True, is_any_greedy=True, need_top_p_sampling=False,
-        need_top_k_sampling=False, need_min_p_sampling=False, vocab_size=VOCAB, penalizer_orchestrator=orch,
-        logit_bias=None if bias is None else bias.clone(), device="cpu")
-    holder.sampling_info = info
-    return holder, info
-
-
-def _request(settings: dict, first: int, prompt_len: int) -> SimpleNamespace:
-    sp = SimpleNamespace(top_k=1, top_p=1.0, min_p=0.0, temperature=1.0, stop_token_ids=settings["stop_ids"],
-                         frequency_penalty=settings["frequency"], presence_penalty=settings["presence"],
-                         repetition_penalty=settings["repetition"], min_new_tokens=settings["min_new_tokens"])
-    return SimpleNamespace(sampling_params=sp, tokenizer=TOKENIZER, output_ids=[first],
-                           origin_input_ids=[0] * prompt_len)
-
-
-def plain_greedy(settings: list, firsts: list, prompt_lens: list, bias, length: int) -> dict:
-    """The oracle: plain greedy decoding of `penalty_target` without the overlap scheduler, driven through SGLang's
-    own code: per step `ScheduleBatch.cumulate_penalty_output_tokens` (prepare_for_decode), then the target's logits
-    through `SamplingBatchInfo.update_regex_vocab_mask` / `apply_logits_bias` (model_runner._preprocess_logits: the
-    scheduler's own sampling info, its orchestrator applied in its dict order, then the bias), argmax, append.
-    Returns each request's output and its penalised logits per output index, and how often the penalties (the bias
-    apart) and min_new_tokens changed the argmax."""
-    from sglang.srt.managers.schedule_batch import ScheduleBatch
-
-    reqs = [_request(s, f, p) for s, f, p in zip(settings, firsts, prompt_lens, strict=True)]
-    holder, info = _sampling_info(reqs, bias)
-    orch = info.penalizer_orchestrator
-    logits_at: list[dict] = [{} for _ in reqs]
-    changed = banned = bias_changed = penalised_tokens = 0
-    for _ in range(length):
-        if orch.is_required:
-            ScheduleBatch.cumulate_penalty_output_tokens(holder)
-        raw = torch.stack([penalty_target(p + len(r.output_ids) - 1, r.output_ids[-1]) for p, r in
-                           zip(prompt_lens, reqs, strict=True)])
-        logits = raw.clone()
-        info.update_regex_vocab_mask()
-        info.apply_logits_bias(logits)
-        unbiased = raw.clone()  # the penalties alone
-        if orch.is_required:
-            orch.apply(unbiased)
-        for b, r in enumerate(reqs):
-            logits_at[b][len(r.output_ids)] = logits[b].clone()
-            if dp.request_penalties(r).active:
-                penalised_tokens += 1
-                changed += int(unbiased[b].argmax()) != int(raw[b].argmax())
-                banned += bool(int(raw[b].argmax()) in (EOS, EXTRA_STOP, *settings[b]["stop_ids"])
-                               and len(r.output_ids) < settings[b]["min_new_tokens"])
-            bias_changed += int(logits[b].argmax()) != int(unbiased[b].argmax())
-        for b, r in enumerate(reqs):
-            r.output_ids.append(int(logits[b].argmax()))
-    return {"outputs": [list(r.output_ids) for r in reqs], "logits_at": logits_at, "order": tuple(
-        type(p).__name__ for p in orch.penalizers.values()), "changed": changed, "banned": banned,
-        "bias_changed": bias_changed, "penalised_tokens": penalised_tokens}
-
-
-def random_settings(rng: random.Random, bs: int, neutral: bool) -> tuple[list, torch.Tensor | None]:
-    """Per request random penalty settings (request 0 always unpenalised), and a logit bias on some rows."""
-    settings = []
-    for b in range(bs):
-        plain = neutral or b == 0 or rng.random() < 0.15
-        settings.append({
-            "frequency": 0.0 if plain else rng.choice([0.0, 0.25, 0.6, 1.1]),
-            "presence": 0.0 if plain else rng.choice([0.0, 0.0, 0.4, 0.9]),
-            "repetition": 1.0 if plain else rng.choice([1.0, 1.25, 1.6, 0.85]),
-            "min_new_tokens": 0 if plain else rng.choice([0, 4, 12, 40]),
-            "stop_ids": {STOP} if rng.random() < 0.5 else set(),
-        })
-    bias = None
-    if neutral or rng.random() < 0.7:
-        bias = torch.zeros((bs, VOCAB))
-        for b in range(bs):
-            if rng.random() < 0.6:
-                bias[b, rng.randrange(VOCAB)] = rng.choice([0.7, -0.9, 1.5])
-    return settings, bias
-
-
 def penalty_run(seed: int, steps: int = 24, neutral: bool = False) -> dict:
     """`steps` tree steps of a batch of 4 requests with random penalty settings, each step's output appended to
     `req.output_ids` as the scheduler does; the sampling info each step sees is a real forward copy
@@ -545,12 +424,12 @@ def penalty_run(seed: int, steps: int = 24, neutral: bool = False) -> dict:
     rng = random.Random(1000 + seed)
     gen = torch.Generator().manual_seed(seed)
     bs = 4
-    settings, bias = random_settings(rng, bs, neutral)
+    settings, bias = po.random_settings(rng, bs, neutral)
     prompt_lens = [rng.randint(3, 9) for _ in range(bs)]
     firsts = [rng.choice([0, 1, 2, 3, 4, 5, 6]) for _ in range(bs)]  # the prefill's token (never a stop token)
-    oracle = plain_greedy(settings, firsts, prompt_lens, bias, steps * BLOCK + 1)
-    reqs = [_request(s, f, p) for s, f, p in zip(settings, firsts, prompt_lens, strict=True)]
-    _, spec_info = _sampling_info(reqs, bias)  # the spec batch's own: nothing is ever cumulated into it
+    oracle = po.plain_greedy(settings, firsts, prompt_lens, bias, steps * BLOCK + 1)
+    reqs = [po.request(s, f, p) for s, f, p in zip(settings, firsts, prompt_lens, strict=True)]
+    _, spec_info = po.sampling_info(reqs, bias)  # the spec batch's own: nothing is ever cumulated into it
 
     seen: dict = {}
     walk = w.tree_walk
@@ -570,16 +449,16 @@ def penalty_run(seed: int, steps: int = 24, neutral: bool = False) -> dict:
             rows = torch.randperm(bs, generator=gen)
             bonus_in = torch.tensor([r.output_ids[-1] for r in reqs])
             # the draft: plain's continuation (mostly), plain's unpenalised choice as a rival, noise
-            draft_hidden = torch.randn((bs, BLOCK, VOCAB), generator=gen)
+            draft_hidden = torch.randn((bs, BLOCK, po.VOCAB), generator=gen)
             for b, r in enumerate(reqs):
                 L, want = len(r.output_ids), oracle["outputs"][b]
                 for d in range(BLOCK - 1):
                     if L + d < len(want) and rng.random() < 0.8:
                         draft_hidden[b, d + 1, want[L + d]] += 6.0
                     if L + d - 1 < len(want):
-                        rival = int(penalty_target(prompt_lens[b] + L + d - 1, want[L + d - 1]).argmax())
+                        rival = int(po.penalty_target(prompt_lens[b] + L + d - 1, want[L + d - 1]).argmax())
                         draft_hidden[b, d + 1, rival] += 4.0
-            result, _, _ = run_step(prefix, rows, req_to_token, bonus_in, draft_hidden, penalty_target,
+            result, _, _ = run_step(prefix, rows, req_to_token, bonus_in, draft_hidden, po.penalty_target,
                                     spec_info.copy_for_forward(), reqs)
             out = result.next_token_ids.view(bs, BLOCK).tolist()
             lens = result.accept_lens.tolist()
@@ -613,7 +492,7 @@ def penalties() -> dict:
     from sglang.srt.sampling import sampling_batch_info
 
     source = Path(sampling_batch_info.__file__).read_text()
-    display = "penalizers={" + ",".join(f"penaltylib.{c}" for c in PENALIZER_CLASSES) + ",}"
+    display = "penalizers={" + ",".join(f"penaltylib.{c}" for c in po.PENALIZER_CLASSES) + ",}"
     calls = []
     apply = dp.apply_verify_penalties
     dp.apply_verify_penalties = lambda *a, **k: (calls.append(1), apply(*a, **k))[1]

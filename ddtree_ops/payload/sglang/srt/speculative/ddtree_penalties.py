@@ -1,7 +1,8 @@
 """Penalties on verify logits, exactly as plain decoding applies them at every verified position
 (installed as `sglang/srt/speculative/ddtree_penalties.py` by the ddtree-ops payload; imports only torch, and
-SGLang's compiled repetition scaling lazily on CUDA). Used by the v1 worker (0.5.13.post1) and the 0.5.17 v2
-tree step alike; each base's glue only says where the penalizers' order comes from.
+SGLang's compiled repetition scaling lazily on CUDA). Used by the v1 worker (0.5.13.post1), and on the v2 bases
+by the tree step and upstream's linear step (`ddtree_v2_penalties`) alike; each base's glue only says where the
+penalizers' order comes from.
 
 Plain decoding with the flags DFLASH runs under (no overlap scheduler) samples output token `L` of a
 request from the target's float32 logits after `SamplingBatchInfo.apply_logits_bias`: the batch's
@@ -38,8 +39,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["NOTHING_REQUIRED", "PENALIZERS", "RequestPenalties", "apply_verify_penalties", "frequency_sums",
-           "order_of", "path_tokens", "penalise_and_bias", "request_penalties", "sglang_scale_fn"]
+__all__ = ["NOTHING_REQUIRED", "PENALIZERS", "RequestPenalties", "apply_verify_penalties", "chain_shape",
+           "frequency_sums", "order_of", "path_tokens", "penalise_and_bias", "request_penalties", "sglang_scale_fn"]
 
 # SGLang's penalizer classes by the name this module applies them under.
 PENALIZERS = {
@@ -75,11 +76,15 @@ class RequestPenalties:
                 or len(self.output_ids) < self.min_new_tokens)
 
 
-def request_penalties(req: Any) -> RequestPenalties:
+def request_penalties(req: Any, *, req_eos: bool = False) -> RequestPenalties:
     """A request's penalty settings as plain's penalizers read them (stop tokens as
-    BatchedMinNewTokensPenalizer collects them), with its output so far."""
+    BatchedMinNewTokensPenalizer collects them), with its output so far. `req_eos`: the base's min-new-tokens
+    penalizer also bans the request's own `eos_token_ids` (the model's generation-config EOS ids; SGLang 0.5.23,
+    23:sampling/penaltylib/min_new_tokens.py:39; 0.5.13 and 0.5.17 do not, though their `Req` has the field)."""
     sp = req.sampling_params
     stops = set(getattr(sp, "stop_token_ids", None) or ())
+    if req_eos:
+        stops |= set(getattr(req, "eos_token_ids", None) or ())
     tokenizer = getattr(req, "tokenizer", None)
     if tokenizer is not None:
         stops |= set(getattr(tokenizer, "additional_stop_token_ids", None) or ())
@@ -113,13 +118,14 @@ def sglang_scale_fn(logits: torch.Tensor) -> ScaleFn | None:
 
 def penalise_and_bias(
     logits: torch.Tensor, reqs: Sequence[Any], logit_bias: torch.Tensor | None, *, parents: torch.Tensor,
-    depths: torch.Tensor, tokens: torch.Tensor, max_depth: int, order: Sequence[str],
+    depths: torch.Tensor, tokens: torch.Tensor, max_depth: int, order: Sequence[str], req_eos: bool = False,
 ) -> bool:
     """Penalties (exact per verify position, `apply_verify_penalties`) then the logit bias `[bs, vocab]` on
     the verify logits `[bs, n, vocab]` of a tree or of a chain (`parents` / `depths` / `tokens`, the root's
     token first, as `path_tokens` reads them) of the requests `reqs`; returns whether anything was applied.
-    Requests at neutral settings are skipped: when none is penalised, no host read of device data."""
-    settings = [request_penalties(req) for req in reqs]
+    Requests at neutral settings are skipped: when none is penalised, no host read of device data. `req_eos` as
+    in `request_penalties`."""
+    settings = [request_penalties(req, req_eos=req_eos) for req in reqs]
     rows = [i for i, p in enumerate(settings) if p.active]
     if rows:
         kw = {"scale_fn": fn} if (fn := sglang_scale_fn(logits)) is not None else {}
@@ -128,6 +134,12 @@ def penalise_and_bias(
     if logit_bias is not None:
         logits.add_(logit_bias[:, None, :])
     return bool(rows) or logit_bias is not None
+
+
+def chain_shape(bs: int, n: int, device: Any) -> dict[str, torch.Tensor]:
+    """DFLASH's linear block as a tree: position j's parent is j - 1, its depth j."""
+    j = torch.arange(n, device=device)
+    return {"parents": (j - 1).expand(bs, n), "depths": j.expand(bs, n)}
 
 
 def _f32(x: float) -> float:

@@ -31,8 +31,10 @@ installed by `check_post_init` in the parent would not reach it). This module is
 on `Scheduler.get_internal_state` adds the tree worker's report as `ddtree` (what v1's scheduler patch adds; `/server_info`
 → `internal_states[0].ddtree`, read by promote's gates); any other draft worker, or none, adds nothing.
 
-Row headroom (0.5.17, every DFLASH server, no switch): an AROUND hook on the `req_to_token` row's headroom, registered
+Row headroom (0.5.17 and 0.5.23, every DFLASH server, no switch): an AROUND hook on the `req_to_token` row's headroom, registered
 the same way, so that a row holds a decode step's whole reservation (the section below says why).
+Penalties (0.5.17 and 0.5.23, every DFLASH server, no switch): two hooks, registered the same way, make upstream's
+linear verify apply them as plain decoding does (`ddtree_v2_penalties`).
 """
 
 from __future__ import annotations
@@ -77,9 +79,21 @@ def base_version() -> str:
 
 # The bases whose v2 worker has a tree step (their payload ships `ddtree_worker_v2.py`).
 TREE_STEP_BASES = ("0.5.17",)
+# The bases whose DFLASH worker the payload picks by mode (ddtree_v2_shadow; the tree step where there is one).
+WORKER_BASES = ("0.5.17", "0.5.23")
 # The bases whose `req_to_token` rows are too short for the v2 DFLASH reservation at page size 1 (below).
-ROW_HEADROOM_BASES = ("0.5.17",)
+ROW_HEADROOM_BASES = ("0.5.17", "0.5.23")
 ROW_HEADROOM_TARGET = "sglang.srt.mem_cache.allocation_sizing.get_req_to_token_extra_context_len"
+# The bases whose linear DFLASH verify drops the penalties (ddtree_v2_penalties).
+LINEAR_PENALTY_BASES = ("0.5.17", "0.5.23")
+# The bases whose min_new_tokens penalizer also holds back a request's own (the model's) eos ids
+# (23:sampling/penaltylib/min_new_tokens.py:39; 0.5.17's, like 0.5.13.post1's, only the tokenizer's and the stop ids).
+MODEL_EOS_STOP_BASES = ("0.5.23",)
+PREPARE_VERIFY_TARGET = "sglang.srt.speculative.dflash_info.DFlashVerifyInput.prepare_for_verify"
+ADJUSTMENTS_TARGET = "sglang.srt.speculative.dflash_utils.apply_dflash_verify_logits_adjustments"
+# The bases whose greedy verify may skip the adjustments on a vocab-sharded target (ddtree_v2_penalties).
+SKIP_LOGITS_BASES = ("0.5.23",)
+SKIP_LOGITS_TARGET = "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2._can_skip_verify_logits"
 CREATE_WORKER_TARGET = "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.create_worker"
 INTERNAL_STATE_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_internal_state"
 
@@ -176,13 +190,19 @@ def register() -> None:
     _registered = True
 
 
-# --- worker selection (0.5.17 under the proof switch) -------------------------------------------------------
+# --- worker selection (shadow-linear on every v2 base; full on 0.5.17 under the proof switch) ---------------
 
 
 def _create_worker(original: Any, algo: Any, server_args: Any) -> Any:
-    """AROUND `SpeculativeAlgorithm.create_worker`: DFLASH in full mode gets the tree worker."""
+    """AROUND `SpeculativeAlgorithm.create_worker`: DFLASH in shadow-linear gets the counting shadow worker
+    (ddtree_v2_shadow), in full mode (proof switch) the tree worker; anything else upstream's."""
     worker = original(algo, server_args)
-    if algo.is_dflash() and getattr(server_args, "speculative_ddtree_mode", "off") == "full":
+    mode = getattr(server_args, "speculative_ddtree_mode", "off")
+    if algo.is_dflash() and mode == "shadow-linear":
+        from sglang.srt.speculative.ddtree_v2_shadow import DDTreeShadowWorkerV2
+
+        return DDTreeShadowWorkerV2
+    if algo.is_dflash() and mode == "full" and tree_step_on():
         from sglang.srt.speculative.ddtree_worker_v2 import DDTreeWorkerV2
 
         return DDTreeWorkerV2
@@ -202,36 +222,48 @@ def _internal_state(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> N
     return None  # the same answer, now with `ddtree`
 
 
-# --- req_to_token row headroom (0.5.17, every DFLASH server) ------------------------------------------------
+# --- req_to_token row headroom (0.5.17 and 0.5.23, every DFLASH server) -----------------------------------------
 # Each decode step of the v2 worker holds `committed + 2 * block` slots per request in its `req_to_token` row
-# (17:speculative/dflash_info_v2.py:154; the tree worker `committed + block + 1 + budget`, ddtree_v2_seams), but
-# at page size 1 the row is `context + 4 + max_speculative_num_draft_tokens` long
-# (17:mem_cache/allocation_sizing.py:46-62). Near the context limit the reservation runs past the row's end:
-# the triton kernel that writes it (`assign_req_to_token_pool`, 17:mem_cache/allocation.py:597) bounds nothing,
-# so the slots land in the next request's row, and the release slices the row and never frees them. The idle
-# pool check then kills the server (`pool memory leak detected!`, H200 2026-12-05: 2 slots for each request
-# that finished 8 short of the limit, on upstream's DFLASH and the tree worker alike), and a neighbour's first
-# positions point at slots nobody wrote. Upstream sizes the row for the reservation only when pages are larger.
+# (17:speculative/dflash_info_v2.py:154, 23:speculative/dflash_info_v2.py:147; the tree worker `committed + block
+# + 1 + budget`, ddtree_v2_seams), but at page size 1 the row is `context + 4 + max_speculative_num_draft_tokens`
+# long (17:mem_cache/allocation_sizing.py:46-62, 23:mem_cache/allocation_sizing.py:96-116). Near the context
+# limit the reservation runs past the row's end: the triton kernel that writes it (`assign_req_to_token_pool`,
+# 17:mem_cache/allocation.py:597) bounds nothing, so the slots land in the next request's row, and the release
+# slices the row and never frees them. The idle pool check then kills the server (`pool memory leak detected!`,
+# H200 2026-12-05: 2 slots for each request that finished 8 short of the limit, on upstream's DFLASH and the tree
+# worker alike), and a neighbour's first positions point at slots nobody wrote. Upstream sizes the row for the
+# reservation only when pages are larger (0.5.23: and for UNO).
 
 
-def decode_reservation(server_args: Any) -> int:
+def decode_reservation(spec: Any) -> int:
     """Slots past the committed length one v2 decode step holds per request: upstream's `2 * block`, or the
-    tree worker's `block + 1 + budget` (auto: its largest) where that is more."""
-    block = int(server_args.speculative_num_draft_tokens or 0)
+    tree worker's seam reservation (`block + 1 + budget`, auto's largest) where that is more. `spec`: server
+    args (0.5.17) or the published `spec` bag (0.5.23), which carries the same field names."""
+    block = int(spec.speculative_num_draft_tokens or 0)
     need = 2 * block
-    if getattr(server_args, "speculative_ddtree_mode", "off") == "full":
-        need = max(need, block + 1 + _shared.configured_budget(server_args, block))
+    if getattr(spec, "speculative_ddtree_mode", "off") == "full":
+        # only a full server imports the seams (they import the worker's modules)
+        from sglang.srt.speculative import ddtree_v2_seams as _seams
+
+        need = max(need, _seams.settings_for(spec).reserve)
     return need
 
 
-def _row_headroom(original: Any, server_args: Any) -> int:
+def _row_headroom(original: Any, *args: Any, **kwargs: Any) -> int:
     """AROUND `get_req_to_token_extra_context_len`: a DFLASH server's rows hold its whole reservation (plus
-    upstream's 4, and a page's rounding)."""
-    extra = original(server_args)
-    if str(getattr(server_args, "speculative_algorithm", None) or "").upper() != "DFLASH":
+    upstream's 4, and a page's rounding). 0.5.17 passes the server args; 0.5.23 takes nothing and reads the
+    published bags, so this reads the same bags through the same module upstream's body does."""
+    extra = original(*args, **kwargs)
+    if args or kwargs:
+        spec = args[0] if args else kwargs["server_args"]
+        page = int(getattr(spec, "page_size", 1) or 1)
+    else:
+        from sglang.srt.mem_cache import allocation_sizing as _sizing
+
+        spec, page = _sizing.get_spec(), _sizing.get_alloc_page_size()
+    if str(getattr(spec, "speculative_algorithm", None) or "").upper() != "DFLASH":
         return extra
-    page = int(getattr(server_args, "page_size", 1) or 1)
-    return max(extra, 4 + decode_reservation(server_args) + page - 1)
+    return max(extra, 4 + decode_reservation(spec) + page - 1)
 
 
 _row_headroom_registered = False
@@ -250,21 +282,62 @@ def register_row_headroom() -> bool:
     return _row_headroom_registered
 
 
-_tree_worker_registered = False
+# --- penalties in upstream's linear verify (0.5.17 and 0.5.23, every DFLASH server) ---------------------------
+# Upstream's v2 verify drops every penalty but the logit bias; ddtree_v2_penalties says why and how the hooks
+# below make them plain's. The hooks import it only when a verify runs (it imports torch).
 
 
-def register_tree_worker() -> bool:
-    """Register (not apply) the worker hook and the internal-state hook, once per process, where `tree_step_on()`;
+def _before_prepare_for_verify(*args: Any, **kwargs: Any) -> None:
+    from sglang.srt.speculative import ddtree_v2_penalties as _penalties
+
+    return _penalties.before_prepare_for_verify(*args, **kwargs)
+
+
+def _around_adjustments(original: Any, *args: Any, **kwargs: Any) -> Any:
+    from sglang.srt.speculative import ddtree_v2_penalties as _penalties
+
+    return _penalties.around_adjustments(original, *args, **kwargs)
+
+
+def _around_can_skip_verify_logits(original: Any, *args: Any, **kwargs: Any) -> Any:
+    from sglang.srt.speculative import ddtree_v2_penalties as _penalties
+
+    return _penalties.around_can_skip_verify_logits(original, *args, **kwargs)
+
+
+_linear_penalties_registered = False
+
+
+def register_linear_penalties() -> bool:
+    """Register (not apply) the linear verify's penalty hooks once per process on the v2 bases; whether they are."""
+    global _linear_penalties_registered
+    if not _linear_penalties_registered and base_version() in LINEAR_PENALTY_BASES:
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        HookRegistry.register(PREPARE_VERIFY_TARGET, _before_prepare_for_verify, HookType.BEFORE)
+        HookRegistry.register(ADJUSTMENTS_TARGET, _around_adjustments, HookType.AROUND)
+        if base_version() in SKIP_LOGITS_BASES:
+            HookRegistry.register(SKIP_LOGITS_TARGET, _around_can_skip_verify_logits, HookType.AROUND)
+        _linear_penalties_registered = True
+    return _linear_penalties_registered
+
+
+_workers_registered = False
+
+
+def register_workers() -> bool:
+    """Register (not apply) the worker hook and the internal-state hook, once per process on the v2 bases;
     whether they are registered. `load_plugins()` applies them (and every other registered hook) in each process."""
-    global _tree_worker_registered
-    if not _tree_worker_registered and tree_step_on():
+    global _workers_registered
+    if not _workers_registered and base_version() in WORKER_BASES:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
         HookRegistry.register(CREATE_WORKER_TARGET, _create_worker, HookType.AROUND)
         HookRegistry.register(INTERNAL_STATE_TARGET, _internal_state, HookType.AFTER)
-        _tree_worker_registered = True
-    return _tree_worker_registered
+        _workers_registered = True
+    return _workers_registered
 
 
 register_row_headroom()
-register_tree_worker()
+register_linear_penalties()
+register_workers()

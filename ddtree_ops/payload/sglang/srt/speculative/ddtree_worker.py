@@ -187,12 +187,6 @@ def verify_target_probs(logits: torch.Tensor, info: Any, n: int) -> torch.Tensor
                         repeat(min_ps) if use_min_p else None, rule=sampling_rule())
 
 
-def chain_shape(bs: int, n: int, device: Any) -> dict[str, torch.Tensor]:
-    """DFLASH's linear block as a tree: position j's parent is j - 1, its depth j."""
-    j = torch.arange(n, device=device)
-    return {"parents": (j - 1).expand(bs, n), "depths": j.expand(bs, n)}
-
-
 def free_device_memory(device: Any) -> int | None:
     """Bytes free on a CUDA device (None elsewhere: nothing is sized)."""
     if not str(device).startswith("cuda") or not torch.cuda.is_available():
