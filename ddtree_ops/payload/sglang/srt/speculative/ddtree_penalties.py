@@ -40,7 +40,8 @@ from typing import Any
 import torch
 
 __all__ = ["NOTHING_REQUIRED", "PENALIZERS", "RequestPenalties", "apply_verify_penalties", "chain_shape",
-           "frequency_sums", "order_of", "path_tokens", "penalise_and_bias", "request_penalties", "sglang_scale_fn"]
+           "frequency_sums", "is_penalised", "order_of", "path_tokens", "penalise_and_bias", "request_penalties",
+           "sglang_scale_fn"]
 
 # SGLang's penalizer classes by the name this module applies them under.
 PENALIZERS = {
@@ -74,6 +75,15 @@ class RequestPenalties:
         """Whether any verify position of this request is penalised (a path only lengthens the output)."""
         return (self.frequency != 0.0 or self.presence != 0.0 or self.repetition != 1.0
                 or len(self.output_ids) < self.min_new_tokens)
+
+
+def is_penalised(req: Any) -> bool:
+    """`request_penalties(req).active` without building it: a step's check on every request of a batch."""
+    sp = req.sampling_params
+    return (float(getattr(sp, "frequency_penalty", 0.0) or 0.0) != 0.0
+            or float(getattr(sp, "presence_penalty", 0.0) or 0.0) != 0.0
+            or float(getattr(sp, "repetition_penalty", 1.0) or 1.0) != 1.0
+            or len(req.output_ids) < int(getattr(sp, "min_new_tokens", 0) or 0))
 
 
 def request_penalties(req: Any, *, req_eos: bool = False) -> RequestPenalties:
