@@ -75,11 +75,15 @@ class RequestPenalties:
                 or len(self.output_ids) < self.min_new_tokens)
 
 
-def request_penalties(req: Any) -> RequestPenalties:
+def request_penalties(req: Any, *, req_eos: bool = False) -> RequestPenalties:
     """A request's penalty settings as plain's penalizers read them (stop tokens as
-    BatchedMinNewTokensPenalizer collects them), with its output so far."""
+    BatchedMinNewTokensPenalizer collects them), with its output so far. `req_eos`: the base's min-new-tokens
+    penalizer also bans the request's own `eos_token_ids` (the model's generation-config EOS ids; SGLang 0.5.23,
+    23:sampling/penaltylib/min_new_tokens.py:39; 0.5.13 and 0.5.17 do not, though their `Req` has the field)."""
     sp = req.sampling_params
     stops = set(getattr(sp, "stop_token_ids", None) or ())
+    if req_eos:
+        stops |= set(getattr(req, "eos_token_ids", None) or ())
     tokenizer = getattr(req, "tokenizer", None)
     if tokenizer is not None:
         stops |= set(getattr(tokenizer, "additional_stop_token_ids", None) or ())
@@ -113,13 +117,14 @@ def sglang_scale_fn(logits: torch.Tensor) -> ScaleFn | None:
 
 def penalise_and_bias(
     logits: torch.Tensor, reqs: Sequence[Any], logit_bias: torch.Tensor | None, *, parents: torch.Tensor,
-    depths: torch.Tensor, tokens: torch.Tensor, max_depth: int, order: Sequence[str],
+    depths: torch.Tensor, tokens: torch.Tensor, max_depth: int, order: Sequence[str], req_eos: bool = False,
 ) -> bool:
     """Penalties (exact per verify position, `apply_verify_penalties`) then the logit bias `[bs, vocab]` on
     the verify logits `[bs, n, vocab]` of a tree or of a chain (`parents` / `depths` / `tokens`, the root's
     token first, as `path_tokens` reads them) of the requests `reqs`; returns whether anything was applied.
-    Requests at neutral settings are skipped: when none is penalised, no host read of device data."""
-    settings = [request_penalties(req) for req in reqs]
+    Requests at neutral settings are skipped: when none is penalised, no host read of device data. `req_eos` as
+    in `request_penalties`."""
+    settings = [request_penalties(req, req_eos=req_eos) for req in reqs]
     rows = [i for i, p in enumerate(settings) if p.active]
     if rows:
         kw = {"scale_fn": fn} if (fn := sglang_scale_fn(logits)) is not None else {}
