@@ -14,8 +14,8 @@ own results say; the real `Scheduler.get_internal_state`, hooked by `load_plugin
 upstream's worker) through the scheduler's IPC encoding; promote's settings gate judges that answer as it judges v1's.
 0.5.23 only: the verify's and the draft's KV plans (`KVLocPlan`, through a real pass-through translator), its own
 refusals (DP attention, the draft checkpoint's selector / LiLiCorr / Domino heads, id-translating pools), its
-min_new_tokens rule (the request's `eos_token_ids` banned too), and a decode batch asking for logprobs handed to
-upstream's linear step (0.5.17 refuses it).
+min_new_tokens rule (the request's `eos_token_ids` banned too), and decode batches asking for logprobs or sampling
+masks handed to upstream's linear step (0.5.17 refuses logprobs).
 Nothing here runs a GPU kernel, a CUDA graph or a model (tests/sglang_scripts/v2_worker_cases.py says which
 stand-ins it uses). Skipped when the wheel, or xgrammar / tvm_ffi, cannot be had (see test_payload_v2.py)."""
 

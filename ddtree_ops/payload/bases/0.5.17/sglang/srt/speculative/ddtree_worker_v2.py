@@ -74,12 +74,13 @@ class DDTreeWorkerV2(DDTreeStepV2, DFlashWorkerV2):
         super().__init__(server_args, gpu_id, ps, nccl_port, target_worker)
         self.ddtree_setup(server_args, settings)
 
-    def init_attention_backends(self):
+    def init_attention_backends(self) -> None:
         super().init_attention_backends()
         if self._ddtree_hybrid is not None:  # the target's backends and pools exist; its graphs come next
             self._ddtree_hybrid.start(self.model_runner, self.ps.tp_rank)
 
-    def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None) -> GenerationBatchResult:
+    def forward_batch_generation(self, batch: Any, on_publish: Any = None,
+                                 grammar_barrier: Any = None) -> GenerationBatchResult:
         return self.ddtree_forward(
             batch, on_publish, lambda: super(DDTreeWorkerV2, self).forward_batch_generation(
                 batch, on_publish, grammar_barrier))

@@ -119,14 +119,14 @@ class DDTreeWorkerV2(DDTreeStepV2, DFlashWorkerV2):
             raise DDTreeV2Refused(refusal)
         self.ddtree_setup(server_args, settings)
 
-    def init_attention_backends(self):
+    def init_attention_backends(self) -> None:
         super().init_attention_backends()
         refusal = pool_refusal(self)
         if refusal:
             raise DDTreeV2Refused(refusal)
 
-    def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None,
-                                 pp_proxy_tensors=None) -> GenerationBatchResult:
+    def forward_batch_generation(self, batch: Any, on_publish: Any = None, grammar_barrier: Any = None,
+                                 pp_proxy_tensors: Any = None) -> GenerationBatchResult:
         return self.ddtree_forward(
             batch, on_publish, lambda: super(DDTreeWorkerV2, self).forward_batch_generation(
                 batch, on_publish, grammar_barrier, pp_proxy_tensors))
