@@ -1,5 +1,6 @@
-"""The DDTree tree step for SGLang 0.5.17's v2 DFLASH worker (`bases/0.5.17/.../ddtree_worker_v2.py`) against the
-real 0.5.17 wheel, on the CPU: the module imports and subclasses the real `DFlashWorkerV2` with the signatures it
+"""The DDTree tree step for the v2 DFLASH worker of SGLang 0.5.17 and 0.5.23 (each base's adapter
+`bases/<base>/.../ddtree_worker_v2.py` over the shared `ddtree_v2_step.py`) against each real wheel, on the CPU,
+every case on both bases (`base`): the module imports and subclasses the real `DFlashWorkerV2` with the signatures it
 relies on; its pure pieces (the verify input: tokens, positions `prefix + depth`, the custom mask in the layout the
 triton backend indexes, the reserved-row slots) match independent oracles on random trees, a chain giving DFLASH's
 causal mask; `create_worker` returns it only under full mode with the proof switch; the out-of-scope settings are
@@ -11,6 +12,10 @@ penalizers, and five deliberately broken variants are caught.
 `/server_info`'s `ddtree`: a run of steps on one worker (made by its `__init__`) fills v1's counters as the steps'
 own results say; the real `Scheduler.get_internal_state`, hooked by `load_plugins`, carries them (and nothing for
 upstream's worker) through the scheduler's IPC encoding; promote's settings gate judges that answer as it judges v1's.
+0.5.23 only: the verify's and the draft's KV plans (`KVLocPlan`, through a real pass-through translator), its own
+refusals (DP attention, the draft checkpoint's selector / LiLiCorr / Domino heads, id-translating pools), its
+min_new_tokens rule (the request's `eos_token_ids` banned too), and decode batches asking for logprobs or sampling
+masks handed to upstream's linear step (0.5.17 refuses logprobs).
 Nothing here runs a GPU kernel, a CUDA graph or a model (tests/sglang_scripts/v2_worker_cases.py says which
 stand-ins it uses). Skipped when the wheel, or xgrammar / tvm_ffi, cannot be had (see test_payload_v2.py)."""
 
@@ -27,28 +32,44 @@ from ddtree_ops import gates, rollout
 from tests.test_payload_v2 import site_report, wheel_site
 
 SCRIPT = Path(__file__).parent / "sglang_scripts" / "v2_worker_cases.py"
-BASE = "0.5.17"
+BASE = "0.5.17"  # the first tree step's base: test_ddtree_v2_attention runs on its `site`
+BASES = ("0.5.17", "0.5.23")  # every base with a tree step (ddtree_v2_args.TREE_STEP_BASES)
 SWITCHES = {"SGLANG_DDTREE_TEST_V2_TREE": "1", "SGLANG_DDTREE_ALLOW_TEST_SWITCHES": "1"}
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def site(tmp_path_factory) -> Path:
-    site = wheel_site(BASE, tmp_path_factory)
-    for rel, src in B.payload_sources(base=BASE).items():
+def payload_site(base: str, tmp_path_factory) -> Path:
+    """SGLang `base`'s wheel unpacked, that base's payload modules of `sglang/srt/speculative/` beside upstream's."""
+    site = wheel_site(base, tmp_path_factory)
+    for rel, src in B.payload_sources(base=base).items():
         if rel.endswith(".py") and "/speculative/" in rel:
             shutil.copyfile(src, site / rel)
     return site
 
 
-def _run(site: Path, switches: dict[str, str]) -> dict:
-    return site_report(site, SCRIPT, switches, version=BASE, timeout=300)
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    return payload_site(BASE, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=BASES)
+def base(request) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def observed(site: Path) -> dict:
-    return _run(site, SWITCHES)
+def base_site(base: str, tmp_path_factory) -> Path:
+    return payload_site(base, tmp_path_factory)
+
+
+def _run(site: Path, switches: dict[str, str], base: str) -> dict:
+    return site_report(site, SCRIPT, switches, version=base, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def observed(base_site: Path, base: str) -> dict:
+    return _run(base_site, SWITCHES, base)
 
 
 def test_imports_and_subclasses_the_real_worker(observed: dict) -> None:
@@ -70,17 +91,17 @@ def test_small_pieces(observed: dict) -> None:
     assert small["no_bounds"]
 
 
-def test_create_worker_picks_the_tree_worker_only_in_full_mode(site: Path, observed: dict) -> None:
+def test_create_worker_picks_the_tree_worker_only_in_full_mode(base_site: Path, base: str, observed: dict) -> None:
     """Shadow-linear gets the counting shadow worker on every v2 server (ddtree_v2_shadow); full the tree worker
     only under the proof switch; EAGLE its own."""
     assert observed["selection"] == {"registered": True, "state_hook": True, "full": "DDTreeWorkerV2",
                                      "shadow": "DDTreeShadowWorkerV2", "eagle_full": "EAGLEWorkerV2"}
-    plain = _run(site, {})  # no proof switch: DFLASH keeps its own worker in full mode (refused at parsing)
+    plain = _run(base_site, {}, base)  # no proof switch: DFLASH keeps its own worker in full mode (refused at parsing)
     assert plain["selection"] == {"registered": True, "state_hook": True, "full": "DFlashWorkerV2",
                                   "shadow": "DDTreeShadowWorkerV2", "eagle_full": "EAGLEWorkerV2"}
 
 
-def test_out_of_scope_settings_are_refused_naming_the_flag(observed: dict) -> None:
+def test_out_of_scope_settings_are_refused_naming_the_flag(observed: dict, base: str) -> None:
     r = observed["refusals"]
     assert r["good"] is None
     for name, words in {"auto": "--speculative-ddtree-budget auto", "overlap": "--disable-overlap-schedule",
@@ -91,9 +112,14 @@ def test_out_of_scope_settings_are_refused_naming_the_flag(observed: dict) -> No
                         "init": "--disable-overlap-schedule"}.items():
         assert r[name] and words in r[name], (name, r[name])
     assert not r["seams_after_refusal"]  # refused before the seams turn on
+    assert f"SGLang {base}'s v2 worker" in r["auto"]
+    if base == "0.5.23":  # its own: DP attention; the draft checkpoint's heads and id-translating pools
+        assert "--attn-dp-size 1" in r["dp attention"]
+        assert "candidate selector / Domino head" in r["draft heads"] and r["no draft heads"] is None
+        assert "target KV pool that translates slot ids" in r["pool"] and r["no pool"] is None
 
 
-def _common(step: dict) -> None:
+def _common(step: dict, base: str) -> None:
     lens = step["lens"]
     assert all(1 <= n <= 4 for n in lens)
     assert step["new_seq_lens"] == step["published"] == step["prefix_plus"]
@@ -102,18 +128,20 @@ def _common(step: dict) -> None:
     assert step["slots_permuted_in_place"] and step["kv_plan"]
     assert step["host_seq_lens"] == [5 + 8, 9 + 8, 2 + 8]  # prefix + width: the verify's host bound
     assert step["mask_cells"] == 8 * (16 + 3 * 8)  # n * (sum of prefixes + bs * n)
+    # 0.5.23: the verify planned over its own window (the tree's slots, read extent 1 + budget), the draft the block's
+    assert step["kv_plans"] is (True if base == "0.5.23" else None)
 
 
-def test_greedy_decode_steps_emit_plain_greedy_tokens(observed: dict) -> None:
+def test_greedy_decode_steps_emit_plain_greedy_tokens(observed: dict, base: str) -> None:
     for step in observed["steps"]:
-        _common(step)
+        _common(step, base)
         assert step["greedy"] and step["lens"] == step["walked"], step
     assert {n for step in observed["steps"] for n in step["lens"]} == {1, 2, 3, 4}  # short and full paths
 
 
-def test_sampled_steps_apply_the_logit_bias_and_walk_sampled_rows(observed: dict) -> None:
+def test_sampled_steps_apply_the_logit_bias_and_walk_sampled_rows(observed: dict, base: str) -> None:
     for step in observed["sampled_steps"]:
-        _common(step)
+        _common(step, base)
         assert step["biased"], step  # request 0's bias forces token 0 at every node
         assert step["lens"][2] == step["walked"][2]  # the greedy request is unaffected by its neighbours
 
@@ -217,5 +245,17 @@ def test_penalties_at_every_node_are_plain_decodings(observed: dict) -> None:
     controls = pen["controls"]
     for name in ("upstream_only", "paths_ignored", "min_new_skipped"):
         assert controls[name]["runs_differing"] >= 5, (name, controls[name])
-    for name in ("bias_twice", "order_reversed"):
+    for name in ("bias_twice", "order_reversed", "req_eos_flipped"):
         assert controls[name]["runs_differing"] >= 2 and controls[name]["logits_differing"] > 100, controls[name]
+
+
+def test_a_logprob_batch_is_refused_on_0517_and_upstreams_on_0523(observed: dict, base: str) -> None:
+    """0.5.17's upstream refuses logprobs, and so does the tree step; 0.5.23's upstream serves them (chain rows),
+    so the tree step hands such a batch to upstream's linear step and counts a fallback; the same for a batch
+    asking for sampling masks (0.5.23 only)."""
+    got = observed["logprob"]
+    if base == "0.5.23":
+        assert got == {"handed": 2, "error": None, "reasons": {"logprob": 1, "sampling_mask": 1},
+                       "fallback_steps": 2, "tree_steps": 0}
+    else:
+        assert got["handed"] == 0 and "return_logprob" in got["error"] and got["fallback_steps"] == 0

@@ -30,7 +30,7 @@ FIXED_TIME = "2026-01-01T00:00:00Z"
 SCRIPT = Path(__file__).parent / "sglang_scripts" / "server_args_cases_v2.py"
 DFLASH_FLAGS = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "dummy"]
 # full mode on a v2 base: only where the tree step exists (ddtree_v2_args.TREE_STEP_BASES), under its proof switch
-TREE_STEP_BASES = ("0.5.17",)
+TREE_STEP_BASES = ("0.5.17", "0.5.23")
 PROOF_SWITCH = {"SGLANG_DDTREE_TEST_V2_TREE": "1", "SGLANG_DDTREE_ALLOW_TEST_SWITCHES": "1"}
 
 pytestmark = pytest.mark.slow

@@ -7,7 +7,7 @@ What runs for real: SGLang's `HookRegistry` applying what `ddtree_v2_args` regis
 Stand-ins, and why: upstream's `__init__` (it builds models and pools) sets what the worker reads after it;
 upstream's `forward_batch_generation` (it runs models) answers a result with `accept_lens` and a graph flag, and
 sets the batch's forward mode to verify as the real verify does; the scheduler object holds what
-`get_internal_state` reads (0.5.23: through its internal-state controller, whose answer is a stand-in state).
+`get_internal_state` reads (v2_worker_cases.scheduler_state; 0.5.23: its internal-state controller stubbed).
 
 Usage: python v2_shadow_cases.py
 """
@@ -18,8 +18,7 @@ import json
 from types import SimpleNamespace
 
 import torch
-from sglang.srt.managers import io_struct
-from sglang.srt.managers.scheduler import Scheduler
+import v2_worker_cases as wc  # beside this script: its Mode and scheduler_state
 from sglang.srt.plugins import load_plugins
 from sglang.srt.speculative import ddtree_v2_args as v2args  # registers the hooks at import
 from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
@@ -29,14 +28,6 @@ from sglang.version import __version__
 BLOCK = 8
 ARGS = dict(speculative_num_draft_tokens=BLOCK, speculative_ddtree_mode="shadow-linear", speculative_ddtree_budget=31,
             speculative_ddtree_budget_max=None, speculative_ddtree_topk_cap=4, speculative_ddtree_keep_chain=True)
-
-
-class Mode(SimpleNamespace):
-    def is_extend(self) -> bool:
-        return self.kind == "extend"
-
-    def is_idle(self) -> bool:
-        return self.kind == "idle"
 
 
 def shadow_worker(**change):
@@ -65,38 +56,15 @@ def steps(worker, lens: list[list[int]]) -> list:
         kind = batch.forward_mode.kind
         accept = next(decode) if kind == "decode" else [1] * 2
         if kind == "decode":
-            batch.forward_mode = Mode(kind="target_verify")  # the verify leaves the batch in verify mode
+            batch.forward_mode = wc.Mode(kind="target_verify")  # the verify leaves the batch in verify mode
         return SimpleNamespace(accept_lens=torch.tensor(accept, dtype=torch.int32), can_run_cuda_graph=sum(accept) % 2 == 1)
 
     DFlashWorkerV2.forward_batch_generation = upstream
     try:
         kinds = ["extend", "idle", *["decode"] * len(lens)]
-        return [worker.forward_batch_generation(SimpleNamespace(forward_mode=Mode(kind=k))) for k in kinds]
+        return [worker.forward_batch_generation(SimpleNamespace(forward_mode=wc.Mode(kind=k))) for k in kinds]
     finally:
         DFlashWorkerV2.forward_batch_generation = real
-
-
-def scheduler_state(draft_worker) -> dict:
-    """The real `Scheduler.get_internal_state` (as `load_plugins` hooked it) on a stand-in scheduler, through the
-    scheduler's msgpack IPC encoding."""
-    if __version__ == "0.5.17":
-        from sglang.srt.server_args import prepare_server_args, set_global_server_args_for_scheduler
-
-        set_global_server_args_for_scheduler(prepare_server_args(["--model-path", "dummy"]))
-        fake = SimpleNamespace(
-            metrics_reporter=SimpleNamespace(last_gen_throughput=1.0, spec_total_num_forward_ct=2,
-                                             spec_total_num_accept_tokens=5),
-            tp_worker=SimpleNamespace(model_runner=SimpleNamespace(weight_load_mem_usage=0.0), graph_memory_usage={}),
-            token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: SimpleNamespace(mem_usage=0.0)),
-            startup_available_gpu_memory_gb=1.0, max_total_num_tokens=1, swa_tokens_per_layer=None,
-            startup_time=0.0, max_running_requests=1, draft_worker=draft_worker,
-            spec_algorithm=SimpleNamespace(is_none=lambda: False, is_dspark=lambda: False))
-    else:  # 0.5.23: the scheduler hands the readback to its internal-state controller
-        controller = SimpleNamespace(get_internal_state=lambda req: io_struct.GetInternalStateReqOutput(
-            internal_state={"speculative_algorithm": "DFLASH"}))
-        fake = SimpleNamespace(internal_state=controller, draft_worker=draft_worker)
-    answer = Scheduler.get_internal_state(fake, io_struct.GetInternalStateReq())
-    return io_struct.msgpack_decode(io_struct.msgpack_encode(answer)).internal_state
 
 
 def main() -> None:
@@ -116,14 +84,14 @@ def main() -> None:
     out["lens"] = lens
     out["on_device"] = isinstance(worker.ddtree_stats.depth_counts, torch.Tensor) and \
         not worker.ddtree_stats.accepted_depth_hist
-    out["state"] = scheduler_state(worker)
+    out["state"] = wc.scheduler_state(worker)
     out["auto"] = shadow_worker(speculative_ddtree_budget="auto", speculative_ddtree_budget_max=63,
                                 speculative_ddtree_topk_cap=None, speculative_ddtree_keep_chain=False
                                 ).ddtree_internal_state()
     plain = object.__new__(DFlashWorkerV2)
     plain.__dict__.update(_draft_worker=None, _additional_graph_memory_usage={},
                           _target_worker=SimpleNamespace(model_runner=None))
-    out["dflash_state_has_ddtree"] = "ddtree" in scheduler_state(plain)
+    out["dflash_state_has_ddtree"] = "ddtree" in wc.scheduler_state(plain)
     print(json.dumps(out))
 
 

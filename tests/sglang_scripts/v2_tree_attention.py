@@ -32,7 +32,7 @@ from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
 from sglang.srt.speculative import ddtree_v2_seams as seams
-from sglang.srt.speculative import ddtree_worker_v2 as w
+from sglang.srt.speculative import ddtree_v2_step as w  # the shared tree step
 from sglang.srt.speculative import dflash_utils
 from sglang.srt.speculative.ddtree_utils import build_ddtree
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput

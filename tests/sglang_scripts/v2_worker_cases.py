@@ -1,5 +1,9 @@
-"""Run inside an unpacked SGLang 0.5.17 tree (on PYTHONPATH, the 0.5.17 payload's files beside it): check the v2
-tree worker (`ddtree_worker_v2.py`) against the real upstream classes and print one JSON object.
+"""Run inside an unpacked SGLang 0.5.17 or 0.5.23 tree (on PYTHONPATH, that base's payload files beside it): check
+the v2 tree worker (the base's `ddtree_worker_v2.py` adapter over the shared `ddtree_v2_step.py`) against the real
+upstream classes and print one JSON object. The same cases run on both bases; where upstream's shapes differ
+(`V23`), the stand-ins follow the base (0.5.23: no `ps` in the constructor, `pp_proxy_tensors`, a real pass-through
+`KVIndexTranslator` for the step's KV plans, `enable_num_token_non_padded` off (it reads a published parallel
+config), the scheduler's internal-state controller stubbed).
 
 What runs for real: the module's import against 0.5.17, `DFlashWorkerV2` / `DFlashVerifyInput` /
 `GenerationBatchResult` / `ForwardBatch` / `ReqToTokenPool`-shaped tensors, SGLang's `HookRegistry` and
@@ -33,7 +37,9 @@ import torch
 from sglang.srt.plugins import load_plugins
 from sglang.srt.speculative import ddtree_penalties as dp
 from sglang.srt.speculative import ddtree_v2_args as v2args
+from sglang.srt.speculative import ddtree_v2_penalties as vp
 from sglang.srt.speculative import ddtree_v2_seams as seams
+from sglang.srt.speculative import ddtree_v2_step as s
 from sglang.srt.speculative import ddtree_worker_v2 as w
 from sglang.srt.speculative.ddtree_stats import DDTreeStats
 from sglang.srt.speculative.ddtree_utils import build_ddtree
@@ -41,6 +47,8 @@ from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.version import __version__
+
+V23 = __version__ == "0.5.23"
 
 
 def contracts() -> dict:
@@ -62,8 +70,10 @@ def contracts() -> dict:
         and params(DFlashWorkerV2._make_next_draft_input_prefill)[1:] == ["bonus_tokens", "seq_lens"],
         "result": {"logits_output", "next_token_ids", "accept_lens", "can_run_cuda_graph", "next_draft_input",
                    "speculative_num_draft_tokens", "new_seq_lens"} <= result_fields,
-        "verify_input": {"draft_token", "positions", "draft_token_num", "custom_mask", "capture_hidden_mode"}
+        "verify_input": {"draft_token", "positions", "draft_token_num", "custom_mask", "capture_hidden_mode",
+                         *(("kv_loc_plan",) if V23 else ())}
         <= set(inspect.signature(DFlashVerifyInput).parameters),
+        "result_v23": not V23 or {"routed_experts_output", "indexer_topk_output"} <= result_fields,
         "sampler_hook": hasattr(DFlashWorkerV2, "_maybe_build_draft_sampler"),
         # what `ddtree_internal_state` reads of the target's verify graphs (by name; no runner is built here)
         "graph_runner": _graph_runner_names(),
@@ -84,11 +94,12 @@ def triton_layout() -> dict:
     import sglang.kernels.ops.attention.extend_attention as ext
     import sglang.srt.layers.attention.triton_backend as tb
 
-    backend = Path(tb.__file__).read_text()
+    backend = re.sub(r"\s+", " ", Path(tb.__file__).read_text())
     kernel = Path(ext.__file__).read_text()
+    width = "num_tokens_per_req" if V23 else "num_draft_tokens"  # 0.5.23 renamed it (spec_info's own width)
     return {
-        "indptr": backend.count("seq_mask_len = num_draft_tokens * (seq_lens + num_draft_tokens)") == 1
-        and "forward_batch.seq_lens + num_draft_tokens" in backend,
+        "indptr": backend.count(f"seq_mask_len = {width} * (seq_lens + {width})") == 1
+        and f"forward_batch.seq_lens + {width}" in backend,
         # query row stride = prefix + extend; an extend key sits after the prefix
         "row": bool(re.search(r"\* \(cur_seq_len \+ window_kv_offset\)\s*\+ window_kv_offset\s*\+ cur_seq_len_prefix",
                               kernel)),
@@ -135,7 +146,7 @@ def verify_inputs(trials: int = 40) -> dict:
         rows = torch.randperm(bs + 2, generator=gen)[:bs]
         bonus = torch.randint(0, vocab, (bs,), generator=gen)
         slack = rng.choice([0, 0, 5])  # a host bound above the true prefix total
-        v = w.tree_verify_input(tree, bonus, torch.tensor(prefix), req_to_token, rows, sum(prefix) + slack)
+        v = s.tree_verify_input(tree, bonus, torch.tensor(prefix), req_to_token, rows, sum(prefix) + slack)
         if v.custom_mask.numel() != n * (sum(prefix) + slack + bs * n):
             bad.append(f"{trial}: mask size")
         parents, depths = tree.parents.tolist(), tree.depths.tolist()
@@ -167,15 +178,15 @@ def verify_inputs(trials: int = 40) -> dict:
 def small_pieces() -> dict:
     hidden = torch.randn(2, 4, 5)
     weight = torch.randn(9, 5)
-    logits = w.draft_tree_logits(hidden, weight, 7)
+    logits = s.draft_tree_logits(hidden, weight, 7)
     reqs = [SimpleNamespace(sampling_params=SimpleNamespace(top_k=k)) for k in (1, 40, 1 << 30, 1)]
-    bounds, total = w.host_prefix_bounds(torch.tensor([3, 5], dtype=torch.int32), None, 4)
-    r_bounds, r_total = w.host_prefix_bounds(None, torch.tensor([20, 30], dtype=torch.int32), 4)
+    bounds, total = s.host_prefix_bounds(torch.tensor([3, 5], dtype=torch.int32), None, 4)
+    r_bounds, r_total = s.host_prefix_bounds(None, torch.tensor([20, 30], dtype=torch.int32), 4)
     return {
         "draft_logits": bool(torch.allclose(logits, hidden[:, 1:, :] @ weight[:7].T)) and list(logits.shape) == [2, 3, 7],
-        "sampled_rows": w.sampled_rows(reqs),
+        "sampled_rows": s.sampled_rows(reqs),
         "bounds": [bounds.tolist(), total, r_bounds.tolist(), r_total],
-        "no_bounds": w.host_prefix_bounds(None, None, 4) == (None, None),
+        "no_bounds": s.host_prefix_bounds(None, None, 4) == (None, None),
     }
 
 
@@ -205,12 +216,26 @@ def refusals() -> dict:
     target = SimpleNamespace(model_runner=SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace())))
     try:
         w.mambaish_config = lambda config: None  # the model config is a stand-in; hybrid is checked above
-        w.DDTreeWorkerV2(SimpleNamespace(**{**GOOD, "disable_overlap_schedule": False}), 0, None, 0, target)
+        w.DDTreeWorkerV2(*init_args(SimpleNamespace(**{**GOOD, "disable_overlap_schedule": False}), target))
         out["init"] = None
     except w.DDTreeV2Refused as e:
         out["init"] = str(e)
     out["seams_after_refusal"] = seams.active() is not None
+    if V23:  # 0.5.23's own: DP attention; the draft checkpoint's heads and translating pools (known after __init__)
+        out["dp attention"] = w.v2_refusal(SimpleNamespace(**{**GOOD, "attn_dp_size": 2}))
+        heads = SimpleNamespace(selector=object(), lilicorr=None, _is_domino=True)
+        out["draft heads"] = w.draft_head_refusal(heads)
+        out["no draft heads"] = w.draft_head_refusal(SimpleNamespace(selector=None, lilicorr=None, _is_domino=False))
+        runner = SimpleNamespace(kv_index_translator=SimpleNamespace(is_translating=False))
+        unified = SimpleNamespace(kv_index_translator=SimpleNamespace(is_translating=True))
+        out["pool"] = w.pool_refusal(SimpleNamespace(model_runner=unified, draft_model_runner=runner))
+        out["no pool"] = w.pool_refusal(SimpleNamespace(model_runner=runner, draft_model_runner=runner))
     return out
+
+
+def init_args(server_args, target_worker) -> tuple:
+    """The worker's constructor arguments on this base (0.5.17 passes the `ps`, 0.5.23 does not)."""
+    return (server_args, 0, 0, target_worker) if V23 else (server_args, 0, None, 0, target_worker)
 
 
 def worker_selection() -> dict:
@@ -273,9 +298,10 @@ def run_step(prefix: torch.Tensor, rows: torch.Tensor, req_to_token: torch.Tenso
     bs = len(prefix)
     recorded: dict = {}
 
-    def prepare_for_verify(self, batch, target_worker):
+    def prepare_for_verify(self, batch, target_worker, **kw):
         recorded["verify"] = self
         recorded["host_seq_lens"] = batch.seq_lens_cpu.tolist()
+        recorded["verify_out_cache_loc"] = batch.out_cache_loc.clone()
         return SimpleNamespace(spec_info=self), False
 
     def target_forward(batch=None, forward_batch=None, is_verify=False, skip_attn_backend_init=False):
@@ -284,7 +310,11 @@ def run_step(prefix: torch.Tensor, rows: torch.Tensor, req_to_token: torch.Tenso
                               for r in range(bs * v.draft_token_num)])
         hidden = torch.arange(bs * v.draft_token_num, dtype=torch.float32)[:, None].repeat(1, 2)  # row id
         return SimpleNamespace(logits_output=SimpleNamespace(next_token_logits=logits, hidden_states=hidden),
-                               can_run_cuda_graph=graph)
+                               can_run_cuda_graph=graph, routed_experts_output=None, indexer_topk_output=None)
+
+    def draft_forward(forward_batch):
+        recorded["draft_batch"] = forward_batch
+        return SimpleNamespace(logits_output=SimpleNamespace(hidden_states=draft_hidden.reshape(-1, po.VOCAB)))
 
     def append_kv(**kw):
         recorded["kv"] = kw
@@ -305,20 +335,34 @@ def run_step(prefix: torch.Tensor, rows: torch.Tensor, req_to_token: torch.Tenso
     graphs = SimpleNamespace(captured_req_width=BUDGET + 1, max_bs=16)  # 0.5.17's DecodeCudaGraphRunner's names
     runner = SimpleNamespace(req_to_token_pool=SimpleNamespace(req_to_token=req_to_token), model=model,
                              decode_cuda_graph_runner=graphs)
+    draft_runner = SimpleNamespace(forward=draft_forward)
     worker.__dict__.update(
         block_size=BLOCK, device=torch.device("cpu"), model_runner=runner, _mask_token_id=po.VOCAB - 1,
         _target_worker=SimpleNamespace(model_runner=runner, forward_batch_generation=target_forward),
-        draft_model_runner=SimpleNamespace(forward=lambda fb: SimpleNamespace(
-            logits_output=SimpleNamespace(hidden_states=draft_hidden.reshape(-1, po.VOCAB)))),
+        draft_model_runner=draft_runner,
         _draft_block_spec_info=None, _block_pos_offsets=torch.arange(BLOCK), _draft_block_ids_buf=None,
         _append_target_hidden_to_draft_kv_by_loc=append_kv,
     )
+    if V23:  # 0.5.23's draft forward reads these; the KV plans go through a real (pass-through) translator
+        from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
+
+        def translator() -> KVIndexTranslator:  # a static pool's: ids index it as they are
+            return KVIndexTranslator(req_to_token=req_to_token, token_to_kv_pool_allocator=None,
+                                     token_to_kv_pool=None, page_size=1, device="cpu")
+
+        runner.kv_index_translator, draft_runner.kv_index_translator = translator(), translator()
+        # reads the published parallel config (MoE EP / DP gather padding, both out of the step's scope): none on CPU
+        w.enable_num_token_non_padded = lambda: False
+        worker.__dict__.update(_full_embed_gpu=None, draft_model=SimpleNamespace(), _noise_embed_scale=1.0,
+                               draft_parallel_layout=SimpleNamespace(tp_group=None), _target_logits_processor=None)
     draft_input = seams.DDTreeDraftInputV2.from_dflash(
         w.DFlashWorkerV2._make_next_draft_input_decode(worker, bonus_tokens=bonus_in, new_seq_lens=prefix))
     batch = SimpleNamespace(
         seq_lens=prefix.clone(), seq_lens_cpu=prefix.clone().to(torch.int32), seq_lens_sum=int(prefix.sum()),
         req_pool_indices=rows, spec_info=draft_input, out_cache_loc=None, sampling_info=info, reqs=reqs,
+        can_run_decode_cuda_graph=False,
     )
+    recorded["block_slots"] = assign_cache_locs(rows, req_to_token, prefix, prefix + BLOCK, bs, BLOCK, "cpu")
     published: list = []
     result = worker._tree_step(batch, published.append)
     return result, recorded, published
@@ -410,7 +454,19 @@ def decode_step(seed: int, sampled: bool = False, *, worker: w.DDTreeWorkerV2 | 
         "host_seq_lens": recorded["host_seq_lens"],
         "verify_width": recorded["verify"].draft_token_num,
         "mask_cells": int(recorded["verify"].custom_mask.numel()),
+        "kv_plans": kv_plans(recorded, n),
     }
+
+
+def kv_plans(recorded: dict, n: int) -> bool | None:
+    """0.5.23 only (None on 0.5.17): the verify's `KVLocPlan` is its own window (the tree's slots, read extent
+    `1 + budget`), and the draft batch was bound to a plan of the block's slots (read extent block)."""
+    if not V23:
+        return None
+    plan, draft = recorded["verify"].kv_loc_plan, recorded["draft_batch"]
+    return (plan is not None and torch.equal(plan.write_virtual, recorded["verify_out_cache_loc"])
+            and plan.read_extent == n and draft.kv_loc_plan.read_extent == BLOCK
+            and torch.equal(draft.out_cache_loc, recorded["block_slots"]))
 
 
 # --- penalties over many decode steps ----------------------------------------------------------------------------
@@ -432,13 +488,13 @@ def penalty_run(seed: int, steps: int = 24, neutral: bool = False) -> dict:
     _, spec_info = po.sampling_info(reqs, bias)  # the spec batch's own: nothing is ever cumulated into it
 
     seen: dict = {}
-    walk = w.tree_walk
+    walk = s.tree_walk
 
     def recording_walk(tree, candidates, logits, **kw):
         seen["tree"], seen["candidates"], seen["logits"] = tree, candidates, logits.clone()
         return walk(tree, candidates, logits, **kw)
 
-    w.tree_walk = recording_walk
+    s.tree_walk = recording_walk
     bad: list[str] = []
     exact_nodes = deep = 0
     try:
@@ -477,7 +533,7 @@ def penalty_run(seed: int, steps: int = 24, neutral: bool = False) -> dict:
                         node = kids[0]
                 r.output_ids.extend(out[b][: lens[b]])
     finally:
-        w.tree_walk = walk
+        s.tree_walk = walk
     match = all(r.output_ids == o[: len(r.output_ids)] for r, o in zip(reqs, oracle["outputs"], strict=True))
     return {"match": match, "bad": bad[:10], "bad_count": len(bad), "exact_nodes": exact_nodes, "deep_penalised": deep,
             "tokens": sum(len(r.output_ids) - 1 for r in reqs), "order": oracle["order"],
@@ -503,22 +559,24 @@ def penalties() -> dict:
         neutral_calls = len(calls) - before
     finally:
         dp.apply_verify_penalties = apply
-    order = w.plain_penalizer_order()
+    order = vp.plain_penalizer_order()
 
-    def upstream_only(logits, batch, tree, candidates):  # the step before issue 26
-        w.apply_dflash_verify_logits_adjustments(next_token_logits=logits, sampling_info=batch.sampling_info,
+    def upstream_only(logits, batch, tree, candidates, **kw):  # the step before issue 26
+        s.apply_dflash_verify_logits_adjustments(next_token_logits=logits, sampling_info=batch.sampling_info,
                                                  draft_token_num=candidates.shape[1])
         return True
 
     paths = dp.path_tokens
     breaks = {
-        "upstream_only": mock.patch.object(w, "adjust_tree_verify_logits", upstream_only),
+        "upstream_only": mock.patch.object(s, "adjust_tree_verify_logits", upstream_only),
         "paths_ignored": mock.patch.object(dp, "path_tokens", lambda *a: paths(*a).fill_(-1)),
-        "min_new_skipped": mock.patch.object(w, "plain_penalizer_order",
+        "min_new_skipped": mock.patch.object(vp, "plain_penalizer_order",
                                              lambda: tuple(x for x in order if x != "min_new_tokens")),
-        "bias_twice": mock.patch.dict(w._APPLIED, {k: v for k, v in w._APPLIED.items() if k != "logit_bias"},
+        "bias_twice": mock.patch.dict(vp.STRIPPED, {k: v for k, v in vp.STRIPPED.items() if k != "logit_bias"},
                                       clear=True),
-        "order_reversed": mock.patch.object(w, "plain_penalizer_order", lambda: order[::-1]),
+        "order_reversed": mock.patch.object(vp, "plain_penalizer_order", lambda: order[::-1]),
+        # the base's rule for `req.eos_token_ids` under min_new_tokens, flipped (0.5.23 bans them, 0.5.17 does not)
+        "req_eos_flipped": mock.patch.object(vp, "req_eos_stops", lambda: not V23),
     }
     controls = {}
     for name, patch in breaks.items():
@@ -542,15 +600,16 @@ def tree_worker(**change) -> w.DDTreeWorkerV2:
     pools, graphs) stubbed to what the tree worker reads after it; the seams it turns on are turned off again."""
     real = DFlashWorkerV2.__init__
 
-    def upstream_init(self, server_args, gpu_id, ps, nccl_port, target_worker):
+    def upstream_init(self, server_args, *rest):  # 0.5.17: gpu_id, ps, nccl_port, target; 0.5.23: no ps
         self.block_size = int(server_args.speculative_num_draft_tokens)
-        self._target_worker, self._draft_worker, self._additional_graph_memory_usage = target_worker, None, {}
+        self._target_worker, self._draft_worker, self._additional_graph_memory_usage = rest[-1], None, {}
+        self.selector, self.lilicorr, self._is_domino = None, None, False  # 0.5.23's draft heads: none loaded
 
     target = SimpleNamespace(model_runner=SimpleNamespace(model_config=None))
     DFlashWorkerV2.__init__ = upstream_init
     w.mambaish_config = lambda config: None  # the model config is a stand-in; hybrid targets are refused above
     try:
-        return w.DDTreeWorkerV2(SimpleNamespace(**{**GOOD, **change}), 0, None, 0, target)
+        return w.DDTreeWorkerV2(*init_args(SimpleNamespace(**{**GOOD, **change}), target))
     finally:
         DFlashWorkerV2.__init__ = real
         seams.deactivate()
@@ -570,7 +629,7 @@ def upstream_steps(worker: w.DDTreeWorkerV2) -> list:
     real = DFlashWorkerV2.forward_batch_generation
     decode_lens = torch.tensor([1, 4, 2], dtype=torch.int32)
 
-    def upstream(self, batch, on_publish=None, grammar_barrier=None):
+    def upstream(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None):
         return SimpleNamespace(accept_lens=decode_lens if batch.forward_mode.kind == "decode" else
                                torch.tensor([1, 1, 1], dtype=torch.int32), can_run_cuda_graph=True)
 
@@ -585,11 +644,59 @@ def upstream_steps(worker: w.DDTreeWorkerV2) -> list:
     return decode_lens.tolist()
 
 
+def logprob_dispatch() -> dict:
+    """A decode batch asking for logprobs, on a fresh tree worker: 0.5.17 refuses it as upstream does there; 0.5.23
+    hands it to upstream's linear step (stubbed), which serves logprobs, and counts a `logprob` fallback; so it does
+    a batch in which a request asks for sampling masks (0.5.23's `sampling_mask_batch_indices`)."""
+    worker = tree_worker()
+    real = DFlashWorkerV2.forward_batch_generation
+    handed: list = []
+
+    def upstream(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None):
+        handed.append(batch)
+        return SimpleNamespace(accept_lens=torch.tensor([2, 1], dtype=torch.int32), can_run_cuda_graph=False)
+
+    def tree_step(batch, on_publish):
+        raise AssertionError("a logprob batch reached the tree step")
+
+    DFlashWorkerV2.forward_batch_generation = upstream
+    worker.__dict__["_tree_step"] = tree_step
+    error = None
+    try:
+        batch = SimpleNamespace(forward_mode=Mode(kind="decode"), is_extend_in_batch=False, spec_info=object(),
+                                has_grammar=False, return_logprob=True)
+        worker.forward_batch_generation(batch)
+        if V23:
+            masks = SimpleNamespace(sampling_mask_batch_indices=torch.tensor([1]))
+            worker.forward_batch_generation(SimpleNamespace(
+                forward_mode=Mode(kind="decode"), is_extend_in_batch=False, spec_info=object(), has_grammar=False,
+                return_logprob=False, sampling_info=masks))
+    except ValueError as e:
+        error = str(e)
+    finally:
+        DFlashWorkerV2.forward_batch_generation = real
+    stats = worker.ddtree_stats
+    return {"handed": len(handed), "error": error, "reasons": dict(stats.fallback_reasons),
+            "fallback_steps": stats.fallback_steps, "tree_steps": stats.tree_steps}
+
+
 def scheduler_state(draft_worker, *, spec: bool = True) -> dict:
     """The real `Scheduler.get_internal_state` (as hooked by `load_plugins`) on a stand-in scheduler, its answer
-    through the scheduler's own msgpack IPC encoding, as the tokenizer manager receives it."""
+    through the scheduler's own msgpack IPC encoding, as the tokenizer manager receives it. On 0.5.23 the scheduler
+    method delegates to its `SchedulerInternalStateController` (it reads the runtime context and the live pools):
+    that controller is stubbed with an answer of upstream's type and keys; the hooked scheduler method is real."""
     from sglang.srt.managers import io_struct
     from sglang.srt.managers.scheduler import Scheduler
+
+    if V23:
+        def controller_answer(recv_req):
+            state = {"last_gen_throughput": 1.0, **({"avg_spec_accept_length": 2.5} if spec else {})}
+            return io_struct.GetInternalStateReqOutput(internal_state=state)
+
+        fake = SimpleNamespace(draft_worker=draft_worker,
+                               internal_state=SimpleNamespace(get_internal_state=controller_answer))
+        answer = Scheduler.get_internal_state(fake, io_struct.GetInternalStateReq())
+        return io_struct.msgpack_decode(io_struct.msgpack_encode(answer)).internal_state
     from sglang.srt.server_args import prepare_server_args, set_global_server_args_for_scheduler
 
     set_global_server_args_for_scheduler(prepare_server_args(["--model-path", "dummy"]))
@@ -656,4 +763,5 @@ if __name__ == "__main__":
         out["sampled_steps"] = [decode_step(seed, sampled=True) for seed in range(4)]
         out["stats"] = stats_run()
         out["penalties"] = penalties()
+        out["logprob"] = logprob_dispatch()
     print(json.dumps(out))

@@ -47,8 +47,9 @@ FIELDS = tuple(flag[2:].replace("-", "_") for flag in (FLAG_MODE, FLAG_BUDGET, F
 # TEST_UNPROVEN_HYBRID serves full mode on a hybrid layer type whose proof has not passed yet
 # (ddtree_utils.HYBRID_TREE_SUPPORT): the proof's own servers, nothing else.
 TEST_UNPROVEN_HYBRID = "SGLANG_DDTREE_TEST_UNPROVEN_HYBRID"
-# TEST_V2_TREE serves full mode on SGLang 0.5.17's v2 DFLASH worker (ddtree_worker_v2.py), whose tree step has
-# not run on a GPU yet: the proof's own servers, nothing else (ddtree_v2_args.refuse_unavailable).
+# TEST_V2_TREE serves full mode on the v2 DFLASH worker of SGLang 0.5.17 / 0.5.23 (ddtree_worker_v2.py over the
+# shared ddtree_v2_step.py), whose tree step is not proven for service yet (0.5.23: on the CPU only): the proof's
+# own servers, nothing else (ddtree_v2_args.refuse_unavailable).
 TEST_V2_TREE = "SGLANG_DDTREE_TEST_V2_TREE"
 # TEST_V2_HYBRID additionally lets that tree step serve a hybrid (Gated DeltaNet) target (0.5.17's
 # ddtree_v2_hybrid.py), equally unproven: the hybrid proof's own servers, nothing else.

@@ -75,6 +75,15 @@ class DDTreeStats:
             counts = self.depth_counts = grown
         counts.index_add_(0, index, torch.ones_like(index))
 
+    def add_linear_step(self, result: Any, block_size: int) -> None:
+        """One linear DFLASH decode step of a v2 worker, from its result: counted, its graph replay, and each
+        request's accepted depth (`accept_lens - 1`, on the device)."""
+        self.steps += 1
+        self.graph_steps += bool(getattr(result, "can_run_cuda_graph", False))
+        accept_lens = getattr(result, "accept_lens", None)
+        if accept_lens is not None and accept_lens.numel():
+            self.add_accepted_depths(accept_lens - 1, block_size - 1)
+
     def depth_hist(self) -> dict[int, int]:
         """Requests by accepted depth, host and device counts together (reads the device: the stats' read)."""
         hist = collections.Counter(self.accepted_depth_hist)

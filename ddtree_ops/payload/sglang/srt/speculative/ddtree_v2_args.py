@@ -17,19 +17,21 @@ is how each base takes them:
   `handle_speculative_decoding` (after DFLASH's block size is resolved) runs the shared
   `handle_ddtree_server_args` on a view that reads the values in effect and declares its normalised values.
 
-Full mode is refused on these bases for operators: the v2 worker's tree step exists for 0.5.17 only
-(`ddtree_worker_v2.py`, 0.5.17's own glue) and has not run on a GPU yet, so it is served only under the proof
-switch `SGLANG_DDTREE_TEST_V2_TREE=1` (with `SGLANG_DDTREE_ALLOW_TEST_SWITCHES=1`, like every test switch);
-0.5.23 has no tree step and refuses full mode whatever the switches. Shadow-linear and off are accepted.
+Full mode is refused on these bases for operators: the v2 worker's tree step (the shared `ddtree_v2_step.py`
+behind each base's own adapter `ddtree_worker_v2.py`) has run on a GPU on 0.5.17 only, and on 0.5.23 (which our
+GPU carry cannot run) on the CPU only, so it is served only under the proof switch `SGLANG_DDTREE_TEST_V2_TREE=1`
+(with `SGLANG_DDTREE_ALLOW_TEST_SWITCHES=1`, like every test switch). Shadow-linear and off are accepted.
 
-Worker selection (0.5.17, switch on): importing this module registers, without applying, an AROUND hook on
-`SpeculativeAlgorithm.create_worker` with SGLang's `HookRegistry`; `load_plugins()` applies it in every process
-(17:managers/scheduler.py:4895 in each scheduler, which is spawned and never re-runs `__post_init__`, so a hook
-installed by `check_post_init` in the parent would not reach it). This module is imported by the base's patched
-`server_args.py`, which every process imports before it calls `load_plugins()`. The hook returns
-`DDTreeWorkerV2` for DFLASH only when the server args say `--speculative-ddtree-mode full`. With it, an AFTER hook
-on `Scheduler.get_internal_state` adds the tree worker's report as `ddtree` (what v1's scheduler patch adds; `/server_info`
-→ `internal_states[0].ddtree`, read by promote's gates); any other draft worker, or none, adds nothing.
+Worker selection (0.5.17 and 0.5.23, every server): importing this module registers, without applying, an AROUND
+hook on `SpeculativeAlgorithm.create_worker` with SGLang's `HookRegistry`; `load_plugins()` applies it in every
+process (17:managers/scheduler.py:4895, 23:managers/scheduler.py:6323 in each scheduler, which is spawned and never
+re-runs `__post_init__`, so a hook installed by `check_post_init` in the parent would not reach it). This module is
+imported by the base's patched server-args file, which every process imports before it calls `load_plugins()`.
+The hook returns, for DFLASH, `DDTreeShadowWorkerV2` in shadow-linear (upstream's steps, counted:
+ddtree_v2_shadow) and `DDTreeWorkerV2` in full mode under the proof switch; anything else keeps upstream's worker.
+With it, an AFTER hook on `Scheduler.get_internal_state` adds either worker's report as `ddtree` (what v1's
+scheduler patch adds; `/server_info` → `internal_states[0].ddtree`, read by promote's gates); any other draft
+worker, or none, adds nothing.
 
 Row headroom (0.5.17 and 0.5.23, every DFLASH server, no switch): an AROUND hook on the `req_to_token` row's headroom, registered
 the same way, so that a row holds a decode step's whole reservation (the section below says why).
@@ -78,8 +80,8 @@ def base_version() -> str:
 
 
 # The bases whose v2 worker has a tree step (their payload ships `ddtree_worker_v2.py`).
-TREE_STEP_BASES = ("0.5.17",)
-# The bases whose DFLASH worker the payload picks by mode (ddtree_v2_shadow; the tree step where there is one).
+TREE_STEP_BASES = ("0.5.17", "0.5.23")
+# The bases whose DFLASH worker the payload picks by mode (ddtree_v2_shadow; the tree step under its switch).
 WORKER_BASES = ("0.5.17", "0.5.23")
 # The bases whose `req_to_token` rows are too short for the v2 DFLASH reservation at page size 1 (below).
 ROW_HEADROOM_BASES = ("0.5.17", "0.5.23")
@@ -156,7 +158,12 @@ def validate(server_args: Any) -> dict[str, Any]:
     view = _InEffect(server_args)
     refuse_unavailable(view.speculative_ddtree_mode)
     _shared.handle_ddtree_server_args(view)
-    writes = object.__getattribute__(view, "_writes")
+    writes = dict(object.__getattribute__(view, "_writes"))
+    # Not a field on 0.5.23: it is derived from the algorithm (23:arg_groups/overrides.py:1928-1960), so the shared
+    # check's full-mode raise to `1 + budget` cannot be declared. The tree step's verify width reaches the target
+    # through the seams (ddtree_v2_seams, activated by the worker); the `req_to_token` row width, which 0.5.17
+    # widens through this value, stays `context + 4 + block` on 0.5.23 (bench/gpu/V2_WORKER.md §0.1).
+    writes.pop("max_speculative_num_draft_tokens", None)
     changed = {k: v for k, v in writes.items() if resolution_result(server_args, k) != v}
     if changed:
         declare_resolution(server_args, SOURCE, **changed)
@@ -190,7 +197,7 @@ def register() -> None:
     _registered = True
 
 
-# --- worker selection (shadow-linear on every v2 base; full on 0.5.17 under the proof switch) ---------------
+# --- worker selection (shadow-linear on every v2 base; full under the proof switch) -----------------------------
 
 
 def _create_worker(original: Any, algo: Any, server_args: Any) -> Any:

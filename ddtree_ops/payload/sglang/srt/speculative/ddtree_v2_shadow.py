@@ -42,7 +42,7 @@ class DDTreeShadowWorkerV2(DFlashWorkerV2):
         decode = not (mode.is_extend() or mode.is_idle())
         result = super().forward_batch_generation(batch, *args, **kwargs)
         if decode:
-            record_linear_step(self.ddtree_stats, result, int(self.block_size))
+            self.ddtree_stats.add_linear_step(result, int(self.block_size))
         return result
 
     def ddtree_internal_state(self) -> dict[str, Any]:
@@ -55,12 +55,3 @@ class DDTreeShadowWorkerV2(DFlashWorkerV2):
             verify_graph_max_bs=getattr(runner, "max_bs", None), build_graph_bs=None, build_budgets=[],
             verify_kernels=False, hybrid=None, profile=None)
 
-
-def record_linear_step(stats: _stats.DDTreeStats, result: Any, block_size: int) -> None:
-    """One linear DFLASH decode step of a batch, from its result: counted, its graph replay, and each request's
-    accepted depth (`accept_lens - 1`, on the device: no host read per step)."""
-    stats.steps += 1
-    stats.graph_steps += bool(getattr(result, "can_run_cuda_graph", False))
-    accept_lens = getattr(result, "accept_lens", None)
-    if accept_lens is not None and accept_lens.numel():
-        stats.add_accepted_depths(accept_lens - 1, block_size - 1)
