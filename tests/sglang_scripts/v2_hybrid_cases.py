@@ -258,7 +258,7 @@ def decode_run(seed: int, fault: str = "", attach: bool = True, steps_n: int = 6
         return req_to_token[req_pool_indices[:, None], cols].to(torch.int64).reshape(-1)
 
     DFlashVerifyInput.prepare_for_verify = prepare_for_verify
-    w.assign_extend_cache_locs_func = assign_cache_locs
+    wc.s.assign_extend_cache_locs_func = assign_cache_locs  # the shared step prepares the draft block
     worker = object.__new__(w.DDTreeWorkerV2)
     model = SimpleNamespace(lm_head=SimpleNamespace(weight=torch.eye(VOCAB)),
                             get_input_embeddings=lambda: (lambda ids: ids[..., None].float()))

@@ -325,7 +325,7 @@ def run_step(prefix: torch.Tensor, rows: torch.Tensor, req_to_token: torch.Tenso
         return req_to_token[req_pool_indices[:, None], cols].to(torch.int64).reshape(-1)
 
     DFlashVerifyInput.prepare_for_verify = prepare_for_verify
-    w.assign_extend_cache_locs_func = assign_cache_locs
+    s.assign_extend_cache_locs_func = assign_cache_locs  # the shared step prepares the draft block
     if worker is None:
         worker = object.__new__(w.DDTreeWorkerV2)
         worker.__dict__.update(tree_budget=BUDGET, tree_topk_cap=None, tree_keep_chain=False, sampling_rule="pytorch",

@@ -48,6 +48,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
+from sglang.srt.managers.scheduler import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from sglang.srt.speculative import ddtree_args as _args
 from sglang.srt.speculative import ddtree_stats as _stats
@@ -179,8 +181,8 @@ class StepOutputs:
 
 class DDTreeStepV2:
     """The tree step, mixed in before the base's `DFlashWorkerV2` (`class DDTreeWorkerV2(DDTreeStepV2,
-    DFlashWorkerV2)`). The adapter supplies `_draft_hidden`, `_host_reserved_cpu`, `_tree_result`, and where its
-    base needs them `_verify_input_extra`, `_full_verify_logits`, `_draft_kv_cache_loc`."""
+    DFlashWorkerV2)`). The adapter supplies `_draft_hidden` (over `_draft_block`), `_host_reserved_cpu`, and where
+    its base needs them `_verify_input_extra`, `_full_verify_logits`, `_draft_kv_cache_loc`, `_result_extra`."""
 
     _ddtree_hybrid: Any = None  # a hybrid target's recurrent layers (0.5.17's ddtree_v2_hybrid.HybridStepV2)
     # a decode batch that asks for logprobs: False refuses it (0.5.17, as upstream refuses them there); True hands it
@@ -285,9 +287,39 @@ class DDTreeStepV2:
         """The committed slots (virtual ids, `[bs * block]`) as the draft pool indexes them (0.5.23 translates)."""
         return cache_loc
 
+    def _result_extra(self, target_out: Any) -> dict[str, Any]:
+        """Extra `GenerationBatchResult` fields the base's scheduler reads (0.5.23: the verify's routed experts and
+        indexer outputs)."""
+        return {}
+
+    # ------------------------------------------------------------------ shared by the bases' draft forwards
+    def _draft_block(self, batch: Any, draft_input: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Upstream's draft block (its eager prepare-block path, the same on both bases): the ids `[bs, block]`
+        (the bonus, then the mask token), the positions `prefix + j` `[bs, block]`, and the block's slots in each
+        request's reserved row `[bs * block]`."""
+        bs, block = len(batch.seq_lens), int(self.block_size)
+        self._ensure_draft_block_buffers(bs)
+        prefix_lens = batch.seq_lens
+        block_ids = self._draft_block_ids_buf[:bs]
+        block_ids.fill_(int(self._mask_token_id))
+        block_ids[:, 0].copy_(draft_input.bonus_tokens)
+        positions = self._draft_block_positions_buf[:bs]
+        torch.add(prefix_lens.unsqueeze(1), self._block_pos_offsets, out=positions)
+        cache_loc = assign_extend_cache_locs_func(
+            req_pool_indices=batch.req_pool_indices, req_to_token=self.model_runner.req_to_token_pool.req_to_token,
+            start_offset=prefix_lens, end_offset=prefix_lens + block, batch_size=bs, draft_token_num=block,
+            device=self.device,
+        )
+        return block_ids, positions, cache_loc
+
     def _tree_result(self, target_out: Any, outputs: StepOutputs) -> Any:
-        """The base's `GenerationBatchResult` for `outputs`."""
-        raise NotImplementedError
+        return GenerationBatchResult(
+            logits_output=outputs.logits_output, next_token_ids=outputs.next_token_ids,
+            accept_lens=outputs.accept_lens, can_run_cuda_graph=outputs.can_run_cuda_graph,
+            next_draft_input=outputs.next_draft_input,
+            speculative_num_draft_tokens=outputs.speculative_num_draft_tokens, new_seq_lens=outputs.new_seq_lens,
+            **self._result_extra(target_out),
+        )
 
     # ------------------------------------------------------------------ the step
     def _build_tree(self, draft_hidden: torch.Tensor) -> DDTree:

@@ -21,7 +21,6 @@ import logging
 from typing import Any
 
 import torch
-from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
 from sglang.srt.configs.hybrid_arch import mambaish_config
 from sglang.srt.managers.scheduler import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
@@ -30,7 +29,6 @@ from sglang.srt.speculative import ddtree_v2_hybrid as _hybrid
 from sglang.srt.speculative.ddtree_v2_step import (
     DDTreeStepV2,
     DDTreeV2Refused,
-    StepOutputs,
     host_prefix_bounds,
     settings_refusal,
 )
@@ -92,19 +90,8 @@ class DDTreeWorkerV2(DDTreeStepV2, DFlashWorkerV2):
     def _draft_hidden(self, batch: Any, draft_input: Any) -> torch.Tensor:
         """Upstream's draft forward (17:dflash_worker_v2.py:1479-1628, its eager prepare-block path and the
         non-windowed host bound); returns the draft's hidden states `[bs, block, hidden]`."""
-        bs, block = len(batch.seq_lens), int(self.block_size)
-        self._ensure_draft_block_buffers(bs)
-        prefix_lens = batch.seq_lens
-        req_to_token = self.model_runner.req_to_token_pool.req_to_token
-        block_ids = self._draft_block_ids_buf[:bs]
-        block_ids.fill_(int(self._mask_token_id))
-        block_ids[:, 0].copy_(draft_input.bonus_tokens)
-        positions_2d = self._draft_block_positions_buf[:bs]
-        torch.add(prefix_lens.unsqueeze(1), self._block_pos_offsets, out=positions_2d)
-        cache_loc = assign_extend_cache_locs_func(
-            req_pool_indices=batch.req_pool_indices, req_to_token=req_to_token, start_offset=prefix_lens,
-            end_offset=prefix_lens + block, batch_size=bs, draft_token_num=block, device=self.device,
-        )
+        bs, block, prefix_lens = len(batch.seq_lens), int(self.block_size), batch.seq_lens
+        block_ids, positions_2d, cache_loc = self._draft_block(batch, draft_input)
         seq_lens_cpu, _ = host_prefix_bounds(batch.seq_lens_cpu, draft_input.reserved_seq_lens_cpu, block)
         if seq_lens_cpu is None:
             seq_lens_cpu = prefix_lens.to("cpu", dtype=torch.int64)  # upstream's last resort (a host sync)
@@ -122,14 +109,3 @@ class DDTreeWorkerV2(DDTreeStepV2, DFlashWorkerV2):
         if hidden is None:
             raise RuntimeError("DFLASH draft model returned no hidden states.")
         return hidden.view(bs, block, -1)
-
-    def _tree_result(self, target_out: Any, outputs: StepOutputs) -> GenerationBatchResult:
-        return GenerationBatchResult(
-            logits_output=outputs.logits_output,
-            next_token_ids=outputs.next_token_ids,
-            accept_lens=outputs.accept_lens,
-            can_run_cuda_graph=outputs.can_run_cuda_graph,
-            next_draft_input=outputs.next_draft_input,
-            speculative_num_draft_tokens=outputs.speculative_num_draft_tokens,
-            new_seq_lens=outputs.new_seq_lens,
-        )

@@ -38,7 +38,6 @@ import logging
 from typing import Any
 
 import torch
-from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
 from sglang.srt.configs.hybrid_arch import mambaish_config
 from sglang.srt.lora.layers import unwrap_lora_layer
 from sglang.srt.managers.scheduler import GenerationBatchResult
@@ -52,7 +51,6 @@ from sglang.srt.speculative import ddtree_args as _args
 from sglang.srt.speculative.ddtree_v2_step import (
     DDTreeStepV2,
     DDTreeV2Refused,
-    StepOutputs,
     TreeVerify,
     host_prefix_bounds,
     settings_refusal,
@@ -154,19 +152,8 @@ class DDTreeWorkerV2(DDTreeStepV2, DFlashWorkerV2):
     def _draft_hidden(self, batch: Any, draft_input: Any) -> torch.Tensor:
         """Upstream's draft forward (23:2503-2688, its eager prepare-block path, the non-windowed host bound, no
         draft sampler); returns the draft's hidden states `[bs, block, hidden]`."""
-        bs, block = len(batch.seq_lens), int(self.block_size)
-        self._ensure_draft_block_buffers(bs)
-        prefix_lens = batch.seq_lens
-        req_to_token = self.model_runner.req_to_token_pool.req_to_token
-        block_ids = self._draft_block_ids_buf[:bs]
-        block_ids.fill_(int(self._mask_token_id))
-        block_ids[:, 0].copy_(draft_input.bonus_tokens)
-        positions_2d = self._draft_block_positions_buf[:bs]
-        torch.add(prefix_lens.unsqueeze(1), self._block_pos_offsets, out=positions_2d)
-        cache_loc = assign_extend_cache_locs_func(
-            req_pool_indices=batch.req_pool_indices, req_to_token=req_to_token, start_offset=prefix_lens,
-            end_offset=prefix_lens + block, batch_size=bs, draft_token_num=block, device=self.device,
-        )
+        bs, block, prefix_lens = len(batch.seq_lens), int(self.block_size), batch.seq_lens
+        block_ids, positions_2d, cache_loc = self._draft_block(batch, draft_input)
         if self._full_embed_gpu is not None:
             embeds = torch.nn.functional.embedding(block_ids, self._full_embed_gpu)
         else:
@@ -214,15 +201,6 @@ class DDTreeWorkerV2(DDTreeStepV2, DFlashWorkerV2):
         # (writes only: no read table is built from this plan, so no host lengths are needed)
         return self._draft_write_ids(self._plan(batch, cache_loc, int(self.block_size), None))
 
-    def _tree_result(self, target_out: Any, outputs: StepOutputs) -> GenerationBatchResult:
-        return GenerationBatchResult(
-            logits_output=outputs.logits_output,
-            next_token_ids=outputs.next_token_ids,
-            accept_lens=outputs.accept_lens,
-            can_run_cuda_graph=outputs.can_run_cuda_graph,
-            next_draft_input=outputs.next_draft_input,
-            speculative_num_draft_tokens=outputs.speculative_num_draft_tokens,
-            new_seq_lens=outputs.new_seq_lens,
-            routed_experts_output=target_out.routed_experts_output,
-            indexer_topk_output=target_out.indexer_topk_output,
-        )
+    def _result_extra(self, target_out: Any) -> dict[str, Any]:
+        return {"routed_experts_output": target_out.routed_experts_output,
+                "indexer_topk_output": target_out.indexer_topk_output}
