@@ -162,7 +162,7 @@ def validate(server_args: Any) -> dict[str, Any]:
     # Not a field on 0.5.23: it is derived from the algorithm (23:arg_groups/overrides.py:1928-1960), so the shared
     # check's full-mode raise to `1 + budget` cannot be declared. The tree step's verify width reaches the target
     # through the seams (ddtree_v2_seams, activated by the worker); the `req_to_token` row width, which 0.5.17
-    # widens through this value, stays `context + 4 + block` on 0.5.23 (bench/gpu/V2_WORKER.md §0.1).
+    # widens through this value, is sized on 0.5.23 by the row-headroom hook below, from the `spec` bag's mode.
     writes.pop("max_speculative_num_draft_tokens", None)
     changed = {k: v for k, v in writes.items() if resolution_result(server_args, k) != v}
     if changed:
