@@ -90,7 +90,7 @@ ROW_HEADROOM_TARGET = "sglang.srt.mem_cache.allocation_sizing.get_req_to_token_e
 LINEAR_PENALTY_BASES = ("0.5.17", "0.5.23")
 # The bases whose min_new_tokens penalizer also holds back a request's own (the model's) eos ids
 # (23:sampling/penaltylib/min_new_tokens.py:39; 0.5.17's, like 0.5.13.post1's, only the tokenizer's and the stop ids).
-MODEL_EOS_STOP_BASES = ("0.5.23",)
+REQ_EOS_STOP_BASES = ("0.5.23",)
 PREPARE_VERIFY_TARGET = "sglang.srt.speculative.dflash_info.DFlashVerifyInput.prepare_for_verify"
 ADJUSTMENTS_TARGET = "sglang.srt.speculative.dflash_utils.apply_dflash_verify_logits_adjustments"
 # The bases whose greedy verify may skip the adjustments on a vocab-sharded target (ddtree_v2_penalties).

@@ -84,7 +84,7 @@ def exact_verify_adjustments(logits: torch.Tensor, info: Any, reqs: Any, *, pare
 
 def req_eos_stops() -> bool:
     """Whether plain's min_new_tokens holds back a request's own eos ids on this base."""
-    return _v2args.base_version() in _v2args.MODEL_EOS_STOP_BASES
+    return _v2args.base_version() in _v2args.REQ_EOS_STOP_BASES
 
 
 # --- upstream's linear step ----------------------------------------------------------------------------------
