@@ -135,11 +135,10 @@ def penalise_and_bias(
     token first, as `path_tokens` reads them) of the requests `reqs`; returns whether anything was applied.
     Requests at neutral settings are skipped: when none is penalised, no host read of device data. `req_eos` as
     in `request_penalties`."""
-    settings = [request_penalties(req, req_eos=req_eos) for req in reqs]
-    rows = [i for i, p in enumerate(settings) if p.active]
+    rows = [i for i, req in enumerate(reqs) if is_penalised(req)]
     if rows:
         kw = {"scale_fn": fn} if (fn := sglang_scale_fn(logits)) is not None else {}
-        apply_verify_penalties(logits, rows, [settings[i] for i in rows],
+        apply_verify_penalties(logits, rows, [request_penalties(reqs[i], req_eos=req_eos) for i in rows],
                                path_tokens(parents, depths, tokens, max_depth), depths, order=order, **kw)
     if logit_bias is not None:
         logits.add_(logit_bias[:, None, :])

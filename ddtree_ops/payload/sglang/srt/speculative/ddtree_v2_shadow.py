@@ -38,8 +38,7 @@ class DDTreeShadowWorkerV2(DFlashWorkerV2):
         self.ddtree_stats = _stats.DDTreeStats()
 
     def forward_batch_generation(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
-        mode = batch.forward_mode  # read first: the verify sets TARGET_VERIFY on the batch
-        decode = not (mode.is_extend() or mode.is_idle())
+        decode = is_decode(batch)  # read first: the verify sets TARGET_VERIFY on the batch
         result = super().forward_batch_generation(batch, *args, **kwargs)
         if decode:
             self.ddtree_stats.add_linear_step(result, int(self.block_size))
@@ -55,3 +54,9 @@ class DDTreeShadowWorkerV2(DFlashWorkerV2):
             verify_graph_max_bs=getattr(runner, "max_bs", None), build_graph_bs=None, build_budgets=[],
             verify_kernels=False, hybrid=None, profile=None)
 
+
+def is_decode(batch: Any) -> bool:
+    """Whether upstream's v2 step runs this batch as a decode (its prefill path takes extend batches, and with DP
+    attention a batch some rank extends; idle batches verify nothing)."""
+    mode = batch.forward_mode
+    return not (mode.is_extend() or getattr(batch, "is_extend_in_batch", False) or mode.is_idle())

@@ -59,6 +59,7 @@ from sglang.srt.speculative import ddtree_v2_seams as _seams
 from sglang.srt.speculative.ddtree_commit import commit_tree
 from sglang.srt.speculative.ddtree_sampling import sampled_rows, tree_walk
 from sglang.srt.speculative.ddtree_utils import DDTree, build_ddtree
+from sglang.srt.speculative.ddtree_v2_shadow import is_decode
 from sglang.srt.speculative.ddtree_verify_step import tree_custom_mask_bounded
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
@@ -240,7 +241,7 @@ class DDTreeStepV2:
     def ddtree_forward(self, batch: Any, on_publish: Any, upstream: Any) -> Any:
         """A decode batch through the tree step; prefill, idle and the batches the tree step does not serve through
         `upstream()` (the base's own `forward_batch_generation`)."""
-        decode = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle())
+        decode = is_decode(batch)
         reason = None
         if decode:
             if batch.spec_info is None:
