@@ -5,8 +5,10 @@ the attempt; a server that never goes down is reported alive after every probe."
 from __future__ import annotations
 
 import json
+import select
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,20 +17,44 @@ from http_stand_in import JSONHandler, serve
 GPU = Path(__file__).resolve().parents[1] / "bench" / "gpu"
 
 
+def _client_gone(sock, wait_s: float) -> bool:
+    """Whether the client closed its end within wait_s (readable with nothing to read is EOF)."""
+    readable, _, _ = select.select([sock], [], [], wait_s)
+    return bool(readable) and not sock.recv(1, 0)
+
+
 def _stand_in(dies_after):
     """dies_after(body, aborted, seen) -> bool: whether this request takes the server down; `seen` counts the
-    requests of the same shape so far (the probe sends each kind twice)."""
+    requests of the same shape so far (the probe sends each kind twice).
+
+    Deterministic on a loaded machine: a stream is paced and watches for the client's close, so a probe that
+    breaks off is always seen as aborted (a whole stream fits the socket buffers, so a failed write is not a
+    signal); and /health answers only once no request is in flight, as SGLang's idle check runs only then."""
     down: list[bool] = []
     seen: dict[tuple, int] = {}
+    in_flight = [0]
+    idle = threading.Condition()
 
     class Handler(JSONHandler):
         def do_GET(self):
+            with idle:
+                idle.wait_for(lambda: in_flight[0] == 0, timeout=60)
             if down:
                 self.send_error(503)
                 return
             self.send_json({})
 
         def do_POST(self):
+            with idle:
+                in_flight[0] += 1
+            try:
+                self._generate()
+            finally:
+                with idle:
+                    in_flight[0] -= 1
+                    idle.notify_all()
+
+        def _generate(self):
             body = self.read_json()
             sp = body["sampling_params"]
             shape = (len(body["input_ids"]), sp["max_new_tokens"], bool(body.get("stream")))
@@ -42,6 +68,9 @@ def _stand_in(dies_after):
                     for _ in range(sp["max_new_tokens"]):
                         self.wfile.write(b'data: {"output_ids": [1]}\n\n')
                         self.wfile.flush()
+                        if _client_gone(self.connection, 0.02):
+                            aborted = True
+                            break
                 except (BrokenPipeError, ConnectionResetError):
                     aborted = True
             else:
