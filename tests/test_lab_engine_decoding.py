@@ -37,10 +37,11 @@ def models(tmp_path_factory):
 
 
 def decoder(models, speculative: bool, mode: str, *, budget=None, topk_cap=None, keep_chain=False, draft=None,
-            ddtree=du, corruption=None, auto=None) -> Decoder:
+            ddtree=du, corruption=None, auto=None, shadow_builds_trees=True) -> Decoder:
     return Decoder(models.target, capacity=CONTEXT + 64, draft=(draft or models.draft) if speculative else None,
                    mode=mode, budget=budget, topk_cap=topk_cap, keep_chain=keep_chain,
-                   ddtree=ddtree if mode != "off" else None, corruption=corruption, auto=auto)
+                   ddtree=ddtree if mode != "off" else None, corruption=corruption, auto=auto,
+                   shadow_builds_trees=shadow_builds_trees)
 
 
 def make_requests(specs) -> list[Request]:
@@ -227,3 +228,19 @@ def test_tree_stats_have_the_worker_keys(models):
     assert st["mode"] == "full" and st["budget"] == 15 and st["steps"] == st["tree_steps"] == dec.spec.forward_ct
     assert sum(st["accepted_depth_hist"].values()) == st["steps"] and st["build_samples"] == st["steps"]
     assert st["avg_tree_nodes"] == 16.0 and st["keep_chain"] is False
+
+
+@pytest.mark.parametrize("builds_trees", [True, False])
+def test_shadow_stats_are_the_host_payload_s(models, builds_trees):
+    # v1's shadow-linear builds (and measures) the tree it never verifies; a v2 base's worker builds none, so a lab
+    # host on 0.5.17 / 0.5.23 reports what a real v2 server reports: steps and depths, no build figures.
+    spec = {"prompt": [1, 2, 3], "max_new": 30, "stops": [], "ignore_eos": True, "choice": Choice(greedy=True)}
+    (want,), _, _ = outputs(models, MODES[1], [spec], [0])
+    (got,), _, dec = outputs(models, MODES[2], [spec], [0], shadow_builds_trees=builds_trees)
+    st = dec.tree_stats.internal_state()
+    assert got == want and st["mode"] == "shadow-linear" and st["steps"] == dec.spec.forward_ct > 0
+    assert sum(st["accepted_depth_hist"].values()) == st["steps"]
+    if builds_trees:
+        assert st["build_samples"] == st["steps"] and st["avg_tree_nodes"] == 16.0 and st["build_budgets"] == [15]
+    else:
+        assert st["build_samples"] == 0 and st["avg_tree_nodes"] == 0.0 and st["build_budgets"] == []

@@ -135,6 +135,9 @@ def test_mixed_fleet_push_smoke_promote_rollback(mixed, tmp_path: Path) -> None:
         assert all(g["verdict"] == "pass" for g in shadow[h]["data"]["gates"]), shadow[h]["data"]["gates"]
         info = server_info(lab_fleet, h)
         assert info["version"] == v and info["speculative_ddtree_mode"] == "shadow-linear", info
+        # As each base's real worker reports: v1's shadow-linear builds the trees it never verifies, v2's none.
+        report = info["internal_states"][0]["ddtree"]
+        assert report["mode"] == "shadow-linear" and bool(report["build_budgets"]) == (h == OLD), report
     rows = by_host(cli_json("status", "-i", str(inv)))
     assert {h: rows[h]["data"]["payload_base"]["label"] for h in VERSIONS} == {OLD: "0.5.13.post1 v1",
                                                                                 NEW: "0.5.23 v2"}

@@ -93,6 +93,8 @@ class TreeStats:
     # steps it gave the chain (linear verify).
     auto: Any = None
     chain_steps: int = 0
+    # A v2 base's shadow-linear worker builds no trees (upstream's draft graph returns tokens only).
+    builds_trees: bool = True
 
     def record_build(self, ms: float) -> None:
         if self.build_ms_first is None:
@@ -114,7 +116,7 @@ class TreeStats:
             "verify_graph_max_bs": None,
             "build_graph_bs": None,
             "build_budgets": ([c.budget for c in self.auto.candidates if c.budget > 0] if self.auto is not None
-                              else [self.budget]),
+                              else [self.budget] if self.builds_trees else []),
             "hybrid": None,
             "verify_kernels": False,
             "profile": None,
@@ -190,6 +192,7 @@ class Decoder:
         ddtree: ModuleType | None = None,
         corruption: Corruption | None = None,
         auto: Any = None,
+        shadow_builds_trees: bool = True,
     ) -> None:
         if mode != "off" and ddtree is None:
             raise ValueError(f"DDTree mode {mode} needs the payload's ddtree_utils module")
@@ -205,6 +208,11 @@ class Decoder:
         self.ddtree = ddtree
         self.corruption = corruption or Corruption()
         self.tree_stats = TreeStats(mode, self.budget, topk_cap, keep_chain) if mode != "off" else None
+        # As the host's payload does: v1's shadow-linear builds and measures the tree it never verifies, a v2
+        # base's (`ddtree_v2_shadow`) builds none and reports no build figures.
+        self.shadow_builds_trees = shadow_builds_trees
+        if self.tree_stats is not None and mode == "shadow-linear":
+            self.tree_stats.builds_trees = shadow_builds_trees
         # The payload's ddtree_auto_budget.AutoBudget (full mode, --speculative-ddtree-budget auto).
         self.auto = auto
         if self.tree_stats is not None:
@@ -246,7 +254,7 @@ class Decoder:
         elif self.mode == "full":
             self._tree_verify(reqs, draft_logits)
         else:
-            if self.mode == "shadow-linear":
+            if self.mode == "shadow-linear" and self.shadow_builds_trees:
                 self._build_tree(draft_logits, self.budget)  # built and measured, never used: the verify stays linear
             self._linear_verify(reqs, draft_logits)
 

@@ -43,6 +43,13 @@ def _ddtree_module(server_args: Any) -> ModuleType | None:
     return ddtree_utils
 
 
+def _v2_payload() -> bool:
+    """Whether the host's payload is a v2 base's (SGLang 0.5.14+), whose shadow-linear worker builds no trees."""
+    import importlib.util
+
+    return importlib.util.find_spec("sglang.srt.speculative.ddtree_v2_shadow") is not None
+
+
 def refuse_full_mode(server_args: Any, ddtree: ModuleType | None, model_config: dict) -> None:
     """Raise the payload's DDTreeRefused where its worker would refuse full mode at start."""
     if ddtree is None or server_args.speculative_ddtree_mode != "full":
@@ -93,6 +100,7 @@ def build(server_args: Any, faults: Faults, ddtree: ModuleType | None) -> tuple[
         ddtree=ddtree,
         corruption=Corruption(faults.wrong_tokens_after if ddtree is not None else None),
         auto=auto,
+        shadow_builds_trees=ddtree is None or not _v2_payload(),
     )
     scheduler = Scheduler(decoder, faults, int(server_args.max_running_requests or 48))
     tokenizer = _tokenizer(server_args.tokenizer_path or server_args.model_path)
