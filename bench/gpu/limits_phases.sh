@@ -87,7 +87,7 @@ wait $P1 $P2 $P3 $P4 $P5 $P6
 ts "A1 done (workloads made)"
 # A2
 JOBS=()
-for t in r_dflash r_full15 r_full64 r_full256 r_auto r_full64_eager; do has $t && { ( work $t mix; work $t limits ) & JOBS+=($!); }; done
+for t in r_dflash r_shadow r_full15 r_full64 r_full256 r_auto r_full64_eager; do has $t && { ( work $t mix; work $t limits ) & JOBS+=($!); }; done
 for t in q_dflash q_full64 q_full512 q_auto; do has $t && { ( work $t limits ) & JOBS+=($!); }; done
 for t in h_dflash h_full15 h_full64 h_full256 h_full64_deepest k_dflash k_full64 k_full256 k_full64_deepest \
          x_dflash x_full64 x_full256 x_full64_deepest; do
@@ -131,10 +131,10 @@ MIXC=(python3 $HERE/production_mix.py compare "$OUT")
   echo "--- builder and verify-step Triton tests on the GPU"; tail -3 "$OUT/triton_tests.log" 2>/dev/null
   if has r_plain; then
     echo "--- production mix (r, context 1024, graphs on)"
-    "${MIXC[@]}" r_plain --suffix _mix -- $(served r_dflash r_full15 r_full64 r_full256 r_auto r_full64_eager); echo "rc=$?"
+    "${MIXC[@]}" r_plain --suffix _mix -- $(served r_dflash r_shadow r_full15 r_full64 r_full256 r_auto r_full64_eager); echo "rc=$?"
     echo "--- limits: a graph batch of 32 at --context-length 1024"
     "${MIXC[@]}" r_plain --suffix _limits --expect-dead $(served r_dflash_pristine) -- \
-      $(served r_dflash r_full15 r_full64 r_full256 r_auto r_full64_eager r_dflash_pristine); echo "rc=$?"
+      $(served r_dflash r_shadow r_full15 r_full64 r_full256 r_auto r_full64_eager r_dflash_pristine); echo "rc=$?"
   fi
   if has q_plain; then
     echo "--- limits: a graph batch of 8 at --context-length 4096"

@@ -415,7 +415,7 @@ def cmd_compare(a: argparse.Namespace) -> int:
         row.update(idle_kv_tokens=cand.get("idle_kv_tokens"), alive=cand.get("alive"), aborted=len(aborts),
                    round1_s=round(cand["round1_s"], 2), round2_s=round(cand["round2_s"], 2),
                    avg_spec_accept_length=st.get("avg_spec_accept_length"),
-                   ddtree={k: dd.get(k) for k in ("tree_steps", "fallback_steps", "shrunk_steps", "padded_steps",
+                   ddtree={k: dd.get(k) for k in ("mode", "steps", "tree_steps", "fallback_steps", "shrunk_steps", "padded_steps",
                                                    "graph_steps", "fallback_reasons", "avg_tree_nodes", "budget")}
                    if dd else None)
         ok = row["fault"] == 0 and row.get("idle_kv_tokens") == 0 and row.get("alive")

@@ -252,6 +252,7 @@ if [ "${LIMITS:-0}" = 1 ]; then
   VARIANTS=(
     "r_full64|/tmp/tiny_r|$FULL 64"  # first: starts alone, warms the JIT caches
     "r_plain|/tmp/tiny_r|" "r_dflash|/tmp/tiny_r|DF" "r_full15|/tmp/tiny_r|$FULL 15" "r_full256|/tmp/tiny_r|$FULL 256"
+    "r_shadow|/tmp/tiny_r|DF --speculative-ddtree-mode shadow-linear --speculative-ddtree-budget 64"
     "q_plain|/tmp/tiny_r|CTX4K" "q_dflash|/tmp/tiny_r|DF CTX4K" "q_full64|/tmp/tiny_r|$FULL 64 CTX4K"
     "q_full512|/tmp/tiny_r|$FULL 512 CTX4K"
     "p_plain|/tmp/tiny_p|" "p_dflash|/tmp/tiny_p|DF" "p_full64|/tmp/tiny_p|$FULL 64"
