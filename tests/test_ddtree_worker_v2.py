@@ -32,7 +32,6 @@ from ddtree_ops import gates, rollout
 from tests.test_payload_v2 import site_report, wheel_site
 
 SCRIPT = Path(__file__).parent / "sglang_scripts" / "v2_worker_cases.py"
-BASE = "0.5.17"  # the first tree step's base: test_ddtree_v2_attention runs on its `site`
 BASES = ("0.5.17", "0.5.23")  # every base with a tree step (ddtree_v2_args.TREE_STEP_BASES)
 SWITCHES = {"SGLANG_DDTREE_TEST_V2_TREE": "1", "SGLANG_DDTREE_ALLOW_TEST_SWITCHES": "1"}
 
@@ -46,11 +45,6 @@ def payload_site(base: str, tmp_path_factory) -> Path:
         if rel.endswith(".py") and "/speculative/" in rel:
             shutil.copyfile(src, site / rel)
     return site
-
-
-@pytest.fixture(scope="module")
-def site(tmp_path_factory) -> Path:
-    return payload_site(BASE, tmp_path_factory)
 
 
 @pytest.fixture(scope="module", params=BASES)

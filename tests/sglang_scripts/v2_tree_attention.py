@@ -1,6 +1,7 @@
-"""Run inside an unpacked SGLang 0.5.17 tree (on PYTHONPATH, the 0.5.17 payload's files beside it) under Triton's CPU
-interpreter (TRITON_INTERPRET=1): the tree verify's attention, as the v2 tree step feeds it, through 0.5.17's real
-triton backend and its real extend-attention kernel, eager and from the CUDA-graph buffers; print one JSON object.
+"""Run inside an unpacked SGLang 0.5.17 or 0.5.23 tree (on PYTHONPATH, that base's payload files beside it) under
+Triton's CPU interpreter (TRITON_INTERPRET=1): the tree verify's attention, as the v2 tree step feeds it, through the
+base's real triton backend and its real extend-attention kernel, eager and from the CUDA-graph buffers; print one
+JSON object.
 
 What it settles on the CPU that reading alone had decided (bench/gpu/V2_WORKER.md §0.1, point 3): the step's
 `tree_verify_input` mask (bool, `n x (prefix + n)` per request, sized by a host bound above the true prefix total)
@@ -14,8 +15,11 @@ Controls (each must differ from the oracle on branching trees): the same tokens 
 rule: no custom mask), and the mask in a wrong layout (rows of `n` keys, the prefix left out).
 
 Stand-ins, only where the real thing needs a model runner: the backend is the real class made without `__init__`
-and given the attributes its verify paths read; the layer is a namespace with RadixAttention's fields; the KV pool
-holds K / V per slot in two tensors (`get_key_buffer` / `get_value_buffer`).
+and given the attributes its verify paths read (either base's: an attribute one base does not read is inert there);
+the layer is a namespace with RadixAttention's fields; the KV pool holds K / V per slot in two tensors
+(`get_key_buffer` / `get_value_buffer`). 0.5.23 reads the prefix's slots through the step's `KVLocPlan` and the
+runner's `KVIndexTranslator`: both real (a static pool's pass-through translator), the plan made by the base
+adapter's own `_verify_input_extra` and bound to the batch as `ForwardBatch.init_new` binds it.
 
 Usage: TRITON_INTERPRET=1 python v2_tree_attention.py
 """
@@ -33,10 +37,15 @@ from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
 from sglang.srt.speculative import ddtree_v2_seams as seams
 from sglang.srt.speculative import ddtree_v2_step as w  # the shared tree step
+from sglang.srt.speculative import ddtree_worker_v2 as adapter
 from sglang.srt.speculative import dflash_utils
 from sglang.srt.speculative.ddtree_utils import build_ddtree
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.version import __version__
+
+if __version__ == "0.5.23":
+    from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
 CONTEXT = 64  # the model's context length: sizes the graph mask buffer, as max_context_len does upstream
@@ -58,7 +67,16 @@ class Pool:
         return self.v
 
 
-def make_backend(req_to_token: torch.Tensor, pool: Pool, max_bs: int) -> TritonAttnBackend:
+def translator(req_to_token: torch.Tensor) -> KVIndexTranslator | None:
+    """0.5.23's runner's translator for a static pool (ids index the pool as they are); 0.5.17 has none."""
+    if __version__ != "0.5.23":
+        return None
+    return KVIndexTranslator(req_to_token=req_to_token, token_to_kv_pool_allocator=None, token_to_kv_pool=None,
+                             page_size=1, device="cpu")
+
+
+def make_backend(req_to_token: torch.Tensor, pool: Pool, max_bs: int,
+                 trans: KVIndexTranslator | None) -> TritonAttnBackend:
     b = TritonAttnBackend.__new__(TritonAttnBackend)
     b.extend_attention_fwd = extend_attention_fwd
     b.device = torch.device("cpu")
@@ -85,6 +103,15 @@ def make_backend(req_to_token: torch.Tensor, pool: Pool, max_bs: int) -> TritonA
     b.mask_indptr = torch.zeros(max_bs + 1, dtype=torch.int64)
     b.forward_metadata = None
     b._verify_mask = None
+    # 0.5.23's: the fallback verify width its __init__ reads through the runner (hooked by the seams), the KV ids'
+    # translator, and the paths a verify must not take (DLLM, ROCm's split-KV verify, FP8 chunked prefill)
+    b.target_verify_num_tokens_per_req = SpeculativeAlgorithm.DFLASH.get_num_tokens_per_req_for_target_verify(
+        BLOCK, False)
+    b.kv_index_translator = trans
+    b.dllm_attention = None
+    b.use_verify_shared_kv = b.use_dense_fp8_chunked_prefill = False
+    b._dense_one_shot_kv_indptr = None
+    b.lean_total_programs, b.lean_block_m = 1, 16
     return b
 
 
@@ -116,12 +143,30 @@ def oracle(q, k_ext, v_ext, pool, req_to_token, rows, prefix, parents, n) -> tor
 
 
 def verify_batch(bs: int, prefix: list[int], rows: torch.Tensor, seq_lens_sum: int, spec_info,
-                 out_cache_loc) -> SimpleNamespace:
-    return SimpleNamespace(
+                 out_cache_loc, trans: KVIndexTranslator | None = None) -> SimpleNamespace:
+    fb = SimpleNamespace(
         forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, req_pool_indices=rows, seq_lens=torch.tensor(prefix, dtype=torch.int64),
         seq_lens_sum=seq_lens_sum, seq_lens_cpu=torch.tensor(prefix), spec_info=spec_info,
-        out_cache_loc=out_cache_loc, encoder_lens=None,
+        out_cache_loc=out_cache_loc, encoder_lens=None, mha_one_shot=False, attn_attend_prefix_cache=None,
+        extend_seq_lens_cpu=None, kv_loc_plan=None, kv_loc_cols=None,
     )
+    plan = getattr(spec_info, "kv_loc_plan", None)
+    if plan is not None:  # as ForwardBatch.init_new binds it (a graph replay's view carries the live batch's plan)
+        plan.bind(fb, trans)
+        fb.out_cache_loc = out_cache_loc  # a replay writes through the runner's padded slots
+    return fb
+
+
+def verify_extra(tree_verify: w.TreeVerify, rows: torch.Tensor, prefix: list[int], n: int,
+                 trans: KVIndexTranslator | None) -> dict:
+    """The fields the base's adapter adds to the verify input (`_verify_input_extra`; 0.5.23: the verify's own
+    `KVLocPlan`), from a worker made without `__init__` holding only the runner's translator."""
+    worker = adapter.DDTreeWorkerV2.__new__(adapter.DDTreeWorkerV2)
+    worker.__dict__["_target_worker"] = SimpleNamespace(model_runner=SimpleNamespace(kv_index_translator=trans))
+    prefix_t = torch.tensor(prefix, dtype=torch.int64)
+    batch = SimpleNamespace(req_pool_indices=rows, seq_lens=prefix_t, seq_lens_cpu=prefix_t,
+                            spec_info=SimpleNamespace(nxt_kv_lens_cpu=None))
+    return worker._verify_input_extra(batch, tree_verify, n, prefix_t + n)
 
 
 def run_attention(backend, fb, q, k_ext, v_ext) -> torch.Tensor:
@@ -160,6 +205,8 @@ def trial(seed: int) -> dict:
     bonus = torch.randint(0, vocab, (bs,), generator=gen)
     bound = sum(prefix) + rng.choice([0, 0, 7])  # the host's bound may exceed the true total
     v = w.tree_verify_input(tree, bonus, torch.tensor(prefix), req_to_token, rows, bound)
+    trans = translator(req_to_token)  # the target runner's, shared by its backend and its batches
+    extra = verify_extra(v, rows, prefix, n, trans)
 
     q = torch.randn((bs * n, HEADS, DIM), generator=gen)
     k_ext = torch.randn((bs * n, KV_HEADS, DIM), generator=gen)
@@ -169,11 +216,11 @@ def trial(seed: int) -> dict:
 
     def spec(mask) -> DFlashVerifyInput:
         return DFlashVerifyInput(draft_token=v.tokens, positions=v.positions, draft_token_num=n, custom_mask=mask,
-                                 capture_hidden_mode=CaptureHiddenMode.FULL)
+                                 capture_hidden_mode=CaptureHiddenMode.FULL, **extra)
 
     def eager(mask) -> float:
-        backend = make_backend(req_to_token, pool, graph_bs + 2)
-        fb = verify_batch(bs, prefix, rows, sum(prefix), spec(mask), v.out_cache_loc)
+        backend = make_backend(req_to_token, pool, graph_bs + 2, trans)
+        fb = verify_batch(bs, prefix, rows, sum(prefix), spec(mask), v.out_cache_loc, trans)
         backend.init_forward_metadata(fb)
         return float((run_attention(backend, fb, q, k_ext, v_ext) - want).abs().max())
 
@@ -184,7 +231,7 @@ def trial(seed: int) -> dict:
         if seamed:
             seams.activate(seams.SeamSettings(block_size=BLOCK, verify_width=n))
         try:
-            backend = make_backend(req_to_token, pool, graph_bs + 2)
+            backend = make_backend(req_to_token, pool, graph_bs + 2, trans)
             backend.init_cuda_graph_state(graph_bs, graph_bs * n)
             widened = backend._verify_mask.buffer.numel() == graph_bs * n * (CONTEXT + n)
             uint8 = backend._verify_mask.buffer.dtype == torch.uint8
@@ -198,7 +245,7 @@ def trial(seed: int) -> dict:
                 verify_batch(graph_bs, pad_prefix, pad_rows, sum(pad_prefix), capture_spec, None), in_capture=True)
             backend._verify_mask.buffer.fill_(1)  # what capture left behind must not leak into a replay
             pad_loc = torch.cat([v.out_cache_loc, torch.zeros((graph_bs - bs) * n, dtype=torch.int64)])
-            fb = verify_batch(graph_bs, pad_prefix, pad_rows, sum(pad_prefix), spec(v.custom_mask), pad_loc)
+            fb = verify_batch(graph_bs, pad_prefix, pad_rows, sum(pad_prefix), spec(v.custom_mask), pad_loc, trans)
             backend.init_forward_metadata_out_graph(fb, in_capture=False)
             pad = lambda t: torch.cat([t, torch.randn((graph_bs - bs) * n, *t.shape[1:], generator=gen)])  # noqa: E731
             out = run_attention(backend, fb, pad(q), pad(k_ext), pad(v_ext))[: bs * n]
@@ -213,6 +260,7 @@ def trial(seed: int) -> dict:
     return {
         "seed": seed, "chain": chain, "bs": bs, "graph_bs": graph_bs, "n": n, "branching": branching,
         "graph_buffer": graph_buffer_ok,
+        "kv_plan": extra.get("kv_loc_plan") is not None,  # 0.5.23's pass-through reads would not miss it
         "eager": eager(v.custom_mask),
         "graph": graph_err,
         "graph_without_seams": unseamed_err,
