@@ -252,13 +252,8 @@ def decode_run(seed: int, fault: str = "", attach: bool = True, steps_n: int = 6
         return SimpleNamespace(logits_output=SimpleNamespace(next_token_logits=logits, hidden_states=hidden),
                                can_run_cuda_graph=False)
 
-    def assign_cache_locs(req_pool_indices, req_to_token, start_offset, end_offset, batch_size, draft_token_num,
-                          device):
-        cols = start_offset[:, None] + torch.arange(draft_token_num)
-        return req_to_token[req_pool_indices[:, None], cols].to(torch.int64).reshape(-1)
-
     DFlashVerifyInput.prepare_for_verify = prepare_for_verify
-    wc.s.assign_extend_cache_locs_func = assign_cache_locs  # the shared step prepares the draft block
+    wc.s.assign_extend_cache_locs_func = wc.assign_cache_locs  # the shared step prepares the draft block
     worker = object.__new__(w.DDTreeWorkerV2)
     model = SimpleNamespace(lm_head=SimpleNamespace(weight=torch.eye(VOCAB)),
                             get_input_embeddings=lambda: (lambda ids: ids[..., None].float()))

@@ -288,6 +288,13 @@ def one_hot_target(position: int, token: int) -> torch.Tensor:
     return logits
 
 
+def assign_cache_locs(req_pool_indices, req_to_token, start_offset, end_offset, batch_size, draft_token_num,
+                      device):
+    """Upstream's `assign_extend_cache_locs` in torch: each row's `draft_token_num` slots from `start_offset`."""
+    cols = start_offset[:, None] + torch.arange(draft_token_num)
+    return req_to_token[req_pool_indices[:, None], cols].to(torch.int64).reshape(-1)
+
+
 def run_step(prefix: torch.Tensor, rows: torch.Tensor, req_to_token: torch.Tensor, bonus_in: torch.Tensor,
              draft_hidden: torch.Tensor, target_logits, info, reqs, *, worker: w.DDTreeWorkerV2 | None = None,
              graph: bool = False) -> tuple:
@@ -318,11 +325,6 @@ def run_step(prefix: torch.Tensor, rows: torch.Tensor, req_to_token: torch.Tenso
 
     def append_kv(**kw):
         recorded["kv"] = kw
-
-    def assign_cache_locs(req_pool_indices, req_to_token, start_offset, end_offset, batch_size, draft_token_num,
-                          device):
-        cols = start_offset[:, None] + torch.arange(draft_token_num)
-        return req_to_token[req_pool_indices[:, None], cols].to(torch.int64).reshape(-1)
 
     DFlashVerifyInput.prepare_for_verify = prepare_for_verify
     s.assign_extend_cache_locs_func = assign_cache_locs  # the shared step prepares the draft block
