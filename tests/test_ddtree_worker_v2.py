@@ -106,6 +106,14 @@ def test_out_of_scope_settings_are_refused_naming_the_flag(observed: dict, base:
                         "init": "--disable-overlap-schedule"}.items():
         assert r[name] and words in r[name], (name, r[name])
     assert not r["seams_after_refusal"]  # refused before the seams turn on
+    # the built target backend: triton's extend kernel only; never a chain-only verify kernel (ROCm gfx95)
+    assert r["backend triton"] is None
+    assert "needs the triton target backend, got SimpleNamespace" in r["backend other"]
+    for case, switch in {"backend split-kv": "use_verify_splitkv", "backend hybrid split-kv": "use_verify_splitkv",
+                         "backend shared-kv": "use_verify_shared_kv"}.items():
+        assert switch in r[case] and "SGLANG_ENABLE_SPLITKV_VERIFY=0" in r[case], (case, r[case])
+    assert r["chain-only switches upstream sets"] == (["use_verify_splitkv", "use_verify_shared_kv"]
+                                                       if base == "0.5.23" else ["use_verify_splitkv"])
     assert f"SGLang {base}'s v2 worker" in r["auto"]
     if base == "0.5.23":  # its own: DP attention; the draft checkpoint's heads and id-translating pools
         assert "--attn-dp-size 1" in r["dp attention"]

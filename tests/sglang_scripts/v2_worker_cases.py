@@ -34,6 +34,7 @@ from unittest import mock
 
 import penalty_oracle as po  # beside this script
 import torch
+from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 from sglang.srt.plugins import load_plugins
 from sglang.srt.speculative import ddtree_penalties as dp
 from sglang.srt.speculative import ddtree_v2_args as v2args
@@ -221,6 +222,21 @@ def refusals() -> dict:
     except w.DDTreeV2Refused as e:
         out["init"] = str(e)
     out["seams_after_refusal"] = seams.active() is not None
+    # the built target backend, asked before the graphs: the real class with upstream's switches set as a gfx95
+    # GPU would set them (its __init__ needs a model runner); which switches upstream's __init__ sets at all
+    def triton(**switches) -> TritonAttnBackend:
+        backend = TritonAttnBackend.__new__(TritonAttnBackend)
+        backend.__dict__.update(switches)
+        return backend
+
+    out["backend triton"] = s.verify_backend_refusal(triton(use_verify_splitkv=False))
+    out["backend split-kv"] = s.verify_backend_refusal(triton(use_verify_splitkv=True))
+    out["backend hybrid split-kv"] = s.verify_backend_refusal(
+        SimpleNamespace(full_attn_backend=triton(use_verify_splitkv=True)))
+    out["backend shared-kv"] = s.verify_backend_refusal(triton(use_verify_shared_kv=True))
+    out["backend other"] = s.verify_backend_refusal(SimpleNamespace())
+    init_source = inspect.getsource(TritonAttnBackend.__init__)
+    out["chain-only switches upstream sets"] = [n for n in s.CHAIN_ONLY_VERIFY if f"self.{n} =" in init_source]
     if V23:  # 0.5.23's own: DP attention; the draft checkpoint's heads and translating pools (known after __init__)
         out["dp attention"] = w.v2_refusal(SimpleNamespace(**{**GOOD, "attn_dp_size": 2}))
         heads = SimpleNamespace(selector=object(), lilicorr=None, _is_domino=True)

@@ -68,7 +68,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "DDTreeStepV2", "DDTreeV2Refused", "TreeVerify", "adjust_tree_verify_logits", "draft_tree_logits",
-    "host_prefix_bounds", "sampled_rows", "settings_refusal", "tree_verify_input",
+    "host_prefix_bounds", "sampled_rows", "settings_refusal", "tree_verify_input", "verify_backend_refusal",
 ]
 
 
@@ -94,6 +94,28 @@ def settings_refusal(server_args: Any, full: str) -> str | None:
             return f"{full} needs --{flag.replace('_', '-')} 1, got {getattr(server_args, flag)}."
     if getattr(server_args, "speculative_draft_window_size", None) is not None:
         return f"{full} does not support --speculative-draft-window-size (the compact draft cache) yet."
+    return None
+
+
+# TritonAttnBackend's switches that send a target verify to a chain-only kernel: split-KV verify and its grouped-head
+# form (gfx95 with SGLANG_ENABLE_SPLITKV_VERIFY, on by default, whenever topk is 1, as DFLASH's is). Their
+# `can_handle` does not look at the custom mask (17:layers/attention/triton_backend.py:174-180,
+# 23:kernels/ops/attention/verify_mla.py), so a tree would be verified as a chain: wrong tokens, no error.
+CHAIN_ONLY_VERIFY = ("use_verify_splitkv", "use_verify_shared_kv")
+
+
+def verify_backend_refusal(attn_backend: Any) -> str | None:
+    """Why the target's built attention backend cannot verify a tree (the triton backend's extend kernel reads the
+    tree mask; nothing else is read through), or None."""
+    full = getattr(attn_backend, "full_attn_backend", attn_backend)  # a hybrid's full-attention half
+    name = type(full).__name__
+    if name != "TritonAttnBackend":
+        return f"{_args.FLAG_MODE} full on v2 needs the triton target backend, got {name}."
+    chain_only = [switch for switch in CHAIN_ONLY_VERIFY if getattr(full, switch, False)]
+    if chain_only:
+        return (f"{_args.FLAG_MODE} full on v2: the triton backend sends target verifies to its chain-only kernel "
+                f"({', '.join(chain_only)}: gfx95 with SGLANG_ENABLE_SPLITKV_VERIFY), which would read the tree as "
+                "a chain; start with SGLANG_ENABLE_SPLITKV_VERIFY=0.")
     return None
 
 
@@ -220,10 +242,9 @@ class DDTreeStepV2:
                            "(the promote settings gate will say inconclusive)", _v2args.INTERNAL_STATE_TARGET)
 
     def init_cuda_graphs(self, *args: Any, **kwargs: Any) -> None:
-        attn = self.model_runner.attn_backend
-        backend = type(getattr(attn, "full_attn_backend", attn)).__name__  # a hybrid's full-attention half
-        if backend != "TritonAttnBackend":
-            raise DDTreeV2Refused(f"{_args.FLAG_MODE} full on v2 needs the triton target backend, got {backend}.")
+        refusal = verify_backend_refusal(self.model_runner.attn_backend)  # built by now; the graphs come next
+        if refusal:
+            raise DDTreeV2Refused(refusal)
         super().init_cuda_graphs(*args, **kwargs)
 
     def _maybe_build_draft_sampler(self) -> None:
