@@ -210,7 +210,6 @@ class Decoder:
         self.tree_stats = TreeStats(mode, self.budget, topk_cap, keep_chain) if mode != "off" else None
         # As the host's payload does: v1's shadow-linear builds and measures the tree it never verifies, a v2
         # base's (`ddtree_v2_shadow`) builds none and reports no build figures.
-        self.shadow_builds_trees = shadow_builds_trees
         if self.tree_stats is not None and mode == "shadow-linear":
             self.tree_stats.builds_trees = shadow_builds_trees
         # The payload's ddtree_auto_budget.AutoBudget (full mode, --speculative-ddtree-budget auto).
@@ -254,7 +253,7 @@ class Decoder:
         elif self.mode == "full":
             self._tree_verify(reqs, draft_logits)
         else:
-            if self.mode == "shadow-linear" and self.shadow_builds_trees:
+            if self.mode == "shadow-linear" and self.tree_stats.builds_trees:
                 self._build_tree(draft_logits, self.budget)  # built and measured, never used: the verify stays linear
             self._linear_verify(reqs, draft_logits)
 
