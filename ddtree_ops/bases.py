@@ -69,8 +69,8 @@ DEFAULT_BASE = "0.5.13.post1"
 
 BASES: tuple[PayloadBase, ...] = (
     PayloadBase("0.5.13.post1", "v1", "payload.json"),
-    # The v2 bases carry the DDTree fields and their validation; full mode is refused to operators (issue 26: 0.5.17's
-    # tree step is served only to its proof, 0.5.23 has none).
+    # The v2 bases carry the DDTree fields and their validation, and a tree step: served on 0.5.17 (GPU-proven),
+    # refused to operators on 0.5.23 (CPU-proven only; payload ddtree_v2_args.PROVEN_TREE_BASES).
     PayloadBase("0.5.17", "v2", "bases/0.5.17/payload.json"),
     PayloadBase("0.5.23", "v2", "bases/0.5.23/payload.json"),
 )

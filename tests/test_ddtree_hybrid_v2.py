@@ -2,8 +2,9 @@
 in `ddtree_worker_v2.py`, the two kernel patches): the 0.5.17 bundle built against the real wheel and installed over
 it, then, on the CPU, in that tree (tests/sglang_scripts/v2_hybrid_cases.py says what runs for real and which
 stand-ins it uses):
-- the refusals: without `SGLANG_DDTREE_TEST_V2_HYBRID=1` every hybrid is refused naming that switch; with it, only
-  Gated DeltaNet on a proven architecture, the radix cache off, the settings the step was read against;
+- the refusals (no switch: the step is served): only Gated DeltaNet on an architecture proven on this worker (Qwen3.5
+  dense and MoE; Qwen3-Next, proven on v1, only under the unproven-hybrid test switch), the radix cache off, the
+  settings the step was read against;
 - the hooks answer upstream's answers until the worker activates them, and then: tree mode on the target's GDN
   backend only, dense per-node conv windows, the memory plan at `1 + budget` (against its closed form), a chain for
   upstream's linear step (eager and graph replay); SGLang's own `MambaPool` then keeps `1 + budget` dense states,
@@ -32,8 +33,6 @@ HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "sglang_scripts" / "v2_hybrid_cases.py"
 KERNELS = HERE.parent / "bench" / "gpu" / "hybrid_kernels_check.py"
 BASE = "0.5.17"
-TREE = {"SGLANG_DDTREE_TEST_V2_TREE": "1", "SGLANG_DDTREE_ALLOW_TEST_SWITCHES": "1"}
-HYBRID = {**TREE, "SGLANG_DDTREE_TEST_V2_HYBRID": "1"}
 KERNEL_FILES = ["sglang/kernels/ops/attention/fla/fused_sigmoid_gating_recurrent.py",
                 "sglang/kernels/ops/mamba/causal_conv1d_triton.py"]
 
@@ -67,7 +66,7 @@ def _cases(site: Path, env_add: dict[str, str]) -> dict:
 
 @pytest.fixture(scope="module")
 def observed(site: Path) -> dict:
-    return _cases(site, HYBRID)
+    return _cases(site, {})  # served without any switch (0.5.17: ddtree_v2_args.PROVEN_TREE_BASES)
 
 
 def test_the_bundle_patches_the_tree_kernels_and_ships_the_hybrid_glue(built: B.BuildResult, site: Path) -> None:
@@ -79,22 +78,19 @@ def test_the_bundle_patches_the_tree_kernels_and_ships_the_hybrid_glue(built: B.
         assert "DDTree (ddtree-ops payload)" in (site / rel).read_text(), rel
 
 
-def test_hybrid_targets_are_refused_naming_the_switch_unless_it_is_on(site: Path, observed: dict) -> None:
+def test_hybrid_targets_are_served_where_proven_and_refused_by_name_elsewhere(observed: dict) -> None:
     r = observed["refusals"]
-    assert "non-hybrid" in r["no switch"] and "SGLANG_DDTREE_TEST_V2_HYBRID=1" in r["no switch"]
-    assert "SGLANG_DDTREE_ALLOW_TEST_SWITCHES=1" in r["switch without allow"]
-    assert r["good"] is None and r["good qwen3-next"] is None and r["unproven allowed"] is None
-    assert r["v2_refusal"] is None and r["v2_refusal dense"] is None  # the worker's check, switch on
-    for name, words in {"mamba2": "Gated DeltaNet layers only", "unproven": "qwen3.6",
-                        "radix": "--disable-radix-cache", "verify backend": "--linear-attn-verify-backend",
+    assert r["good"] is None and r["good moe"] is None and r["unproven allowed"] is None, r
+    assert r["qwen3-next allowed"] is None
+    assert r["v2_refusal"] is None and r["v2_refusal dense"] is None  # the worker's check, no switch
+    for name, words in {"qwen3-next": "one eager production mix", "mamba2": "Gated DeltaNet layers only",
+                        "unproven": "qwen3.6", "radix": "--disable-radix-cache",
+                        "verify backend": "--linear-attn-verify-backend",
                         "decode backend": "--linear-attn-decode-backend", "replayssm": "--enable-linear-replayssm",
                         "replayssm spec": "--enable-linear-replayssm-spec", "unified": "--enable-unified-memory",
                         "page major": "--enable-page-major-kv-layout"}.items():
         assert r[name] and words in r[name], (name, r[name])
-    # the v2 tree switch alone: the worker refuses every hybrid, naming the hybrid switch
-    only_tree = _cases(site, {**TREE, "V2_HYBRID_CASES": "refusals"})["refusals"]
-    assert "SGLANG_DDTREE_TEST_V2_HYBRID=1" in only_tree["v2_refusal"], only_tree["v2_refusal"]
-    assert only_tree["v2_refusal dense"] is None
+    assert "qwen3-next" not in r["qwen3-next"].split("proofs cover")[1], r["qwen3-next"]  # not offered as proven
 
 
 def test_the_target_kind_comes_from_sglangs_own_configs(observed: dict) -> None:

@@ -87,11 +87,12 @@ def test_small_pieces(observed: dict) -> None:
 
 def test_create_worker_picks_the_tree_worker_only_in_full_mode(base_site: Path, base: str, observed: dict) -> None:
     """Shadow-linear gets the counting shadow worker on every v2 server (ddtree_v2_shadow); full the tree worker
-    only under the proof switch; EAGLE its own."""
+    where it is served (0.5.17) or under the proof switch (0.5.23); EAGLE its own."""
     assert observed["selection"] == {"registered": True, "state_hook": True, "full": "DDTreeWorkerV2",
                                      "shadow": "DDTreeShadowWorkerV2", "eagle_full": "EAGLEWorkerV2"}
-    plain = _run(base_site, {}, base)  # no proof switch: DFLASH keeps its own worker in full mode (refused at parsing)
-    assert plain["selection"] == {"registered": True, "state_hook": True, "full": "DFlashWorkerV2",
+    plain = _run(base_site, {}, base)  # no proof switch: 0.5.23's DFLASH keeps its own worker (refused at parsing)
+    full = "DDTreeWorkerV2" if base == "0.5.17" else "DFlashWorkerV2"
+    assert plain["selection"] == {"registered": True, "state_hook": True, "full": full,
                                   "shadow": "DDTreeShadowWorkerV2", "eagle_full": "EAGLEWorkerV2"}
 
 
@@ -102,7 +103,9 @@ def test_out_of_scope_settings_are_refused_naming_the_flag(observed: dict, base:
                         "flashinfer": "--attention-backend triton", "backend unset": "--attention-backend triton",
                         "decode fa3": "--decode-attention-backend fa3", "page": "--page-size 1",
                         "tp": "--tp-size 1", "pp": "--pp-size 1", "window": "--speculative-draft-window-size",
-                        "hybrid": "non-hybrid", "simulated": "SGLANG_SIMULATE_ACC_LEN",
+                        # 0.5.17 serves the proven Gated DeltaNet hybrids (ddtree_v2_hybrid); 0.5.23 none
+                        "hybrid": "Gated DeltaNet layers only" if base == "0.5.17" else "non-hybrid",
+                        "simulated": "SGLANG_SIMULATE_ACC_LEN",
                         "init": "--disable-overlap-schedule"}.items():
         assert r[name] and words in r[name], (name, r[name])
     assert not r["seams_after_refusal"]  # refused before the seams turn on

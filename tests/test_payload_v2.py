@@ -29,8 +29,10 @@ from ddtree_ops import bundle as B
 FIXED_TIME = "2026-01-01T00:00:00Z"
 SCRIPT = Path(__file__).parent / "sglang_scripts" / "server_args_cases_v2.py"
 DFLASH_FLAGS = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "dummy"]
-# full mode on a v2 base: only where the tree step exists (ddtree_v2_args.TREE_STEP_BASES), under its proof switch
+# full mode on a v2 base: served where its tree step passed the GPU proof (ddtree_v2_args.PROVEN_TREE_BASES), under
+# its proof switch where the step exists but ran on the CPU only (TREE_STEP_BASES)
 TREE_STEP_BASES = ("0.5.17", "0.5.23")
+PROVEN_TREE_BASES = ("0.5.17",)
 PROOF_SWITCH = {"SGLANG_DDTREE_TEST_V2_TREE": "1", "SGLANG_DDTREE_ALLOW_TEST_SWITCHES": "1"}
 
 pytestmark = pytest.mark.slow
@@ -266,15 +268,13 @@ def test_parses_and_validates_the_ddtree_flags(base: V2Base, site: Path, tmp_pat
                                               "--speculative-ddtree-budget", "AUTO"]},
         {"name": "default budget", "argv": [*dflash, "--speculative-num-draft-tokens", "8",
                                             "--speculative-ddtree-mode", "shadow-linear"]},
-        {"name": "full refused", "argv": [*dflash, "--speculative-ddtree-mode", "full",
-                                          "--speculative-ddtree-budget", "15"]},
+        {"name": "full", "argv": [*dflash, "--speculative-ddtree-mode", "full", "--speculative-ddtree-budget", "15",
+                                  "--attention-backend", "triton", "--disable-overlap-schedule"]},
         {"name": "full proof switch", "argv": [*dflash, "--speculative-ddtree-mode", "full",
                                                "--speculative-ddtree-budget", "15", "--attention-backend", "triton",
                                                "--disable-overlap-schedule"], "env": PROOF_SWITCH},
         {"name": "full switch without allow", "argv": [*dflash, "--speculative-ddtree-mode", "full"],
          "env": {"SGLANG_DDTREE_TEST_V2_TREE": "1"}},
-        {"name": "hybrid switch without allow", "argv": [*dflash, "--speculative-ddtree-mode", "shadow-linear"],
-         "env": {"SGLANG_DDTREE_TEST_V2_HYBRID": "1"}},
         {"name": "no dflash", "argv": [*model, "--speculative-ddtree-mode", "shadow-linear"]},
         {"name": "budget too big", "argv": [*dflash, "--speculative-ddtree-mode", "shadow-linear",
                                             "--speculative-ddtree-budget", "513"]},
@@ -305,21 +305,23 @@ def test_parses_and_validates_the_ddtree_flags(base: V2Base, site: Path, tmp_pat
     assert r["auto default max"]["speculative_ddtree_budget"] == "auto"
     assert r["auto default max"]["speculative_ddtree_budget_max"] == 127
     assert r["default budget"]["speculative_ddtree_budget"] == 7  # block 8 - 1
-    full = r["full refused"]
-    assert not full["ok"] and f"full is not available yet on SGLang {base.version}" in full["error"]
-    assert "shadow-linear" in full["error"]
+    full = r["full"]
+    if base.version in PROVEN_TREE_BASES:  # served without any switch
+        assert full["ok"] and (full["speculative_ddtree_mode"], full["speculative_ddtree_budget"]) == ("full", 15), full
+    else:
+        assert not full["ok"] and f"full is not available yet on SGLang {base.version}" in full["error"]
+        assert "shadow-linear" in full["error"]
     proof, no_allow = r["full proof switch"], r["full switch without allow"]
-    if base.version in TREE_STEP_BASES:  # the v2 tree step exists there: served under the proof switch only
+    if base.version in TREE_STEP_BASES:  # the v2 tree step exists there: the proof's servers take full mode
         assert proof["ok"], proof
         assert (proof["speculative_ddtree_mode"], proof["speculative_ddtree_budget"]) == ("full", 15)
+        # a test switch without the allow switch is refused on every base, proven or not
         assert not no_allow["ok"] and "SGLANG_DDTREE_ALLOW_TEST_SWITCHES=1" in no_allow["error"], no_allow
         assert "SGLANG_DDTREE_TEST_V2_TREE=1 is a test switch" in no_allow["error"]
     else:  # no tree step: refused whatever the switches
         for got in (proof, no_allow):
             assert not got["ok"] and f"full is not available yet on SGLang {base.version}" in got["error"], got
-    for name, words in {"hybrid switch without allow": ["SGLANG_DDTREE_TEST_V2_HYBRID=1 is a test switch",
-                                                        "SGLANG_DDTREE_ALLOW_TEST_SWITCHES=1"],
-                        "no dflash": ["requires --speculative-algorithm DFLASH"],
+    for name, words in {"no dflash": ["requires --speculative-algorithm DFLASH"],
                         "budget too big": ["--speculative-ddtree-budget must be in 1..512", "513"],
                         "budget max without auto": ["--speculative-ddtree-budget-max", "auto"],
                         "bad mode": ["--speculative-ddtree-mode must be one of off, shadow-linear, full", "wide"],
@@ -348,9 +350,85 @@ def test_dflash_rows_hold_the_v2_reservation(base: V2Base, site: Path, tmp_path:
         {"off": 4 + 2 * 16, "shadow": 4 + 2 * 8, "no speculation": 4}
 
 
-def test_the_real_resolution_refuses_full_mode(base: V2Base, site: Path, tmp_path: Path) -> None:
+SHADOW_REFUSAL_CASES = r"""
+import json, sys
+from types import SimpleNamespace
+from sglang.srt.speculative import ddtree_v2_args as glue
+hybrid, dense = sys.argv[1], sys.argv[2]
+cases = {
+    "hybrid, radix on": dict(model_path=hybrid, disable_radix_cache=False),
+    "hybrid, radix off": dict(model_path=hybrid, disable_radix_cache=True),
+    "hybrid, mode off": dict(model_path=hybrid, disable_radix_cache=False, speculative_ddtree_mode="off"),
+    "dense, radix on": dict(model_path=dense, disable_radix_cache=False),
+    "hub id": dict(model_path="Qwen/Qwen3.5-35B-A3B", disable_radix_cache=False),
+}
+out = {}
+for name, args in cases.items():
+    sa = SimpleNamespace(**{"speculative_ddtree_mode": "shadow-linear", **args})
+    try:
+        glue._check(SimpleNamespace(**{**vars(sa), "speculative_algorithm": "DFLASH", "speculative_ddtree_budget": None,
+                                       "speculative_ddtree_budget_max": None, "speculative_ddtree_topk_cap": None,
+                                       "speculative_ddtree_keep_chain": False,
+                                       "speculative_ddtree_allow_hybrid_unsafe": False,
+                                       "speculative_num_draft_tokens": 16}))
+        out[name] = None
+    except ValueError as exc:
+        out[name] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(out))
+"""
+
+
+def test_shadow_linear_is_refused_where_upstreams_hybrid_radix_tracking_is_broken(
+        base: V2Base, site: Path, tmp_path: Path) -> None:
+    """0.5.17's own v2 DFLASH tracks no recurrent state for the radix cache (ddtree_v2_args.
+    UNTRACKED_HYBRID_RADIX_BASES; a wrong token on the H200): shadow-linear, which serves those steps, is refused on a
+    hybrid target there unless --disable-radix-cache, through the checks both bases' resolution runs. 0.5.23 tracks
+    with the post-verify lengths: served."""
+    from ddtree_ops.agent.remote.smoke import TINY_CONFIG
+
+    hybrid, dense = tmp_path / "qwen35", tmp_path / "qwen3"
+    for path, config in ((hybrid, {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"]}),
+                         (dense, TINY_CONFIG)):
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(config))
+    proc = run_in_site(site, ["-c", SHADOW_REFUSAL_CASES, str(hybrid), str(dense)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    refused = got.pop("hybrid, radix on")
+    assert got == dict.fromkeys(got), got  # the others are served on every base
+    if base.version == "0.5.17":
+        assert refused and refused.startswith("DDTreeConfigError") and "--disable-radix-cache" in refused, refused
+        assert "shadow-linear" in refused and "Qwen3.5" in refused
+    else:
+        assert refused is None, refused
+
+
+def test_promotes_full_mode_probe_gives_the_bases_own_verdict(base: V2Base, site: Path) -> None:
+    """promote's pre-check before a full-mode unit (units.BASE_MODE_PROBE, run where the glue is installed): 0.5.23
+    refuses full mode whatever the target; 0.5.17 serves dense targets and the hybrids proven on its worker, and
+    refuses Qwen3-Next (proven on v1 only) with the words its worker would use."""
+    from ddtree_ops.agent.remote.smoke import TINY_CONFIG
+    from ddtree_ops.agent.remote.units import BASE_MODE_PROBE
+
+    configs = {"dense": TINY_CONFIG,
+               "qwen3.5": {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"]},
+               "qwen3.5-moe": {"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"]},
+               "qwen3-next": {"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"]}}
+    got = {}
+    for name, config in configs.items():
+        proc = run_in_site(site, ["-c", BASE_MODE_PROBE, json.dumps(config)])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        got[name] = json.loads(proc.stdout.strip().splitlines()[-1])["refusal"]
+    if base.version in PROVEN_TREE_BASES:
+        assert {k: v for k, v in got.items() if k != "qwen3-next"} == dict.fromkeys(["dense", "qwen3.5", "qwen3.5-moe"])
+        assert got["qwen3-next"] and "qwen3-next" in got["qwen3-next"] and "shadow-linear" in got["qwen3-next"], got
+    else:
+        assert all(v and f"full is not available yet on SGLang {base.version}" in v for v in got.values()), got
+
+
+def test_the_real_resolution_checks_full_mode(base: V2Base, site: Path, tmp_path: Path) -> None:
     """The base's real resolution (dummy model, CPU: 0.5.23's resolve_once, 0.5.17's __post_init__) reaches the
-    payload's early step before its dummy-model return."""
+    payload's early step before its dummy-model return: full mode refused where it is not served."""
     cpu = ["--model-path", "dummy", *DFLASH_FLAGS, "--device", "cpu"]
     r = _cases(site, tmp_path, [
         {"name": "full", "argv": [*cpu, "--speculative-ddtree-mode", "full"], "resolve": True},
@@ -358,18 +436,22 @@ def test_the_real_resolution_refuses_full_mode(base: V2Base, site: Path, tmp_pat
          "env": {"SGLANG_DDTREE_TEST_V2_TREE": "1"}},
         {"name": "shadow", "argv": [*cpu, "--speculative-ddtree-mode", "shadow-linear"], "resolve": True},
     ], extra_path(*base.needs, "tvm_ffi"))
-    assert not r["full"]["ok"] and f"full is not available yet on SGLang {base.version}" in r["full"]["error"]
     assert r["shadow"]["ok"] and r["shadow"]["speculative_ddtree_mode"] == "shadow-linear", r["shadow"]
-    # 0.5.17's dummy-model return comes before check_post_init: the early refusal checks the allow switch itself
     no_allow = r["full switch without allow"]
+    if base.version in PROVEN_TREE_BASES:  # served: the switch changes nothing (check_post_init refuses it, above)
+        assert r["full"]["ok"] and no_allow["ok"], r
+        return
+    assert not r["full"]["ok"] and f"full is not available yet on SGLang {base.version}" in r["full"]["error"]
+    # the dummy-model return comes before check_post_init: the early refusal checks the allow switch itself
     want = "SGLANG_DDTREE_ALLOW_TEST_SWITCHES=1" if base.version in TREE_STEP_BASES else "full is not available yet"
     assert not no_allow["ok"] and want in no_allow["error"], no_allow
 
 
 def test_agent_smoke_runs_the_v2_checks(base: V2Base, site: Path, built: B.BuildResult, tmp_path: Path) -> None:
     """`smoke` on a host of the base: every installed DDTree module imports, the flags are parsed by that SGLang's
-    own parser and validated where it resolves (shadow-linear accepted, full refused with the payload's "not
-    available yet", bad values refused naming their flag), and the CPU self-test of the tree builder."""
+    own parser and validated where it resolves (shadow-linear accepted, full accepted where it is served and refused
+    elsewhere with the payload's "not available yet", bad values refused naming their flag), and the CPU self-test
+    of the tree builder."""
     from tests.release_fixtures import run_agent
 
     modules = sorted(f.path[:-3].replace("/", ".") for f in [*built.manifest.patched_files, *built.manifest.new_files]
@@ -389,8 +471,11 @@ def test_agent_smoke_runs_the_v2_checks(base: V2Base, site: Path, built: B.Build
     assert not [m for m in missing if missing[m] is None], missing
     cases = {c["case"]: c for c in steps["server_args"]["detail"]}
     assert cases["shadow-linear, defaults"]["ok"] and cases["shadow-linear, budget auto, maximum 63"]["ok"]
-    full = cases["full (not available yet on this base)"]
-    assert full["ok"] and f"full is not available yet on SGLang {base.version}" in full["detail"], full
+    if base.version in PROVEN_TREE_BASES:
+        assert cases["full (served on this base)"]["ok"], cases
+    else:
+        full = cases["full (not available yet on this base)"]
+        assert full["ok"] and f"full is not available yet on SGLang {base.version}" in full["detail"], full
     assert all(c["ok"] for c in cases.values()), cases
     assert all(c["ok"] for c in steps["tree"]["detail"])
 

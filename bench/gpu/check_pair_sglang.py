@@ -64,7 +64,8 @@ def sglang_cpu_init(model_path: str) -> None:
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
     set_custom_all_reduce(False)
-    args = ServerArgs(model_path=model_path, device="cpu")
+    # no radix cache: 0.5.17 defaults a hybrid target's cache to extra_buffer tracking, which asserts a GPU
+    args = ServerArgs(model_path=model_path, device="cpu", disable_radix_cache=True)
     set_global_server_args_for_scheduler(args)
     init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
                                  local_rank=0, backend="gloo")

@@ -508,26 +508,26 @@ GOOD = {**wc.GOOD, "disable_radix_cache": True, "linear_attn_backend": "triton",
         "linear_attn_prefill_backend": None, "linear_attn_verify_backend": None, "enable_linear_replayssm": False,
         "enable_linear_replayssm_spec": False, "enable_unified_memory": False, "enable_page_major_kv_layout": False,
         "mamba_scheduler_strategy": None}
-ON = {"SGLANG_DDTREE_TEST_V2_HYBRID": "1", "SGLANG_DDTREE_ALLOW_TEST_SWITCHES": "1"}
 QWEN35 = ("gated-deltanet", "qwen3.5")
+UNPROVEN_ON = {"SGLANG_DDTREE_TEST_UNPROVEN_HYBRID": "1", "SGLANG_DDTREE_ALLOW_TEST_SWITCHES": "1"}
 
 
 def refusals() -> dict:
     cases = {
-        "no switch": ({}, QWEN35, {}),
-        "switch without allow": ({}, QWEN35, {"SGLANG_DDTREE_TEST_V2_HYBRID": "1"}),
-        "good": ({}, QWEN35, ON),
-        "good qwen3-next": ({}, ("gated-deltanet", "qwen3-next"), ON),
-        "mamba2": ({}, (None, None), ON),
-        "unproven": ({}, ("gated-deltanet", "qwen3.6"), ON),
-        "unproven allowed": ({}, ("gated-deltanet", "qwen3.6"), {**ON, "SGLANG_DDTREE_TEST_UNPROVEN_HYBRID": "1"}),
-        "radix": ({"disable_radix_cache": False}, QWEN35, ON),
-        "verify backend": ({"linear_attn_verify_backend": "flashinfer"}, QWEN35, ON),
-        "decode backend": ({"linear_attn_decode_backend": "flashinfer"}, QWEN35, ON),
-        "replayssm": ({"enable_linear_replayssm": True}, QWEN35, ON),
-        "replayssm spec": ({"enable_linear_replayssm_spec": True}, QWEN35, ON),
-        "unified": ({"enable_unified_memory": True}, QWEN35, ON),
-        "page major": ({"enable_page_major_kv_layout": True}, QWEN35, ON),
+        "good": ({}, QWEN35, {}),
+        "good moe": ({}, ("gated-deltanet", "qwen3.5-moe"), {}),
+        "qwen3-next": ({}, ("gated-deltanet", "qwen3-next"), {}),  # v1 proves it; this worker has not yet
+        "qwen3-next allowed": ({}, ("gated-deltanet", "qwen3-next"), UNPROVEN_ON),
+        "mamba2": ({}, (None, None), {}),
+        "unproven": ({}, ("gated-deltanet", "qwen3.6"), {}),
+        "unproven allowed": ({}, ("gated-deltanet", "qwen3.6"), UNPROVEN_ON),
+        "radix": ({"disable_radix_cache": False}, QWEN35, {}),
+        "verify backend": ({"linear_attn_verify_backend": "flashinfer"}, QWEN35, {}),
+        "decode backend": ({"linear_attn_decode_backend": "flashinfer"}, QWEN35, {}),
+        "replayssm": ({"enable_linear_replayssm": True}, QWEN35, {}),
+        "replayssm spec": ({"enable_linear_replayssm_spec": True}, QWEN35, {}),
+        "unified": ({"enable_unified_memory": True}, QWEN35, {}),
+        "page major": ({"enable_page_major_kv_layout": True}, QWEN35, {}),
     }
     out = {name: hy.refusal(SimpleNamespace(**{**GOOD, **change}), kind, env) for name, (change, kind, env)
            in cases.items()}
@@ -551,11 +551,8 @@ def kinds() -> dict:
 
 
 if __name__ == "__main__":
-    out = {"version": __version__, "switch": os.environ.get("SGLANG_DDTREE_TEST_V2_HYBRID") == "1"}
+    out = {"version": __version__}
     out["refusals"] = refusals()
-    if os.environ.get("V2_HYBRID_CASES") == "refusals":
-        print(json.dumps(out))
-        sys.exit(0)
     out["kinds"] = kinds()
     out["hooks"] = hooks()
     out["mamba_pool"] = mamba_pool_answers()

@@ -147,8 +147,8 @@ def field(sa, name):
 # that SGLang's own prepare_server_args. Its DFLASH step refuses a CPU device, so the DDTree check is reached with
 # a stand-in for upstream's `handle_speculative_decoding` that resolves DFLASH's block size as the real step does
 # on a GPU: on 0.5.23 through SGLang's run_hook (resolve_once's steps; the payload wraps that step), on 0.5.17 by
-# replacing the step __post_init__ calls (the payload's check runs right after it). Full mode is refused on these
-# bases with the payload's own "not available yet" message.
+# replacing the step __post_init__ calls (the payload's check runs right after it). Full mode parses where the
+# payload serves it (ddtree_v2_args.PROVEN_TREE_BASES) and is refused elsewhere with its "not available yet".
 SERVER_ARGS_V2_CODE = PRELUDE + r"""
 import contextlib, io
 import sglang.srt.speculative.ddtree_v2_args  # the payload's glue (0.5.23: its patch registers the hooks)
@@ -192,7 +192,6 @@ valid = [
       "speculative_ddtree_budget_max": 63}),
 ]
 invalid = [
-    ("full (not available yet on this base)", dflash + ["--speculative-ddtree-mode", "full"], "not available yet"),
     ("ddtree without DFLASH", ["--speculative-ddtree-mode", "shadow-linear"], "--speculative-algorithm DFLASH"),
     ("unknown mode", dflash + ["--speculative-ddtree-mode", "bushy"], "--speculative-ddtree-mode"),
     ("budget 513", dflash + ["--speculative-ddtree-mode", "shadow-linear", "--speculative-ddtree-budget", "513"],
@@ -205,6 +204,12 @@ invalid = [
     ("allow-hybrid-unsafe", dflash + ["--speculative-ddtree-mode", "shadow-linear",
      "--speculative-ddtree-allow-hybrid-unsafe"], "--speculative-ddtree-allow-hybrid-unsafe"),
 ]
+glue = sglang.srt.speculative.ddtree_v2_args
+full = dflash + ["--speculative-ddtree-mode", "full", "--attention-backend", "triton", "--disable-overlap-schedule"]
+if glue.base_version() in getattr(glue, "PROVEN_TREE_BASES", ()):
+    valid.append(("full (served on this base)", full, {"speculative_ddtree_mode": "full", "speculative_ddtree_budget": 15}))
+else:
+    invalid.append(("full (not available yet on this base)", full, "not available yet"))
 """ + SERVER_ARGS_CASES
 
 # Hand-checked case (batch 1, depth 2, vocab 4), probabilities not logits so it reads easily:

@@ -453,18 +453,28 @@ print(json.dumps({"refusal": mod.full_mode_refusal(config)}))
 """
 
 
-# The base glue's own refusal of full mode (0.5.17: the v2 worker's tree step is unproven; 0.5.23: not written). It
-# imports the glue as the server would (through sglang, whose import is the slow part), so it runs only where the glue
-# is installed and only for a full-mode promote.
+# The base glue's own refusal of full mode (0.5.23: its tree step ran on the CPU only; 0.5.17 serves it, on the hybrid
+# architectures proven on that worker: ddtree_v2_hybrid.support). It imports the glue as the server would (through
+# sglang, whose import is the slow part), so it runs only where the glue is installed and only for a full-mode
+# promote. argv[1]: the target's config.json.
 BASE_MODE_PROBE = r"""
-import json
+import importlib.util, json, sys
 from sglang.srt.speculative import ddtree_v2_args as glue
+from sglang.srt.speculative.ddtree_utils import hybrid_kind
+config = json.loads(sys.argv[1])
 try:
     glue.refuse_unavailable("full")
 except glue.DDTreeV2NotAvailable as exc:
-    print(json.dumps({"refusal": str(exc)}))
+    refusal = str(exc)
 else:
-    print(json.dumps({"refusal": None}))
+    refusal, kind = None, hybrid_kind(config)
+    if kind and importlib.util.find_spec("sglang.srt.speculative.ddtree_v2_hybrid"):
+        from sglang.srt.speculative import ddtree_v2_hybrid as hybrid
+        status, why = hybrid.support(*kind)
+        if status != "proven":
+            refusal = (f"--speculative-ddtree-mode full is refused on SGLang {glue.base_version()}'s v2 worker for "
+                       f"{kind[0]} / {kind[1]}: {why}. Use --speculative-ddtree-mode shadow-linear.")
+print(json.dumps({"refusal": refusal}))
 """
 
 
@@ -493,7 +503,7 @@ def full_mode_check(model_path: str | None) -> dict:
     if not refusal and (site / V2_GLUE_MODULE).is_file():
         # The target allows full, but this base's payload may not serve it yet: refused here, before the
         # unit changes, with the words the server would refuse with at start.
-        proc = _run([sys.executable, "-c", BASE_MODE_PROBE], 120)
+        proc = _run([sys.executable, "-c", BASE_MODE_PROBE, json.dumps(config)], 120)
         try:
             refusal = json.loads(proc.stdout.strip().splitlines()[-1]).get("refusal")
         except (ValueError, IndexError):

@@ -47,15 +47,12 @@ FIELDS = tuple(flag[2:].replace("-", "_") for flag in (FLAG_MODE, FLAG_BUDGET, F
 # TEST_UNPROVEN_HYBRID serves full mode on a hybrid layer type whose proof has not passed yet
 # (ddtree_utils.HYBRID_TREE_SUPPORT): the proof's own servers, nothing else.
 TEST_UNPROVEN_HYBRID = "SGLANG_DDTREE_TEST_UNPROVEN_HYBRID"
-# TEST_V2_TREE serves full mode on the v2 DFLASH worker of SGLang 0.5.17 / 0.5.23 (ddtree_worker_v2.py over the
-# shared ddtree_v2_step.py), whose tree step is not proven for service yet (0.5.23: on the CPU only): the proof's
-# own servers, nothing else (ddtree_v2_args.refuse_unavailable).
+# TEST_V2_TREE serves full mode on a v2 base whose tree step has not passed its GPU proof (0.5.23: the GPU carry's
+# torch cannot run it, so it is proven on the CPU only; ddtree_v2_args.PROVEN_TREE_BASES need no switch): the
+# proof's own servers, nothing else (ddtree_v2_args.refuse_unavailable).
 TEST_V2_TREE = "SGLANG_DDTREE_TEST_V2_TREE"
-# TEST_V2_HYBRID additionally lets that tree step serve a hybrid (Gated DeltaNet) target (0.5.17's
-# ddtree_v2_hybrid.py), equally unproven: the hybrid proof's own servers, nothing else.
-TEST_V2_HYBRID = "SGLANG_DDTREE_TEST_V2_HYBRID"
 TEST_SWITCHES = ("SGLANG_DDTREE_TEST_BIASED_WALK", "SGLANG_DDTREE_TEST_CYCLE_BUDGETS", TEST_UNPROVEN_HYBRID,
-                 TEST_V2_TREE, TEST_V2_HYBRID)
+                 TEST_V2_TREE)
 # A deliberately wrong recurrent-state commit on hybrid targets (the hybrid proof's power check):
 # "deepest" commits each tree's deepest node, "chain" DFLASH's `commit_len - 1`, "skip" nothing.
 TEST_MAMBA_COMMIT = "SGLANG_DDTREE_TEST_MAMBA_COMMIT"

@@ -17,10 +17,11 @@ is how each base takes them:
   `handle_speculative_decoding` (after DFLASH's block size is resolved) runs the shared
   `handle_ddtree_server_args` on a view that reads the values in effect and declares its normalised values.
 
-Full mode is refused on these bases for operators: the v2 worker's tree step (the shared `ddtree_v2_step.py`
-behind each base's own adapter `ddtree_worker_v2.py`) has run on a GPU on 0.5.17 only, and on 0.5.23 (which our
-GPU carry cannot run) on the CPU only, so it is served only under the proof switch `SGLANG_DDTREE_TEST_V2_TREE=1`
-(with `SGLANG_DDTREE_ALLOW_TEST_SWITCHES=1`, like every test switch). Shadow-linear and off are accepted.
+Full mode (the shared `ddtree_v2_step.py` behind each base's own adapter `ddtree_worker_v2.py`) is served on the
+bases whose tree step passed its GPU proof (`PROVEN_TREE_BASES`: 0.5.17, on the H200: bench/RESULTS.md). 0.5.23's
+(which our GPU carry cannot run) is proven on the CPU only, so there it is served only under the proof switch
+`SGLANG_DDTREE_TEST_V2_TREE=1` (with `SGLANG_DDTREE_ALLOW_TEST_SWITCHES=1`, like every test switch). Shadow-linear
+and off are accepted on every v2 base.
 
 Worker selection (0.5.17 and 0.5.23, every server): importing this module registers, without applying, an AROUND
 hook on `SpeculativeAlgorithm.create_worker` with SGLang's `HookRegistry`; `load_plugins()` applies it in every
@@ -28,7 +29,7 @@ process (17:managers/scheduler.py:4895, 23:managers/scheduler.py:6323 in each sc
 re-runs `__post_init__`, so a hook installed by `check_post_init` in the parent would not reach it). This module is
 imported by the base's patched server-args file, which every process imports before it calls `load_plugins()`.
 The hook returns, for DFLASH, `DDTreeShadowWorkerV2` in shadow-linear (upstream's steps, counted:
-ddtree_v2_shadow) and `DDTreeWorkerV2` in full mode under the proof switch; anything else keeps upstream's worker.
+ddtree_v2_shadow) and `DDTreeWorkerV2` in full mode where it is served; anything else keeps upstream's worker.
 With it, an AFTER hook on `Scheduler.get_internal_state` adds either worker's report as `ddtree` (what v1's
 scheduler patch adds; `/server_info` → `internal_states[0].ddtree`, read by promote's gates); any other draft
 worker, or none, adds nothing.
@@ -81,11 +82,20 @@ def base_version() -> str:
 
 # The bases whose v2 worker has a tree step (their payload ships `ddtree_worker_v2.py`).
 TREE_STEP_BASES = ("0.5.17", "0.5.23")
-# The bases whose DFLASH worker the payload picks by mode (ddtree_v2_shadow; the tree step under its switch).
+# Of those, the ones whose tree step passed its GPU proof (the production mix, the limits, penalties, samples,
+# liveness, retraction and hybrids on CUDA graphs, H200): full mode is served there without a switch.
+PROVEN_TREE_BASES = ("0.5.17",)
+# The bases whose DFLASH worker the payload picks by mode (ddtree_v2_shadow; the tree step where `tree_step_on`).
 WORKER_BASES = ("0.5.17", "0.5.23")
 # The bases whose `req_to_token` rows are too short for the v2 DFLASH reservation at page size 1 (below).
 ROW_HEADROOM_BASES = ("0.5.17", "0.5.23")
 ROW_HEADROOM_TARGET = "sglang.srt.mem_cache.allocation_sizing.get_req_to_token_extra_context_len"
+# The bases whose own v2 DFLASH tracks no recurrent state for the radix cache on a hybrid target: its commit compares
+# the pre-verify lengths with `batch.seq_lens`, which the step has not advanced (17:speculative/dflash_worker_v2.py:
+# 1269-1278), so a request resuming from a cached state resumes from a stale one (a wrong first token on the H200,
+# bench/RESULTS.md). 0.5.23 compares with the post-verify lengths (23:speculative/dflash_worker_v2.py:2106-2117).
+# shadow-linear (upstream's steps, counted) is refused there unless --disable-radix-cache.
+UNTRACKED_HYBRID_RADIX_BASES = ("0.5.17",)
 # The bases whose linear DFLASH verify drops the penalties (ddtree_v2_penalties).
 LINEAR_PENALTY_BASES = ("0.5.17", "0.5.23")
 # The bases whose min_new_tokens penalizer also holds back a request's own (the model's) eos ids
@@ -101,12 +111,16 @@ INTERNAL_STATE_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_internal_st
 
 
 def tree_step_on(environ: Any = None) -> bool:
-    """Whether this process may serve full mode: a base with a tree step and the proof switch set."""
-    return _shared.test_switch(_shared.TEST_V2_TREE, environ) and base_version() in TREE_STEP_BASES
+    """Whether this process may serve full mode: a proven base, or a base with a tree step and the proof switch."""
+    version = base_version()
+    return version in PROVEN_TREE_BASES or (
+        _shared.test_switch(_shared.TEST_V2_TREE, environ) and version in TREE_STEP_BASES)
 
 
 def refuse_unavailable(mode: Any) -> None:
     if str(mode or "off").strip().lower() == "full":
+        if base_version() in PROVEN_TREE_BASES:
+            return
         if tree_step_on():
             if not _shared.test_switch(_shared.ALLOW_TEST_SWITCHES):
                 # checked here too: 0.5.17 calls this before its dummy-model return, which skips check_post_init
@@ -116,7 +130,8 @@ def refuse_unavailable(mode: Any) -> None:
                 )
             return
         version = base_version()
-        why = ("has not run on a GPU yet (served only to its proof)" if version in TREE_STEP_BASES
+        why = ("has not run on a GPU (our GPU carry's torch cannot run this SGLang; served only to its proof)"
+               if version in TREE_STEP_BASES
                else "is not written, so nothing here could verify a tree")
         raise DDTreeV2NotAvailable(
             f"{_shared.FLAG_MODE} full is not available yet on SGLang {version}: the v2 DFLASH worker's tree "
@@ -124,10 +139,42 @@ def refuse_unavailable(mode: Any) -> None:
         )
 
 
+def shadow_refusal(server_args: Any) -> str | None:
+    """Why shadow-linear, which serves upstream's own DFLASH steps, must not serve this target here, or None. Read
+    from a local --model-path's config.json (a hub id is not checked)."""
+    if str(getattr(server_args, "speculative_ddtree_mode", None) or "off").strip().lower() != "shadow-linear":
+        return None
+    version = base_version()
+    if version not in UNTRACKED_HYBRID_RADIX_BASES or getattr(server_args, "disable_radix_cache", False):
+        return None
+    config = _shared._local_model_config(server_args)
+    if config is None:
+        return None
+    from sglang.srt.speculative.ddtree_utils import is_hybrid_model
+
+    hybrid, reason = is_hybrid_model(config)
+    if not hybrid:
+        return None
+    return (
+        f"{_shared.FLAG_MODE} shadow-linear serves SGLang {version}'s own DFLASH steps, and on a hybrid target "
+        f"({reason}) with the radix cache those track no recurrent state: a request resuming from a cached prefix "
+        "resumes from a stale state and its tokens are wrong (seen on the H200, ddtree-ops bench/RESULTS.md). Add "
+        "--disable-radix-cache."
+    )
+
+
+def _check(server_args: Any) -> None:
+    """The checks both bases run once DFLASH's block size is resolved."""
+    _shared.handle_ddtree_server_args(server_args)
+    refusal = shadow_refusal(server_args)
+    if refusal:
+        raise _shared.DDTreeConfigError(refusal)
+
+
 def check_post_init(server_args: Any) -> None:
     """0.5.17: check the DDTree fields inside `ServerArgs.__post_init__`, where resolution still assigns."""
     refuse_unavailable(server_args.speculative_ddtree_mode)
-    _shared.handle_ddtree_server_args(server_args)
+    _check(server_args)
 
 
 class _InEffect:
@@ -157,7 +204,7 @@ def validate(server_args: Any) -> dict[str, Any]:
 
     view = _InEffect(server_args)
     refuse_unavailable(view.speculative_ddtree_mode)
-    _shared.handle_ddtree_server_args(view)
+    _check(view)
     writes = dict(object.__getattribute__(view, "_writes"))
     # Not a field on 0.5.23: it is derived from the algorithm (23:arg_groups/overrides.py:1928-1960), so the shared
     # check's full-mode raise to `1 + budget` cannot be declared. The tree step's verify width reaches the target
@@ -197,12 +244,12 @@ def register() -> None:
     _registered = True
 
 
-# --- worker selection (shadow-linear on every v2 base; full under the proof switch) -----------------------------
+# --- worker selection (shadow-linear on every v2 base; full where it is served) ---------------------------------
 
 
 def _create_worker(original: Any, algo: Any, server_args: Any) -> Any:
     """AROUND `SpeculativeAlgorithm.create_worker`: DFLASH in shadow-linear gets the counting shadow worker
-    (ddtree_v2_shadow), in full mode (proof switch) the tree worker; anything else upstream's."""
+    (ddtree_v2_shadow), in full mode (where `tree_step_on`) the tree worker; anything else upstream's."""
     worker = original(algo, server_args)
     mode = getattr(server_args, "speculative_ddtree_mode", "off")
     if algo.is_dflash() and mode == "shadow-linear":

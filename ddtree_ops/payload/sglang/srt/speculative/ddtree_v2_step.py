@@ -1,7 +1,7 @@
 """DDTree's tree step on SGLang's v2 DFLASH worker, the part that does not depend on the base (installed as
 `sglang/srt/speculative/ddtree_v2_step.py` by the payload of each v2 base with a tree step, 0.5.17 and 0.5.23; one
-copy, shared). NEVER RUN ON A GPU on 0.5.23; served on both bases only under the proof switch
-`SGLANG_DDTREE_TEST_V2_TREE=1` (ddtree_v2_args).
+copy, shared). Proven on the H200 on 0.5.17 and served there; NEVER RUN ON A GPU on 0.5.23, served there only under
+the proof switch `SGLANG_DDTREE_TEST_V2_TREE=1` (ddtree_v2_args.PROVEN_TREE_BASES).
 
 Each base's `ddtree_worker_v2.py` is a thin adapter: `DDTreeWorkerV2(DDTreeStepV2, DFlashWorkerV2)` with that base's
 `__init__` / `forward_batch_generation` signatures and the few calls whose shape upstream changed between 0.5.17
@@ -235,8 +235,10 @@ class DDTreeStepV2:
         self.tree_keep_chain = bool(server_args.speculative_ddtree_keep_chain)
         self.sampling_rule = _args.sampling_rule(server_args)
         self.ddtree_stats = _stats.DDTreeStats()  # `/server_info` ddtree (`ddtree_internal_state`)
-        logger.info("DDTree v2 tree worker (UNPROVEN, test switch): block %d, budget %d, verify width %d",
-                    self.block_size, self.tree_budget, settings.verify_width)
+        unproven = _v2args.base_version() not in _v2args.PROVEN_TREE_BASES
+        logger.info("DDTree v2 tree worker%s: block %d, budget %d, verify width %d",
+                    " (UNPROVEN on a GPU, test switch)" if unproven else "", self.block_size, self.tree_budget,
+                    settings.verify_width)
         if not _seams.hook_took(_v2args.INTERNAL_STATE_TARGET, _v2args._internal_state):
             logger.warning("DDTree v2: /server_info carries no `ddtree` stats: the hook on %s did not take "
                            "(the promote settings gate will say inconclusive)", _v2args.INTERNAL_STATE_TARGET)

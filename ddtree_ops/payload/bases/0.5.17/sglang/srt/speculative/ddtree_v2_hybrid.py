@@ -1,8 +1,9 @@
 """DDTree's tree step on hybrid (Gated DeltaNet) targets for SGLang 0.5.17's v2 DFLASH worker (installed as
-`sglang/srt/speculative/ddtree_v2_hybrid.py` by the 0.5.17 payload; 0.5.17's own glue). NEVER RUN ON A GPU: served
-only under `SGLANG_DDTREE_TEST_V2_HYBRID=1` on top of the v2 tree step's own switch (`SGLANG_DDTREE_TEST_V2_TREE=1`,
-both with `SGLANG_DDTREE_ALLOW_TEST_SWITCHES=1`); without it `ddtree_worker_v2.v2_refusal` refuses every hybrid target
-by name. bench/gpu/HYBRID.md §8 is the reading this follows (17: = 0.5.17's wheel).
+`sglang/srt/speculative/ddtree_v2_hybrid.py` by the 0.5.17 payload; 0.5.17's own glue). Proven on the H200 on dense
+Qwen3.5 and Qwen3.5 MoE (trained pairs, production mix and limits on CUDA graphs, the deepest-node fault caught):
+bench/RESULTS.md, "Hybrid targets on the 0.5.17 v2 tree step". Served there with the radix cache off (`refusal`:
+v1's support table narrowed by `V2_UNPROVEN`). bench/gpu/V2_WORKER.md §8 is the reading this follows (17: = 0.5.17's
+wheel).
 
 What a tree verify on a GDN target needs on 0.5.17 beyond the dense tree step, each turned on only while a hybrid
 DDTree worker runs in this process (`activate`, called by the worker's `__init__`, which the scheduler runs before
@@ -85,31 +86,40 @@ _REQUIRED = (
 )
 
 
+# Architectures v1's support table proves (ddtree_utils.HYBRID_TREE_SUPPORT) whose proof on this worker is still
+# short: unproven here, served only under TEST_UNPROVEN_HYBRID like v1's unproven entries.
+V2_UNPROVEN = {
+    "qwen3-next": "on 0.5.17's v2 worker Qwen3-Next has run one eager production mix on a peaked target only (no "
+                  "CUDA graphs, no limits, and its wrong-commit check had no power there)",
+}
+
+
+def support(layer: str | None, architecture: str | None) -> tuple[str, str]:
+    """(status, why) of a hybrid kind on this worker: v1's table, narrowed to what ran here."""
+    status, why = hybrid_support(layer, architecture)
+    if status == "proven" and architecture in V2_UNPROVEN:
+        return "unproven", V2_UNPROVEN[architecture]
+    return status, why
+
+
 def refusal(server_args: Any, kind: tuple[str | None, str | None] = (None, None), environ: Any = None) -> str | None:
     """Why the v2 tree step must not serve this hybrid target (the flag or switch named), or None."""
     full = f"{_args.FLAG_MODE} full on SGLang 0.5.17's v2 worker"
-    if not _args.test_switch(_args.TEST_V2_HYBRID, environ):
-        return (
-            f"{full} serves non-hybrid targets only: its hybrid (Gated DeltaNet) tree step has not run on a GPU yet "
-            f"and is served only to its proof ({_args.TEST_V2_HYBRID}=1 with {_args.ALLOW_TEST_SWITCHES}=1). Use "
-            f"{_args.FLAG_MODE} shadow-linear."
-        )
-    if not _args.test_switch(_args.ALLOW_TEST_SWITCHES, environ):
-        return (f"{_args.TEST_V2_HYBRID}=1 is a test switch (the v2 hybrid tree step, not yet proven on a GPU), "
-                f"refused on a server; a test that means it sets {_args.ALLOW_TEST_SWITCHES}=1.")
     layer, architecture = kind
     if layer != GATED_DELTANET:
         return (f"{full} drives Gated DeltaNet layers only (SGLang's hybrid_gdn_config: Qwen3-Next, Qwen3.5); this "
                 f"target's recurrent layers are another kind (Mamba-2, KDA, Lightning, ...). Use {_args.FLAG_MODE} "
                 "shadow-linear.")
-    status, why = hybrid_support(layer, architecture)
+    status, why = support(layer, architecture)
     if status != "proven" and not (status == "unproven" and _args.test_switch(_args.TEST_UNPROVEN_HYBRID, environ)):
-        return (f"{full} refused on {layer} / {architecture or 'an unknown architecture'}: {why} (v1 proofs cover "
-                f"{', '.join(proven_hybrids())}). Use {_args.FLAG_MODE} shadow-linear.")
+        proven = [k for k in proven_hybrids() if k.rsplit(" on ", 1)[-1] not in V2_UNPROVEN]
+        return (f"{full} refused on {layer} / {architecture or 'an unknown architecture'}: {why} (this worker's "
+                f"proofs cover {', '.join(proven)}). Use {_args.FLAG_MODE} shadow-linear.")
     if not getattr(server_args, "disable_radix_cache", False):
         return (f"{full} on a hybrid target needs --disable-radix-cache: the radix cache's recurrent-state tracking "
-                "is not wired on v2 (upstream's v2 DFLASH commit tracks nothing, by reading: it compares the "
-                "pre-verify length with itself, 17:speculative/dflash_worker_v2.py:1269-1278).")
+                "is not wired on v2, and upstream's own v2 DFLASH tracks nothing (its commit compares the pre-verify "
+                "length with itself, 17:speculative/dflash_worker_v2.py:1269-1278); on the H200 it served a wrong "
+                "token after resuming a cached state (bench/RESULTS.md).")
     for flag, field, allowed in _REQUIRED:
         value = getattr(server_args, field, None)
         if value not in allowed:

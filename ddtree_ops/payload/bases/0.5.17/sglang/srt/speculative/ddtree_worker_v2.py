@@ -1,6 +1,6 @@
 """DDTree full mode on SGLang 0.5.17's v2 DFLASH worker (installed as `sglang/srt/speculative/ddtree_worker_v2.py`
-by the 0.5.17 payload; 0.5.17's own glue, a thin adapter). FIRST VERSION: served only under the proof switch
-`SGLANG_DDTREE_TEST_V2_TREE=1` (ddtree_v2_args), whose hook on `SpeculativeAlgorithm.create_worker` picks this class.
+by the 0.5.17 payload; 0.5.17's own glue, a thin adapter). Proven on the H200 (bench/RESULTS.md) and served in full
+mode: ddtree_v2_args' hook on `SpeculativeAlgorithm.create_worker` picks this class.
 
 The tree step itself (draft -> tree -> verify -> penalties -> walk -> commit -> draft KV) is the shared
 `ddtree_v2_step.DDTreeStepV2`, one copy for every v2 base; this module holds what is 0.5.17's: the constructor's
@@ -9,8 +9,8 @@ upstream runs it (its eager prepare-block path, `assign_extend_cache_locs_func`,
 reservation's host lengths (`reserved_seq_lens_cpu`) and 0.5.17's `GenerationBatchResult`.
 
 Out of scope, refused at start with the flag named (`v2_refusal`): auto budget, the overlap scheduler, attention
-backends other than triton, page size != 1, TP / PP > 1, the draft window, hybrid targets (served only under their
-own proof switch, `ddtree_v2_hybrid`), simulated acceptance.
+backends other than triton, page size != 1, TP / PP > 1, the draft window, hybrid targets other than the proven
+Gated DeltaNet ones with the radix cache off (`ddtree_v2_hybrid`), simulated acceptance.
 Per step: logprobs are refused as upstream refuses them on 0.5.17; a batch holding a grammar request runs upstream's
 linear DFLASH step instead (eager at width block: the verify graphs are captured at `1 + budget`).
 """
@@ -44,11 +44,11 @@ __all__ = ["DDTreeV2Refused", "DDTreeWorkerV2", "v2_refusal"]
 def v2_refusal(server_args: Any, *, hybrid: bool = False, simulate_acc_len: int = -1,
                hybrid_kind: tuple[str | None, str | None] = (None, None)) -> str | None:
     """Why this first v2 tree step cannot serve `server_args` (the flag named), or None."""
-    full = f"{_args.FLAG_MODE} full on SGLang 0.5.17's v2 worker (first version)"
+    full = f"{_args.FLAG_MODE} full on SGLang 0.5.17's v2 worker"
     refusal = settings_refusal(server_args, full)
     if refusal:
         return refusal
-    if hybrid:  # only under its own proof switch, GDN, radix cache off (ddtree_v2_hybrid)
+    if hybrid:  # proven GDN architectures, radix cache off (ddtree_v2_hybrid)
         refusal = _hybrid.refusal(server_args, hybrid_kind)
         if refusal:
             return refusal
