@@ -454,7 +454,7 @@ print(json.dumps({"refusal": mod.full_mode_refusal(config)}))
 
 
 # The base glue's own refusal of full mode (0.5.23: its tree step ran on the CPU only; 0.5.17 serves it, on the hybrid
-# architectures proven on that worker: ddtree_v2_hybrid.support). It imports the glue as the server would (through
+# architectures proven on that worker: ddtree_v2_hybrid.kind_refusal). It imports the glue as the server would (through
 # sglang, whose import is the slow part), so it runs only where the glue is installed and only for a full-mode
 # promote. argv[1]: the target's config.json.
 BASE_MODE_PROBE = r"""
@@ -470,10 +470,7 @@ else:
     refusal, kind = None, hybrid_kind(config)
     if kind and importlib.util.find_spec("sglang.srt.speculative.ddtree_v2_hybrid"):
         from sglang.srt.speculative import ddtree_v2_hybrid as hybrid
-        status, why = hybrid.support(*kind)
-        if status != "proven":
-            refusal = (f"--speculative-ddtree-mode full is refused on SGLang {glue.base_version()}'s v2 worker for "
-                       f"{kind[0]} / {kind[1]}: {why}. Use --speculative-ddtree-mode shadow-linear.")
+        refusal = hybrid.kind_refusal(kind)
 print(json.dumps({"refusal": refusal}))
 """
 

@@ -102,28 +102,39 @@ def support(layer: str | None, architecture: str | None) -> tuple[str, str]:
     return status, why
 
 
-def refusal(server_args: Any, kind: tuple[str | None, str | None] = (None, None), environ: Any = None) -> str | None:
-    """Why the v2 tree step must not serve this hybrid target (the flag or switch named), or None."""
-    full = f"{_args.FLAG_MODE} full on SGLang 0.5.17's v2 worker"
+_FULL = f"{_args.FLAG_MODE} full on SGLang 0.5.17's v2 worker"
+
+
+def kind_refusal(kind: tuple[str | None, str | None], environ: Any = None) -> str | None:
+    """Why this worker must not serve a hybrid of this (layer type, architecture), whatever the settings, or None
+    (also promote's pre-check, units.BASE_MODE_PROBE, so it refuses with the server's words)."""
     layer, architecture = kind
     if layer != GATED_DELTANET:
-        return (f"{full} drives Gated DeltaNet layers only (SGLang's hybrid_gdn_config: Qwen3-Next, Qwen3.5); this "
+        return (f"{_FULL} drives Gated DeltaNet layers only (SGLang's hybrid_gdn_config: Qwen3-Next, Qwen3.5); this "
                 f"target's recurrent layers are another kind (Mamba-2, KDA, Lightning, ...). Use {_args.FLAG_MODE} "
                 "shadow-linear.")
     status, why = support(layer, architecture)
     if status != "proven" and not (status == "unproven" and _args.test_switch(_args.TEST_UNPROVEN_HYBRID, environ)):
         proven = [k for k in proven_hybrids() if k.rsplit(" on ", 1)[-1] not in V2_UNPROVEN]
-        return (f"{full} refused on {layer} / {architecture or 'an unknown architecture'}: {why} (this worker's "
+        return (f"{_FULL} refused on {layer} / {architecture or 'an unknown architecture'}: {why} (this worker's "
                 f"proofs cover {', '.join(proven)}). Use {_args.FLAG_MODE} shadow-linear.")
+    return None
+
+
+def refusal(server_args: Any, kind: tuple[str | None, str | None] = (None, None), environ: Any = None) -> str | None:
+    """Why the v2 tree step must not serve this hybrid target (the flag or switch named), or None."""
+    refused = kind_refusal(kind, environ)
+    if refused:
+        return refused
     if not getattr(server_args, "disable_radix_cache", False):
-        return (f"{full} on a hybrid target needs --disable-radix-cache: the radix cache's recurrent-state tracking "
+        return (f"{_FULL} on a hybrid target needs --disable-radix-cache: the radix cache's recurrent-state tracking "
                 "is not wired on v2, and upstream's own v2 DFLASH tracks nothing (its commit compares the pre-verify "
                 "length with itself, 17:speculative/dflash_worker_v2.py:1269-1278); on the H200 it served a wrong "
                 "token after resuming a cached state (bench/RESULTS.md).")
     for flag, field, allowed in _REQUIRED:
         value = getattr(server_args, field, None)
         if value not in allowed:
-            return f"{full} on a hybrid target does not support {flag} (got {value!r}): drop it."
+            return f"{_FULL} on a hybrid target does not support {flag} (got {value!r}): drop it."
     try:
         _args.check_hybrid_full_mode(server_args)
     except _args.DDTreeConfigError as e:
