@@ -235,6 +235,16 @@ def shadow_pass(info: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None
     return passed, None
 
 
+def _payload_verdict(check: dict[str, Any] | None, mode: str, ctx_notes: list[str], *, code: str,
+                     hint: str) -> list[dict[str, str]]:
+    """The installed payload's own verdict on serving `mode` for the target (agent units.*_mode_check)."""
+    check = check or {}
+    if not check.get("checked", True):
+        ctx_notes.append(f"{mode} not checked against the target before the change ({check.get('reason')}); "
+                         "the server's own refusal at start is the backstop")
+    return [{"code": code, "message": check["refusal"], "hint": hint}] if check.get("refusal") else []
+
+
 def _refusals(host: HostConfig, opts: PromoteOptions, info: dict[str, Any],
               ctx_notes: list[str]) -> list[dict[str, str]]:
     """Why this host must not be promoted, found before any change (notes: what could not be checked)."""
@@ -253,13 +263,11 @@ def _refusals(host: HostConfig, opts: PromoteOptions, info: dict[str, Any],
                         "message": f"full needs a passed shadow-linear stage on this host's current release ({why})",
                         "hint": "run promote --mode shadow-linear first (or --force to take the baseline "
                                 "from the service as it runs now)"})
-        check = info.get("full_mode") or {}
-        if not check.get("checked", True):
-            ctx_notes.append(f"full mode not checked against the target before the change ({check.get('reason')}); "
-                             "the server's own refusal at start is the backstop")
-        if check.get("refusal"):
-            out.append({"code": "full_mode_refused", "message": check["refusal"],
-                        "hint": "use --mode shadow-linear on this target"})
+        out += _payload_verdict(info.get("full_mode"), opts.mode, ctx_notes, code="full_mode_refused",
+                                hint="use --mode shadow-linear on this target")
+    if opts.mode == "shadow-linear":
+        out += _payload_verdict(info.get("shadow_mode"), opts.mode, ctx_notes, code="shadow_linear_refused",
+                                hint="add --disable-radix-cache to the host's extra_args in the inventory")
     if info.get("drift") and not opts.adopt:
         out.append({"code": "unit_drift", "message": "changed by hand since ddtree-ops installed it: "
                     + ", ".join(info["drift"]), "hint": "inspect the change; promote --adopt replaces it (and keeps "
@@ -633,7 +641,7 @@ def promote_host(ctx: HostContext, inventory: Inventory, opts: PromoteOptions) -
     with _session(ctx, inventory) as session:
         run = _HostRun(ctx, session, opts, unit.secret_values)
         ctx.step("inspect")
-        info = service.inspect(session, host, unit, mode=opts.mode, check_full=opts.mode == "full")
+        info = service.inspect(session, host, unit, mode=opts.mode, check_mode=True)
         refusals = _refusals(host, opts, info, ctx.notices)
         if opts.dry_run:
             diff = service.unit_diff(info.get("installed_text"), unit.text, unit.paths.unit_path)

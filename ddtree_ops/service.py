@@ -367,11 +367,13 @@ def _unit_args(host: HostConfig, paths: UnitPaths) -> dict[str, Any]:
 
 
 def inspect(session: HostSession, host: HostConfig, unit: RenderedUnit | None, *, mode: str | None = None,
-            check_full: bool = False) -> dict[str, Any]:
+            check_mode: bool = False) -> dict[str, Any]:
     """Read-only: the installed unit text, service state, release, promotion record, and (given a
-    rendered unit) its lint; with check_full, the payload's own full-mode verdict on the target model."""
+    rendered unit) its lint; with check_mode, the installed payload's own verdict on serving `mode` for the target
+    model (full: the target's kind; shadow-linear: the base's own DFLASH on a hybrid with the radix cache)."""
     paths = unit.paths if unit else unit_paths(host)
-    args = {**_unit_args(host, paths), "model_path": host.model_path if check_full else None,
+    args = {**_unit_args(host, paths), "model_path": host.model_path if check_mode else None,
+            "disable_radix_cache": _has_flag(host.extra_args, "--disable-radix-cache"),
             "lint_text": unit.text if unit else None, "mode": mode}
     return _call(session, "unit_inspect", args, timeout=120)
 

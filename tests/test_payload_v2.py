@@ -403,6 +403,40 @@ def test_shadow_linear_is_refused_where_upstreams_hybrid_radix_tracking_is_broke
         assert refused is None, refused
 
 
+SHADOW_CHECK_CASES = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])  # the agent's module, as the host runs it (stdlib only), beside this base's tree
+from ddtree_ops.agent.remote.units import shadow_mode_check
+hybrid, dense = sys.argv[2:4]
+print(json.dumps({f"{name}, radix {'off' if off else 'on'}": shadow_mode_check(path, off)
+                  for name, path in (("hybrid", hybrid), ("dense", dense)) for off in (False, True)}))
+"""
+
+
+def test_promotes_shadow_linear_check_gives_the_servers_refusal(base: V2Base, site: Path, tmp_path: Path) -> None:
+    """promote's pre-check before a shadow-linear unit (units.shadow_mode_check, run by unit_inspect on the host): on
+    0.5.17 a hybrid target with the radix cache gets the words the server would refuse with at start, before the unit
+    changes; with --disable-radix-cache, on a dense target and on 0.5.23 it is served."""
+    from ddtree_ops.agent.remote.smoke import TINY_CONFIG
+
+    hybrid, dense = tmp_path / "qwen35", tmp_path / "qwen3"
+    for path, config in ((hybrid, {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"]}),
+                         (dense, TINY_CONFIG)):
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(config))
+    repo = Path(__file__).resolve().parents[1]
+    proc = run_in_site(site, ["-c", SHADOW_CHECK_CASES, str(repo), str(hybrid), str(dense)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    refused = got.pop("hybrid, radix on")
+    assert got == dict.fromkeys(got, {"checked": True, "refusal": None}), got
+    assert refused["checked"], refused
+    if base.version == "0.5.17":
+        assert "--disable-radix-cache" in refused["refusal"] and "Qwen3.5" in refused["refusal"], refused
+    else:
+        assert refused["refusal"] is None, refused
+
+
 def test_promotes_full_mode_probe_gives_the_bases_own_verdict(base: V2Base, site: Path) -> None:
     """promote's pre-check before a full-mode unit (units.BASE_MODE_PROBE, run where the glue is installed): 0.5.23
     refuses full mode whatever the target; 0.5.17 serves dense targets and the hybrids proven on its worker, and

@@ -221,3 +221,21 @@ def test_ctrl_c_in_a_later_batch_reports_every_batch(tmp_path: Path, monkeypatch
     got = [(r.host, r.status) for r in stopped.value.results]
     assert got == [("h1", "ok"), ("h2", "interrupted"), ("h3", "interrupted"), ("h4", "interrupted")]
     assert "not reached" in stopped.value.results[3].error.message
+
+
+def test_the_payloads_own_refusal_of_a_mode_stops_the_host_before_any_change(tmp_path: Path) -> None:
+    """unit_inspect's verdicts (agent units.full_mode_check / shadow_mode_check) become refusals before the unit
+    changes; a verdict that could not be reached is a note, the server's own refusal at start the backstop."""
+    host = _inv(tmp_path, 1).select(None)[0]
+    info = {"release": {"ddtree_payload": True, "current": "r1", "bundle_sha256": "b"}, "promotion": {},
+            "drift": [], "lint": {"ok": True},
+            "shadow_mode": {"checked": True, "refusal": "add --disable-radix-cache"},
+            "full_mode": {"checked": False, "reason": "model_path is not a local directory on the host"}}
+    notes: list[str] = []
+    got = rollout._refusals(host, rollout.PromoteOptions(mode="shadow-linear"), info, notes)
+    assert [r["code"] for r in got] == ["shadow_linear_refused"] and "extra_args" in got[0]["hint"], got
+    assert notes == []
+    got = rollout._refusals(host, rollout.PromoteOptions(mode="full", force=True), info, notes)
+    assert got == [] and notes and "full not checked" in notes[0], (got, notes)
+    info["shadow_mode"] = {"checked": True, "refusal": None}
+    assert rollout._refusals(host, rollout.PromoteOptions(mode="shadow-linear"), info, []) == []

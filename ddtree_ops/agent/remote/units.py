@@ -475,6 +475,37 @@ print(json.dumps({"refusal": refusal}))
 """
 
 
+# The base glue's refusal of shadow-linear (ddtree_v2_args.shadow_refusal: 0.5.17's own DFLASH on a hybrid with the
+# radix cache), over the unit's model path and radix flag, before the unit changes. argv[1]: {model_path,
+# disable_radix_cache}. A payload older than the refusal has none to give.
+SHADOW_MODE_PROBE = r"""
+import json, sys, types
+from sglang.srt.speculative import ddtree_v2_args as glue
+args = json.loads(sys.argv[1])
+refuse = getattr(glue, "shadow_refusal", None)
+server_args = types.SimpleNamespace(speculative_ddtree_mode="shadow-linear", **args)
+print(json.dumps({"refusal": refuse(server_args) if refuse else None}))
+"""
+
+
+def shadow_mode_check(model_path: str | None, disable_radix_cache: bool) -> dict:
+    """The installed v2 glue's verdict on serving shadow-linear for the target (v1 serves it everywhere)."""
+    if not model_path or not model_path.startswith("/"):
+        return {"checked": False, "reason": "model_path is not a local directory on the host"}
+    from .layout import find_base
+
+    _, site = find_base("sglang")
+    if not (site / V2_GLUE_MODULE).is_file():
+        return {"checked": True, "refusal": None}
+    probe = json.dumps({"model_path": model_path, "disable_radix_cache": bool(disable_radix_cache)})
+    proc = _run([sys.executable, "-c", SHADOW_MODE_PROBE, probe], 120)
+    try:
+        refusal = json.loads(proc.stdout.strip().splitlines()[-1]).get("refusal")
+    except (ValueError, IndexError):
+        return {"checked": False, "reason": f"probe failed: {proc.stderr.strip()[-400:]}"}
+    return {"checked": True, "refusal": refusal}
+
+
 def full_mode_check(model_path: str | None) -> dict:
     """The installed payload's own verdict on the target (full_mode_refusal over its config.json):
     the same words the worker would refuse with, before anything changes."""
@@ -543,8 +574,10 @@ def op_unit_inspect(args: dict) -> dict:
     mode = args.get("mode")
     if mode and (promotion.get("passed") or {}).get("shadow-linear"):
         out["shadow_linear_canary"] = read_json(sd / PROMOTION_DIR / "canary-shadow-linear.json")
-    if args.get("model_path"):
+    if args.get("model_path") and mode == "full":
         out["full_mode"] = full_mode_check(str(args["model_path"]))
+    elif args.get("model_path") and mode == "shadow-linear":
+        out["shadow_mode"] = shadow_mode_check(str(args["model_path"]), bool(args.get("disable_radix_cache")))
     return out
 
 
