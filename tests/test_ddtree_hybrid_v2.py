@@ -83,7 +83,7 @@ def test_hybrid_targets_are_served_where_proven_and_refused_by_name_elsewhere(ob
     assert r["good"] is None and r["good moe"] is None and r["unproven allowed"] is None, r
     assert r["qwen3-next allowed"] is None
     assert r["v2_refusal"] is None and r["v2_refusal dense"] is None  # the worker's check, no switch
-    for name, words in {"qwen3-next": "one eager production mix", "mamba2": "Gated DeltaNet layers only",
+    for name, words in {"qwen3-next": "wrong-commit check has not run", "mamba2": "Gated DeltaNet layers only",
                         "unproven": "qwen3.6", "radix": "--disable-radix-cache",
                         "verify backend": "--linear-attn-verify-backend",
                         "decode backend": "--linear-attn-decode-backend", "replayssm": "--enable-linear-replayssm",

@@ -83,3 +83,15 @@ def test_promotes_settings_gate_passes_the_shadow_stage(observed: dict, tmp_path
     assert verdict({k: v for k, v in state.items() if k != "ddtree"}).verdict == "inconclusive"
     failed = verdict({**state, "ddtree": {**state["ddtree"], "keep_chain": False}})
     assert failed.verdict == "fail" and "keep_chain=False" in failed.reason
+
+
+def test_a_hub_model_is_checked_against_the_config_sglang_loaded(observed: dict) -> None:
+    """Argument parsing reads a local --model-path only; the shadow worker refuses a 0.5.17 hybrid with the radix
+    cache from the config SGLang loaded (a hub id), in the words of the argument check. 0.5.23 tracks: served."""
+    loaded = observed["loaded"]
+    refused = loaded.pop("hybrid, radix on")
+    assert loaded == {"hybrid, radix off": None, "dense": None}, loaded
+    if observed["version"] == "0.5.17":
+        assert refused and refused.startswith("DDTreeConfigError") and "--disable-radix-cache" in refused, refused
+    else:
+        assert refused is None, refused

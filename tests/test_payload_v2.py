@@ -456,7 +456,7 @@ def test_promotes_full_mode_probe_gives_the_bases_own_verdict(base: V2Base, site
     if base.version in PROVEN_TREE_BASES:
         assert {k: v for k, v in got.items() if k != "qwen3-next"} == dict.fromkeys(["dense", "qwen3.5", "qwen3.5-moe"])
         assert got["qwen3-next"] and "qwen3-next" in got["qwen3-next"] and "shadow-linear" in got["qwen3-next"], got
-        assert "one eager production mix" in got["qwen3-next"]  # the worker's own words (ddtree_v2_hybrid)
+        assert "wrong-commit check has not run" in got["qwen3-next"]  # the worker's own words (ddtree_v2_hybrid)
     else:
         assert all(v and f"full is not available yet on SGLang {base.version}" in v for v in got.values()), got
 

@@ -272,7 +272,8 @@ if [ "${LIMITS:-0}" = 1 ]; then
   [ "${LIMITS_SET:-}" = p ] && VARIANTS=("p_full64|/tmp/tiny_p|$FULL 64" "p_plain|/tmp/tiny_p|" "p_dflash|/tmp/tiny_p|DF"
     "p_full64_bias|/tmp/tiny_p|$FULL 64 BIAS" "p_dflash_pristine|/tmp/tiny_p|DF PRISTINE" "p_full64_old|/tmp/tiny_p|$FULL 64 OLD")
   # LIMITS_SET=h (issue 25): the trained hybrid pair (.gpu/pair_h, radix cache off, full mode under the proof's
-  # switch): the production mix and a graph batch of 32 at the context limit, upstream DFLASH last (expected dead)
+  # switch): the production mix and a graph batch of 32 at the context limit, the deepest-node commit (must fail),
+  # upstream DFLASH last (expected dead)
   # LIMITS_SET=hd: the same on the hybrid without MoE (make_tiny_hybrid.py's random dense Qwen3.5, served as
   # Qwen3_5ForConditionalGeneration; HYB_PAIR=1 the trained dense pair from .gpu/pair_hd), plus the deepest-node
   # commit (must fail), and the peaked dense twin as the k set; no route ties can occur, so the margin rule alone judges.
@@ -304,7 +305,9 @@ if [ "${LIMITS:-0}" = 1 ]; then
       X="--mamba-scheduler-strategy extra_buffer --mamba-track-interval ${HYB_TRACK:-64} --skip-server-warmup"
       VARIANTS+=("h_full64_deepest|$HM|$FULL 64 $H HYB DEEPEST" "x_plain|$HM|$X" "x_dflash|$HM|DF $X"
                  "x_full64|$HM|$FULL 64 $X HYB" "x_full256|$HM|$FULL 256 $X HYB" "x_full64_deepest|$HM|$FULL 64 $X HYB DEEPEST")
-    elif [ -n "$QWEN35" ]; then
+    elif [ -z "$QWEN35" ]; then
+      VARIANTS+=("h_full64_deepest|$HM|$FULL 64 $H HYB DEEPEST")
+    else
       KM=/tmp/tiny_hp/$QWEN35  # the peaked twin: drafts accepted, so full mode commits deep nodes
       VARIANTS+=("h_full64_deepest|$HM|$FULL 64 $H HYB DEEPEST" "k_plain|$KM|$H" "k_dflash|$KM|DF $H"
                  "k_full64|$KM|$FULL 64 $H HYB" "k_full256|$KM|$FULL 256 $H HYB" "k_full64_deepest|$KM|$FULL 64 $H HYB DEEPEST")

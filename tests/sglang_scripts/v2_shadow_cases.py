@@ -30,14 +30,22 @@ ARGS = dict(speculative_num_draft_tokens=BLOCK, speculative_ddtree_mode="shadow-
             speculative_ddtree_budget_max=None, speculative_ddtree_topk_cap=4, speculative_ddtree_keep_chain=True)
 
 
-def shadow_worker(**change):
-    """The shadow worker `create_worker` picks, made by its own `__init__` (upstream's stubbed)."""
+class _HFConfig(dict):
+    def to_dict(self) -> dict:
+        return dict(self)
+
+
+def shadow_worker(loaded: dict | None = None, **change):
+    """The shadow worker `create_worker` picks, made by its own `__init__` (upstream's stubbed; `loaded`: the target
+    config it loaded)."""
     cls = SpeculativeAlgorithm.DFLASH.create_worker(SimpleNamespace(**{**ARGS, **change}))
     real = DFlashWorkerV2.__init__
+    target = None if loaded is None else SimpleNamespace(
+        model_runner=SimpleNamespace(model_config=SimpleNamespace(hf_config=_HFConfig(loaded))))
 
     def upstream_init(self, server_args, *args, **kwargs):
         self.block_size = int(server_args.speculative_num_draft_tokens)
-        self._target_worker, self._draft_worker, self._additional_graph_memory_usage = None, None, {}
+        self._target_worker, self._draft_worker, self._additional_graph_memory_usage = target, None, {}
 
     DFlashWorkerV2.__init__ = upstream_init
     try:
@@ -88,6 +96,18 @@ def main() -> None:
     out["auto"] = shadow_worker(speculative_ddtree_budget="auto", speculative_ddtree_budget_max=63,
                                 speculative_ddtree_topk_cap=None, speculative_ddtree_keep_chain=False
                                 ).ddtree_internal_state()
+    # A hub id is not read at argument parsing: the worker checks the config SGLang loaded.
+    hub = dict(model_path="Qwen/Qwen3.5-9B", disable_radix_cache=False)
+    out["loaded"] = {}
+    for name, loaded, change in (
+            ("hybrid, radix on", {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"]}, {}),
+            ("hybrid, radix off", {"model_type": "qwen3_5"}, {"disable_radix_cache": True}),
+            ("dense", {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}, {})):
+        try:
+            shadow_worker(loaded, **{**hub, **change})
+            out["loaded"][name] = None
+        except ValueError as exc:
+            out["loaded"][name] = f"{type(exc).__name__}: {exc}"
     plain = object.__new__(DFlashWorkerV2)
     plain.__dict__.update(_draft_worker=None, _additional_graph_memory_usage={},
                           _target_worker=SimpleNamespace(model_runner=None))

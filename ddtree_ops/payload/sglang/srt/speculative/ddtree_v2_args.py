@@ -94,7 +94,8 @@ ROW_HEADROOM_TARGET = "sglang.srt.mem_cache.allocation_sizing.get_req_to_token_e
 # the pre-verify lengths with `batch.seq_lens`, which the step has not advanced (17:speculative/dflash_worker_v2.py:
 # 1269-1278), so a request resuming from a cached state resumes from a stale one (a wrong first token on the H200,
 # bench/RESULTS.md). 0.5.23 compares with the post-verify lengths (23:speculative/dflash_worker_v2.py:2106-2117).
-# shadow-linear (upstream's steps, counted) is refused there unless --disable-radix-cache.
+# shadow-linear (upstream's steps, counted) is refused there unless --disable-radix-cache: the tracking hook below
+# (`register_mamba_track`, payload 0.8.13) mends the comparison, CPU-proven only until the radix-cache run on a GPU.
 UNTRACKED_HYBRID_RADIX_BASES = ("0.5.17",)
 # The bases whose linear DFLASH verify drops the penalties (ddtree_v2_penalties).
 LINEAR_PENALTY_BASES = ("0.5.17", "0.5.23")
@@ -139,16 +140,18 @@ def refuse_unavailable(mode: Any) -> None:
         )
 
 
-def shadow_refusal(server_args: Any) -> str | None:
-    """Why shadow-linear, which serves upstream's own DFLASH steps, must not serve this target here, or None. Read
-    from a local --model-path's config.json (a hub id is not checked)."""
+def shadow_refusal(server_args: Any, config: dict | None = None) -> str | None:
+    """Why shadow-linear, which serves upstream's own DFLASH steps, must not serve this target here, or None. The
+    target's `config` (default: a local --model-path's config.json, read at argument parsing; the shadow worker
+    passes the one SGLang loaded, so a hub id is checked at start)."""
     if str(getattr(server_args, "speculative_ddtree_mode", None) or "off").strip().lower() != "shadow-linear":
         return None
     version = base_version()
     if version not in UNTRACKED_HYBRID_RADIX_BASES or getattr(server_args, "disable_radix_cache", False):
         return None
-    config = _shared._local_model_config(server_args)
     if config is None:
+        config = _shared._local_model_config(server_args)
+    if not config:
         return None
     from sglang.srt.speculative.ddtree_utils import is_hybrid_model
 
@@ -158,8 +161,8 @@ def shadow_refusal(server_args: Any) -> str | None:
     return (
         f"{_shared.FLAG_MODE} shadow-linear serves SGLang {version}'s own DFLASH steps, and on a hybrid target "
         f"({reason}) with the radix cache those track no recurrent state: a request resuming from a cached prefix "
-        "resumes from a stale state and its tokens are wrong (seen on the H200, ddtree-ops bench/RESULTS.md). Add "
-        "--disable-radix-cache."
+        "resumes from a stale state and its tokens are wrong (seen on the H200, ddtree-ops bench/RESULTS.md; the "
+        "payload's mend has not run on a GPU yet). Add --disable-radix-cache."
     )
 
 
@@ -376,6 +379,47 @@ def register_linear_penalties() -> bool:
     return _linear_penalties_registered
 
 
+# --- the radix cache's recurrent-state tracking in upstream's linear verify (0.5.17, every DFLASH server) ------
+# 0.5.17's commit picks the verify step to snapshot for the radix cache by comparing the pre-verify lengths with
+# `batch.seq_lens`, which the step has not advanced (17:speculative/dflash_worker_v2.py:1269-1278, called at :1840
+# with `seq_lens_pre_verify = batch.seq_lens.clone()`): it never sees a crossing and tracks nothing, while the
+# scheduler still records one (`mamba_last_track_seqlen`), so a request resuming from that cached prefix resumes
+# from a stale state. 0.5.23 compares with the post-verify lengths (23:…:2106-2117); the hook hands 0.5.17's commit
+# the batch with those, so its own code picks the step 0.5.23's would.
+POST_VERIFY_TRACK_BASES = ("0.5.17",)
+MAMBA_TRACK_TARGET = "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2._update_target_mamba_state_after_verify"
+
+
+class _PostVerifyBatch:
+    """A batch as the state commit should read it: `seq_lens` after this verify, every other field the batch's."""
+
+    def __init__(self, batch: Any, seq_lens: Any) -> None:
+        self._batch, self.seq_lens = batch, seq_lens
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._batch, name)
+
+
+def _around_mamba_track(original: Any, worker: Any, *, batch: Any, seq_lens_pre_verify: Any, commit_lens: Any) -> Any:
+    post = seq_lens_pre_verify + commit_lens.to(seq_lens_pre_verify.dtype)
+    return original(worker, batch=_PostVerifyBatch(batch, post), seq_lens_pre_verify=seq_lens_pre_verify,
+                    commit_lens=commit_lens)
+
+
+_mamba_track_registered = False
+
+
+def register_mamba_track() -> bool:
+    """Register (not apply) the tracking hook once per process on the bases that need it; whether it is."""
+    global _mamba_track_registered
+    if not _mamba_track_registered and base_version() in POST_VERIFY_TRACK_BASES:
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        HookRegistry.register(MAMBA_TRACK_TARGET, _around_mamba_track, HookType.AROUND)
+        _mamba_track_registered = True
+    return _mamba_track_registered
+
+
 _workers_registered = False
 
 
@@ -394,4 +438,5 @@ def register_workers() -> bool:
 
 register_row_headroom()
 register_linear_penalties()
+register_mamba_track()
 register_workers()

@@ -21,6 +21,7 @@ from typing import Any
 
 from sglang.srt.speculative import ddtree_args as _args
 from sglang.srt.speculative import ddtree_stats as _stats
+from sglang.srt.speculative import ddtree_v2_args as _v2args
 from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 
 
@@ -29,6 +30,10 @@ class DDTreeShadowWorkerV2(DFlashWorkerV2):
 
     def __init__(self, server_args: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(server_args, *args, **kwargs)
+        # Argument parsing checked a local --model-path; the config SGLang loaded covers a hub id too.
+        refusal = _v2args.shadow_refusal(server_args, loaded_config(self._target_worker))
+        if refusal:
+            raise _args.DDTreeConfigError(refusal)
         block = int(server_args.speculative_num_draft_tokens)
         budget = getattr(server_args, "speculative_ddtree_budget", None)
         self.ddtree_settings = _stats.settings(
@@ -53,6 +58,12 @@ class DDTreeShadowWorkerV2(DFlashWorkerV2):
             verify_graph_width=getattr(runner, "captured_req_width", None),
             verify_graph_max_bs=getattr(runner, "max_bs", None), build_graph_bs=None, build_budgets=[],
             verify_kernels=False, hybrid=None, profile=None)
+
+
+def loaded_config(target_worker: Any) -> dict:
+    """The target's config as SGLang loaded it ({} where there is none to read)."""
+    hf_config = getattr(getattr(getattr(target_worker, "model_runner", None), "model_config", None), "hf_config", None)
+    return hf_config.to_dict() if hasattr(hf_config, "to_dict") else {}
 
 
 def is_decode(batch: Any) -> bool:

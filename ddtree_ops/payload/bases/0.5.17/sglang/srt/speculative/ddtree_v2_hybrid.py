@@ -89,8 +89,8 @@ _REQUIRED = (
 # Architectures v1's support table proves (ddtree_utils.HYBRID_TREE_SUPPORT) whose proof on this worker is still
 # short: unproven here, served only under TEST_UNPROVEN_HYBRID like v1's unproven entries.
 V2_UNPROVEN = {
-    "qwen3-next": "on 0.5.17's v2 worker Qwen3-Next has run one eager production mix on a peaked target only (no "
-                  "CUDA graphs, no limits, and its wrong-commit check had no power there)",
+    "qwen3-next": "on 0.5.17's v2 worker Qwen3-Next's trained pair has passed the production mix and the limits "
+                  "on CUDA graphs on an H100 only, and its wrong-commit check has not run there",
 }
 
 

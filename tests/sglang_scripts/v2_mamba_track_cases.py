@@ -1,0 +1,104 @@
+"""Run inside an unpacked SGLang 0.5.17 or 0.5.23 tree (on PYTHONPATH, the payload's `ddtree_v2_args.py` and
+`ddtree_args.py` beside upstream's): which verify step upstream's linear DFLASH commit snapshots for the radix
+cache's recurrent-state tracking, before and after `load_plugins()`; prints one JSON object.
+
+What runs for real: `DFlashWorkerV2._update_target_mamba_state_after_verify` (each base's own) and SGLang's
+`HookRegistry` applying what `ddtree_v2_args` registers at import. Stand-ins, and why: the attention backend
+(records the step indices it is asked to snapshot: the copy itself is a GPU kernel), the worker's other fields (no
+model on a CPU), the runtime bag's track interval (`get_exec()` / `mamba_track_grid`, read-only configuration).
+The oracle: for each request, the last verify step (0-based, within its committed tokens) after which its length
+is a multiple of the interval, else -1 (the state the scheduler records as `mamba_last_track_seqlen`).
+
+Usage: python v2_mamba_track_cases.py
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import random
+from types import SimpleNamespace
+from unittest import mock
+
+import torch
+from sglang.srt.plugins import load_plugins
+from sglang.srt.speculative import ddtree_v2_args as v2args  # registers the hooks at import
+from sglang.srt.speculative import dflash_worker_v2 as dw
+from sglang.version import __version__
+
+
+class _Backend:
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def update_mamba_state_after_mtp_verify(self, **kwargs) -> None:
+        self.calls.append(kwargs)
+
+
+def oracle(pre: list[int], commit: list[int], interval: int) -> list[int]:
+    return [max([j for j in range(c) if (p + j + 1) % interval == 0], default=-1)
+            for p, c in zip(pre, commit, strict=True)]
+
+
+def tracked(pre: list[int], commit: list[int], interval: int) -> list[int] | None:
+    """The steps the base's commit asks the backend to snapshot (None: it asked for none)."""
+    backend = _Backend()
+    worker = object.__new__(dw.DFlashWorkerV2)
+    worker._need_mamba_verify_commit = True
+    worker._target_worker = SimpleNamespace(model_runner=SimpleNamespace(attn_backend=backend, model=None))
+    seq_lens = torch.tensor(pre, dtype=torch.int64)  # as the step left it: not advanced (17:…:1672, :1840)
+    commit_lens = torch.tensor(commit, dtype=torch.int32)
+    n = len(pre)
+    batch = SimpleNamespace(seq_lens=seq_lens, mamba_track_indices=torch.arange(n, dtype=torch.int64),
+                            req_pool_indices=torch.arange(n, dtype=torch.int64),
+                            tree_cache=SimpleNamespace(page_size=1))
+    kwargs = dict(batch=batch, seq_lens_pre_verify=seq_lens.clone(), commit_lens=commit_lens)
+    params = inspect.signature(dw.DFlashWorkerV2._update_target_mamba_state_after_verify).parameters
+    if "seq_lens_post_verify" in params:  # 0.5.23 is handed the post-verify lengths by its caller
+        kwargs["seq_lens_post_verify"] = seq_lens + commit_lens.to(seq_lens.dtype)
+    bag = SimpleNamespace(mamba=SimpleNamespace(mamba_track_interval=interval))
+    with mock.patch.object(dw, "get_exec", lambda: bag), \
+            mock.patch.object(dw, "mamba_track_grid", lambda page: interval, create=True):
+        worker._update_target_mamba_state_after_verify(**kwargs)
+    (call,) = backend.calls
+    assert torch.equal(call["last_correct_step_indices"], commit_lens.to(torch.int64) - 1)
+    steps = call["mamba_steps_to_track"]
+    return None if steps is None else [int(s) for s in steps]
+
+
+def cases(seed: int, n: int = 400) -> list[tuple[list[int], list[int], int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        interval = rng.choice([16, 32, 64, 128])
+        bs = rng.randint(1, 8)
+        pre = [rng.randint(1, 600) for _ in range(bs)]
+        commit = [rng.randint(1, 16) for _ in range(bs)]
+        out.append((pre, commit, interval))
+    return out
+
+
+def run(seed: int) -> dict:
+    agree, crossings, wrong = 0, 0, []
+    for pre, commit, interval in cases(seed):
+        want = oracle(pre, commit, interval)
+        got = tracked(pre, commit, interval)
+        crossings += sum(s >= 0 for s in want)
+        if got == want:
+            agree += 1
+        elif len(wrong) < 5:
+            wrong.append({"pre": pre, "commit": commit, "interval": interval, "want": want, "got": got})
+    return {"agree": agree, "cases": len(cases(seed)), "crossings": crossings, "wrong": wrong}
+
+
+def main() -> None:
+    original = dw.DFlashWorkerV2._update_target_mamba_state_after_verify
+    before = run(1)
+    registered = v2args.register_mamba_track()
+    load_plugins()
+    print(json.dumps({"version": __version__, "registered": registered, "before": before, "after": run(2),
+                      "hooked": dw.DFlashWorkerV2._update_target_mamba_state_after_verify is not original}))
+
+
+if __name__ == "__main__":
+    main()
