@@ -298,18 +298,16 @@ if [ "${LIMITS:-0}" = 1 ]; then
     # lacks; the vision tower is not what this proves): every request here is text, so no warm-up request
     [ -n "$QWEN35" ] && H="$H --skip-server-warmup"
     VARIANTS=("h_full64|$HM|$FULL 64 $H HYB" "h_plain|$HM|$H" "h_dflash|$HM|DF $H" "h_full15|$HM|$FULL 15 $H HYB"
-              "h_full256|$HM|$FULL 256 $H HYB" "h_dflash_pristine|$HM|DF $H PRISTINE")
+              "h_full256|$HM|$FULL 256 $H HYB" "h_dflash_pristine|$HM|DF $H PRISTINE" "h_full64_deepest|$HM|$FULL 64 $H HYB DEEPEST")
     if [ -n "$QWEN35" ] && [ "${HYB_PAIR:-0}" = 1 ]; then
       # the trained pair a second time as the x set, with the radix cache (states tracked every HYB_TRACK tokens):
       # its mix's round 2 resumes from cached states; samples and liveness there too
       X="--mamba-scheduler-strategy extra_buffer --mamba-track-interval ${HYB_TRACK:-64} --skip-server-warmup"
-      VARIANTS+=("h_full64_deepest|$HM|$FULL 64 $H HYB DEEPEST" "x_plain|$HM|$X" "x_dflash|$HM|DF $X"
+      VARIANTS+=("x_plain|$HM|$X" "x_dflash|$HM|DF $X"
                  "x_full64|$HM|$FULL 64 $X HYB" "x_full256|$HM|$FULL 256 $X HYB" "x_full64_deepest|$HM|$FULL 64 $X HYB DEEPEST")
-    elif [ -z "$QWEN35" ]; then
-      VARIANTS+=("h_full64_deepest|$HM|$FULL 64 $H HYB DEEPEST")
-    else
+    elif [ -n "$QWEN35" ]; then
       KM=/tmp/tiny_hp/$QWEN35  # the peaked twin: drafts accepted, so full mode commits deep nodes
-      VARIANTS+=("h_full64_deepest|$HM|$FULL 64 $H HYB DEEPEST" "k_plain|$KM|$H" "k_dflash|$KM|DF $H"
+      VARIANTS+=("k_plain|$KM|$H" "k_dflash|$KM|DF $H"
                  "k_full64|$KM|$FULL 64 $H HYB" "k_full256|$KM|$FULL 256 $H HYB" "k_full64_deepest|$KM|$FULL 64 $H HYB DEEPEST")
     fi
   fi

@@ -498,12 +498,17 @@ def shadow_mode_check(model_path: str | None, disable_radix_cache: bool) -> dict
     if not (site / V2_GLUE_MODULE).is_file():
         return {"checked": True, "refusal": None}
     probe = json.dumps({"model_path": model_path, "disable_radix_cache": bool(disable_radix_cache)})
-    proc = _run([sys.executable, "-c", SHADOW_MODE_PROBE, probe], 120)
+    return _probe_verdict("probe", SHADOW_MODE_PROBE, probe)
+
+
+def _probe_verdict(name: str, code: str, *argv: str) -> dict:
+    """Run a probe (`python -c code argv...`, 120 s at most) that prints {"refusal": ...} last: its verdict, or why
+    there is none."""
+    proc = _run([sys.executable, "-c", code, *argv], 120)
     try:
-        refusal = json.loads(proc.stdout.strip().splitlines()[-1]).get("refusal")
-    except (ValueError, IndexError):
-        return {"checked": False, "reason": f"probe failed: {proc.stderr.strip()[-400:]}"}
-    return {"checked": True, "refusal": refusal}
+        return {"checked": True, "refusal": json.loads(proc.stdout.strip().splitlines()[-1]).get("refusal")}
+    except (ValueError, IndexError, AttributeError):
+        return {"checked": False, "reason": f"{name} failed: {proc.stderr.strip()[-400:]}"}
 
 
 def full_mode_check(model_path: str | None) -> dict:
@@ -522,21 +527,12 @@ def full_mode_check(model_path: str | None) -> dict:
     module = site / DDTREE_MODULE
     if not module.is_file():
         return {"checked": False, "reason": f"{module} is not installed"}
-    proc = _run([sys.executable, "-c", FULL_MODE_PROBE, str(module), json.dumps(config)], 120)
-    try:
-        answer = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        return {"checked": False, "reason": f"probe failed: {proc.stderr.strip()[-400:]}"}
-    refusal = answer.get("refusal")
-    if not refusal and (site / V2_GLUE_MODULE).is_file():
+    verdict = _probe_verdict("probe", FULL_MODE_PROBE, str(module), json.dumps(config))
+    if verdict["checked"] and not verdict["refusal"] and (site / V2_GLUE_MODULE).is_file():
         # The target allows full, but this base's payload may not serve it yet: refused here, before the
         # unit changes, with the words the server would refuse with at start.
-        proc = _run([sys.executable, "-c", BASE_MODE_PROBE, json.dumps(config)], 120)
-        try:
-            refusal = json.loads(proc.stdout.strip().splitlines()[-1]).get("refusal")
-        except (ValueError, IndexError):
-            return {"checked": False, "reason": f"base probe failed: {proc.stderr.strip()[-400:]}"}
-    return {"checked": True, "refusal": refusal, "model_type": config.get("model_type")}
+        verdict = _probe_verdict("base probe", BASE_MODE_PROBE, json.dumps(config))
+    return {**verdict, "model_type": config.get("model_type")} if verdict["checked"] else verdict
 
 
 def op_unit_inspect(args: dict) -> dict:

@@ -128,9 +128,9 @@ def refusal(server_args: Any, kind: tuple[str | None, str | None] = (None, None)
         return refused
     if not getattr(server_args, "disable_radix_cache", False):
         return (f"{_FULL} on a hybrid target needs --disable-radix-cache: the radix cache's recurrent-state tracking "
-                "is not wired on v2, and upstream's own v2 DFLASH tracks nothing (its commit compares the pre-verify "
-                "length with itself, 17:speculative/dflash_worker_v2.py:1269-1278); on the H200 it served a wrong "
-                "token after resuming a cached state (bench/RESULTS.md).")
+                "is not wired into the v2 tree step (upstream's own v2 DFLASH tracked nothing either: its commit "
+                "compares the pre-verify length with itself, 17:speculative/dflash_worker_v2.py:1269-1278; on the "
+                "H200 it served a wrong token after resuming a cached state, bench/RESULTS.md).")
     for flag, field, allowed in _REQUIRED:
         value = getattr(server_args, field, None)
         if value not in allowed:
