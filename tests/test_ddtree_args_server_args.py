@@ -79,18 +79,20 @@ def test_other_errors_still_propagate(monkeypatch: pytest.MonkeyPatch) -> None:
         load_payload_module("ddtree_args").sampling_rule()
 
 
+@pytest.mark.parametrize("field", ["mamba_scheduler_strategy", "mamba_radix_cache_strategy"])
 @pytest.mark.parametrize(("radix_off", "strategy", "refused"), [
     (True, "no_buffer", False), (False, "extra_buffer", False),
     (False, "no_buffer", True), (False, "extra_buffer_lazy", True), (False, None, True)])
 def test_full_mode_on_a_hybrid_keeps_the_radix_cache_only_with_tracked_states(
-        monkeypatch: pytest.MonkeyPatch, radix_off: bool, strategy: str | None, refused: bool) -> None:
+        monkeypatch: pytest.MonkeyPatch, radix_off: bool, strategy: str | None, refused: bool, field: str) -> None:
     """Issue 25: the radix cache caches a recurrent state per tracked length; DDTree's commit tracks the accepted
     node only through `extra_buffer` (SGLang refuses the other strategies with DFLASH today; a later release that
-    lets one through must still be refused here, by name)."""
+    lets one through must still be refused here, by name). The flag's value is `mamba_scheduler_strategy` on
+    0.5.13.post1, `mamba_radix_cache_strategy` from 0.5.14 on (the flag an alias there)."""
     _fake_sglang(monkeypatch, _raise(UNSET))
     args = load_payload_module("ddtree_args")
-    server = types.SimpleNamespace(disable_radix_cache=radix_off, mamba_scheduler_strategy=strategy, tp_size=1,
-                                   speculative_ddtree_budget=64)
+    server = types.SimpleNamespace(disable_radix_cache=radix_off, tp_size=1, speculative_ddtree_budget=64,
+                                   **{field: strategy})
     if not refused:
         args.check_hybrid_full_mode(server)
         return

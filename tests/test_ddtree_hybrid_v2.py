@@ -3,16 +3,18 @@ in `ddtree_worker_v2.py`, the two kernel patches): the 0.5.17 bundle built again
 it, then, on the CPU, in that tree (tests/sglang_scripts/v2_hybrid_cases.py says what runs for real and which
 stand-ins it uses):
 - the refusals (no switch: the step is served): only Gated DeltaNet on an architecture proven on this worker (Qwen3.5
-  dense and MoE; Qwen3-Next, proven on v1, only under the unproven-hybrid test switch), the radix cache off, the
-  settings the step was read against;
+  dense and MoE; Qwen3-Next, proven on v1, only under the unproven-hybrid test switch), the radix cache off (on only
+  under that switch: its tracking is CPU-proven only), the settings the step was read against;
 - the hooks answer upstream's answers until the worker activates them, and then: tree mode on the target's GDN
   backend only, dense per-node conv windows, the memory plan at `1 + budget` (against its closed form), a chain for
   upstream's linear step (eager and graph replay); SGLang's own `MambaPool` then keeps `1 + budget` dense states,
   which the worker's start check accepts (and refuses without the hooks);
 - the committed index is each request's last accepted node (an independent walk; its state equals the recurrence
-  over the committed tokens), where DFLASH's chain rule and the test faults miss;
+  over the committed tokens), where DFLASH's chain rule and the test faults miss; the tracked index is the node at
+  the crossed multiple of the track interval on that path (v1's scalar rule; its state, by hand);
 - whole tree steps of the worker on a stateful stand-in hybrid target emit plain decoding's tokens, and do not with
-  a wrong commit (chain, deepest, skip) or without the tree arrays;
+  a wrong commit (chain, deepest, skip) or without the tree arrays; with the radix cache's tracking every crossed
+  multiple `T` leaves the state after `T` tokens in the track slot, which 0.5.17's own rule and unmapped offsets miss;
 - SGLang 0.5.17's own GDN verify kernels, patched, under Triton's interpreter (bench/gpu/hybrid_kernels_check.py):
   every node equals its path bit for bit, the committed node continues the path, and the deduplicated window layout
   (what the dense-window hook prevents) corrupts the tree's windows.
@@ -81,7 +83,7 @@ def test_the_bundle_patches_the_tree_kernels_and_ships_the_hybrid_glue(built: B.
 def test_hybrid_targets_are_served_where_proven_and_refused_by_name_elsewhere(observed: dict) -> None:
     r = observed["refusals"]
     assert r["good"] is None and r["good moe"] is None and r["unproven allowed"] is None, r
-    assert r["qwen3-next allowed"] is None
+    assert r["qwen3-next allowed"] is None and r["radix allowed"] is None
     assert r["v2_refusal"] is None and r["v2_refusal dense"] is None  # the worker's check, no switch
     for name, words in {"qwen3-next": "wrong-commit check has not run", "mamba2": "Gated DeltaNet layers only",
                         "unproven": "qwen3.6", "radix": "--disable-radix-cache",
@@ -142,6 +144,24 @@ def test_the_committed_index_is_the_last_accepted_node(observed: dict) -> None:
     # the test's power: DFLASH's chain rule misses exactly those; the faults miss too
     assert idx["wrong"]["dflash_rule"] == idx["wrong"]["chain"] == idx["off_chain"]
     assert idx["wrong"]["deepest"] > 0 and idx["wrong"]["skip"] == idx["requests"]
+
+
+def test_the_tracked_index_is_the_node_at_the_crossed_multiple_on_the_path(observed: dict) -> None:
+    idx = observed["index"]
+    assert idx["bad"] == [] and idx["crossings"] > 50, idx
+    # the faults track nothing (deepest, skip) or follow DFLASH's chain (chain): each misses
+    assert idx["track_wrong"]["deepest"] == idx["track_wrong"]["skip"] == idx["crossings"], idx
+    assert idx["track_wrong"]["chain"] > 0, idx
+
+
+def test_tree_steps_keep_the_crossed_state_for_the_radix_cache(observed: dict) -> None:
+    for run in observed["decode_tracked"]:
+        assert run["plain"] and run["track_bad"] == [], run
+        assert run["crossings"] > 0 and run["tracked"] == run["crossings"], run  # one state per crossing, no more
+    upstream = observed["decode_tracked_faults"]["upstream"]  # 0.5.17's own rule: nothing tracked
+    assert all(r["tracked"] == 0 and r["track_bad"] for r in upstream), upstream
+    assert any(r["track_bad"] for r in observed["decode_tracked_faults"]["unmapped"])
+    assert not any(r["tracked"] for r in observed["decode"])  # a batch that does not track writes no track slot
 
 
 def test_tree_steps_on_a_hybrid_target_emit_plain_decoding(observed: dict) -> None:

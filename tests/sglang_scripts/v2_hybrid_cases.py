@@ -108,13 +108,16 @@ def hybrid_step(fault: str = "") -> hy.HybridStepV2:
 def index_oracle(trials: int = 60) -> dict:
     """The committed index per request (the worker's `HybridStepV2.commit_steps`, on the walk `tree_walk` gives)
     against an independent walk by hand: the last node on the accepted path; its state equals the recurrence over
-    the committed tokens in order. DFLASH's chain rule (`commit_len - 1`) and the test faults must miss."""
+    the committed tokens in order. DFLASH's chain rule (`commit_len - 1`) and the test faults must miss. The tracked
+    index (`track_offsets` at a random prefix length and track interval, mapped the same way) against v1's scalar rule
+    (`ddtree_hybrid_state.track_step`) and the state after the crossed multiple, by hand."""
     rng = random.Random(11)
     good = hybrid_step()
     faults = {f: hybrid_step(f) for f in ("chain", "deepest", "skip")}
     bad: list[str] = []
-    requests = off_chain = 0
+    requests = off_chain = crossings = 0
     wrong = dict.fromkeys(["dflash_rule", *faults], 0)
+    track_wrong = dict.fromkeys(faults, 0)
     for trial in range(trials):
         bs, depth, vocab = rng.randint(1, 5), rng.randint(2, 7), rng.randint(3, 9)
         gen = torch.Generator().manual_seed(trial)
@@ -134,9 +137,13 @@ def index_oracle(trials: int = 60) -> dict:
         verify_logits = torch.full((bs, n, vocab), -4.0).scatter_(2, target[:, :, None], 4.0)
         accepted, accept_lens, _ = tree_walk(tree, tokens, verify_logits, sampled_rows=[])
         commit_lens = accept_lens.to(torch.int32) + 1
-        got = good.commit_steps(tree, accepted, commit_lens).tolist()
+        interval = rng.randint(1, 6)
+        before = torch.tensor([rng.randrange(3 * interval + 1) for _ in range(bs)])
+        offsets = hy.track_offsets(before, commit_lens, interval)
+        got, tracked = (x.tolist() for x in good.commit_steps(tree, accepted, commit_lens, offsets))
         chain = (commit_lens.to(torch.int64) - 1).tolist()
-        by_fault = {f: s.commit_steps(tree, accepted, commit_lens).tolist() for f, s in faults.items()}
+        by_fault = {f: [x.tolist() for x in s.commit_steps(tree, accepted, commit_lens, offsets)]
+                    for f, s in faults.items()}
         for b in range(bs):
             requests += 1
             k = int(tree.num_nodes[b])
@@ -155,9 +162,27 @@ def index_oracle(trials: int = 60) -> dict:
                 bad.append(f"{trial}/{b}: commit_len {int(commit_lens[b])} for path {path}")
             off_chain += path != list(range(len(path)))
             wrong["dflash_rule"] += chain[b] < 0 or states[chain[b]] != linear
-            for f, steps in by_fault.items():
+            for f, (steps, _) in by_fault.items():
                 wrong[f] += steps[b] < 0 or states[steps[b]] != linear
-    return {"bad": bad[:10], "requests": requests, "off_chain": off_chain, "wrong": wrong}
+            # tracking: the state after the crossed multiple T of the interval, by hand
+            pre, post = int(before[b]), int(before[b]) + len(path)
+            multiples = [t for t in range(pre + 1, post + 1) if t % interval == 0]  # crossed this step
+            want = multiples[-1] if multiples else -1  # the state after `want` tokens: path offset want - pre - 1
+            expected = path[want - pre - 1] if multiples else -1
+            if tracked[b] != hs.track_step(path, len(path), pre, interval) or tracked[b] != expected:
+                bad.append(f"{trial}/{b}: tracked {tracked[b]}, want {expected} (path {path}, {pre}, {interval})")
+            if expected >= 0:
+                crossings += 1
+                state_t = start
+                for node in path[: want - pre]:
+                    state_t = step(state_t, toks[node])
+                if states[tracked[b]] != state_t:
+                    bad.append(f"{trial}/{b}: tracked state is not the state after {want} tokens")
+                for f, (_, track_f) in by_fault.items():
+                    track_f_b = track_f[b] if track_f is not None else -1
+                    track_wrong[f] += track_f_b < 0 or states[track_f_b] != state_t
+    return {"bad": bad[:10], "requests": requests, "off_chain": off_chain, "wrong": wrong, "crossings": crossings,
+            "track_wrong": track_wrong}
 
 
 # --- whole decode steps on a stateful stand-in hybrid target ------------------------------------------------------
@@ -185,8 +210,13 @@ def scatter(dst: torch.Tensor, src: torch.Tensor, slots: torch.Tensor, steps: to
             dst[:, int(slots[b])] = src[:, b, s]
 
 
-def decode_run(seed: int, fault: str = "", attach: bool = True, steps_n: int = 6) -> dict:
-    """Several tree steps of the worker on a hybrid stand-in target; the emitted tokens must be plain decoding's."""
+def decode_run(seed: int, fault: str = "", attach: bool = True, steps_n: int = 6, track_interval: int = 0,
+               track_fault: str = "") -> dict:
+    """Several tree steps of the worker on a hybrid stand-in target; the emitted tokens must be plain decoding's. With
+    `track_interval`, the batch tracks states for the radix cache (SGLang's runtime bag gives the interval): each
+    crossed multiple `T` of it must leave the state after `T` tokens in the request's track slot. `track_fault`: what
+    the test must catch, 0.5.17's upstream rule (`upstream`: the pre-verify length against itself) or the path offsets
+    used as node indices (`unmapped`: DFLASH's chain layout)."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     bs, width_row = 3, 80
@@ -195,7 +225,8 @@ def decode_run(seed: int, fault: str = "", attach: bool = True, steps_n: int = 6
     req_to_token = torch.zeros((4, width_row), dtype=torch.int32)
     req_to_token.view(-1)[:] = torch.randperm(4 * width_row, generator=gen).to(torch.int32) + 1
     starts = [rng.randrange(P) for _ in range(bs)]
-    pool_ssm = torch.zeros((1, 110, 1), dtype=torch.int64)
+    track_slots = rows.to(torch.int64) + 200  # the requests' radix-cache track slots
+    pool_ssm = torch.zeros((1, 210, 1), dtype=torch.int64)
     for b in range(bs):
         pool_ssm[0, int(slots[b]), 0] = starts[b]
     inter = torch.zeros((1, bs + 1, WIDTH, 1), dtype=torch.int64)
@@ -209,17 +240,27 @@ def decode_run(seed: int, fault: str = "", attach: bool = True, steps_n: int = 6
         mamba_pool=SimpleNamespace(replayssm_is_kda=False)))
     backend = object.__new__(hlab.HybridLinearAttnBackend)
     backend.linear_attn_backend = linear
-    hlab.scatter_mamba_states_after_mtp_verify = lambda caches, idx, steps, track, track_steps: (
-        scatter(caches.temporal, caches.intermediate_ssm, idx, steps))
+    tracked_writes = [0]
+
+    def scatter_after_verify(caches, idx, steps, track, track_steps) -> None:  # the fused kernel's two scatters
+        scatter(caches.temporal, caches.intermediate_ssm, idx, steps)
+        if track is not None:
+            scatter(caches.temporal, caches.intermediate_ssm, track, track_steps)
+            tracked_writes[0] += int((track_steps >= 0).sum())
+
+    hlab.scatter_mamba_states_after_mtp_verify = scatter_after_verify
+    hy.get_exec = lambda: SimpleNamespace(mamba=SimpleNamespace(mamba_track_interval=track_interval))
     commits: list[list[int]] = []
     off_chain = [0]  # commits whose node is not DFLASH's chain index
     real_commit = hybrid.commit_steps
 
-    def recording(tree, accepted, commit_lens):
-        steps = real_commit(tree, accepted, commit_lens)
+    def recording(tree, accepted, commit_lens, track=None):
+        steps, tracked = real_commit(tree, accepted, commit_lens, track)
+        if track_fault == "unmapped":
+            tracked = track
         commits.append(steps.tolist())
         off_chain[0] += int((steps != commit_lens.to(torch.int64) - 1).sum())
-        return steps
+        return steps, tracked
 
     hybrid.commit_steps = recording
 
@@ -228,6 +269,9 @@ def decode_run(seed: int, fault: str = "", attach: bool = True, steps_n: int = 6
     emitted: list[list[int]] = [[] for _ in range(bs)]
     want = [plain(starts[b], int(bonus[b]), steps_n * BLOCK) for b in range(bs)]
     recorded: dict = {}
+    fed = [[int(bonus[b])] for b in range(bs)]  # every token each request has consumed or will next, in order
+    initial = prefix.tolist()
+    crossings, track_bad = 0, []
 
     def prepare_for_verify(self, batch, target_worker):
         recorded["verify"] = self
@@ -273,7 +317,10 @@ def decode_run(seed: int, fault: str = "", attach: bool = True, steps_n: int = 6
     draft_input = seams.DDTreeDraftInputV2.from_dflash(
         w.DFlashWorkerV2._make_next_draft_input_decode(worker, bonus_tokens=bonus, new_seq_lens=prefix))
     arrays_sent = True
-    for _ in range(steps_n):
+    real_offsets = hy.track_offsets
+    if track_fault == "upstream":
+        hy.track_offsets = lambda pre, lens, interval: real_offsets(pre, lens * 0, interval)
+    for i in range(steps_n):
         # the draft guesses plain's next tokens at most depths (from the true pool state: a guess, not a reading)
         draft_hidden.normal_(generator=gen)
         for b in range(bs):
@@ -283,20 +330,34 @@ def decode_run(seed: int, fault: str = "", attach: bool = True, steps_n: int = 6
                     draft_hidden[b, d + 1, tok] += 6.0
         batch = SimpleNamespace(seq_lens=prefix.clone(), seq_lens_cpu=prefix.clone().to(torch.int32),
                                 seq_lens_sum=int(prefix.sum()), req_pool_indices=rows, spec_info=draft_input,
-                                out_cache_loc=None, sampling_info=None, reqs=[None] * bs)
+                                out_cache_loc=None, sampling_info=None, reqs=[None] * bs,
+                                mamba_track_indices=track_slots if track_interval else None)
+        before = prefix.tolist()
         result = worker._tree_step(batch, None)
         arrays_sent &= getattr(recorded["verify"], "retrieve_next_token", None) is not None
         out = result.next_token_ids.view(bs, BLOCK).tolist()
         for b in range(bs):
             emitted[b] += out[b][: int(result.accept_lens[b])]
+            fed[b] += out[b][: int(result.accept_lens[b])]
+            after = int(result.new_seq_lens[b])
+            crossed = [t for t in range(before[b] + 1, after + 1) if track_interval and t % track_interval == 0]
+            if crossed:  # the state after crossed[-1] tokens, by the recurrence over what was consumed
+                crossings += 1
+                state = starts[b]
+                for tok in fed[b][: crossed[-1] - initial[b]]:
+                    state = step(state, tok)
+                if int(pool_ssm[0, int(track_slots[b]), 0]) != state:
+                    track_bad.append(f"step {i} request {b}: track slot holds no state after {crossed[-1]} tokens")
         prefix = result.new_seq_lens
         draft_input = result.next_draft_input
+    hy.track_offsets = real_offsets
     lens = [len(e) for e in emitted]
     report = worker.ddtree_internal_state()  # /server_info's ddtree: the tree steps and the hybrid layers
     return {"report": {"tree_steps": report["tree_steps"], "hybrid": report["hybrid"]},
             "plain": all(emitted[b] == want[b][: lens[b]] for b in range(bs)), "tokens": sum(lens),
             "steps": steps_n, "deep": sum(1 for c in commits for s in c if s > 0),
-            "arrays_sent": arrays_sent, "commits": len(commits), "off_chain": off_chain[0]}
+            "arrays_sent": arrays_sent, "commits": len(commits), "off_chain": off_chain[0], "crossings": crossings,
+            "tracked": tracked_writes[0], "track_bad": track_bad[:5]}
 
 
 # --- the hooks: inert without the switch, active with it ----------------------------------------------------------
@@ -507,7 +568,7 @@ def mamba_pool_answers() -> dict:
 GOOD = {**wc.GOOD, "disable_radix_cache": True, "linear_attn_backend": "triton", "linear_attn_decode_backend": None,
         "linear_attn_prefill_backend": None, "linear_attn_verify_backend": None, "enable_linear_replayssm": False,
         "enable_linear_replayssm_spec": False, "enable_unified_memory": False, "enable_page_major_kv_layout": False,
-        "mamba_scheduler_strategy": None}
+        "mamba_radix_cache_strategy": None}
 QWEN35 = ("gated-deltanet", "qwen3.5")
 UNPROVEN_ON = {"SGLANG_DDTREE_TEST_UNPROVEN_HYBRID": "1", "SGLANG_DDTREE_ALLOW_TEST_SWITCHES": "1"}
 
@@ -522,6 +583,8 @@ def refusals() -> dict:
         "unproven": ({}, ("gated-deltanet", "qwen3.6"), {}),
         "unproven allowed": ({}, ("gated-deltanet", "qwen3.6"), UNPROVEN_ON),
         "radix": ({"disable_radix_cache": False}, QWEN35, {}),
+        "radix allowed": ({"disable_radix_cache": False, "mamba_radix_cache_strategy": "extra_buffer"}, QWEN35,
+                          UNPROVEN_ON),  # tracking: CPU-proven only
         "verify backend": ({"linear_attn_verify_backend": "flashinfer"}, QWEN35, {}),
         "decode backend": ({"linear_attn_decode_backend": "flashinfer"}, QWEN35, {}),
         "replayssm": ({"enable_linear_replayssm": True}, QWEN35, {}),
@@ -558,6 +621,9 @@ if __name__ == "__main__":
     out["mamba_pool"] = mamba_pool_answers()
     out["index"] = index_oracle()
     out["decode"] = [decode_run(seed) for seed in range(4)]
+    out["decode_tracked"] = [decode_run(seed, steps_n=10, track_interval=seed % 4 + 2) for seed in range(6)]
     out["decode_faults"] = {f: [decode_run(seed, fault=f) for seed in range(4)] for f in ("chain", "deepest", "skip")}
+    out["decode_tracked_faults"] = {f: [decode_run(seed, steps_n=10, track_interval=seed % 4 + 2, track_fault=f)
+                                        for seed in range(6)] for f in ("upstream", "unmapped")}
     out["decode_no_arrays"] = [decode_run(seed, attach=False) for seed in range(4)]
     print(json.dumps(out))

@@ -1,11 +1,15 @@
 """Run inside an unpacked SGLang 0.5.17 or 0.5.23 tree (on PYTHONPATH, the payload's `ddtree_v2_args.py` and
-`ddtree_args.py` beside upstream's): which verify step upstream's linear DFLASH commit snapshots for the radix
-cache's recurrent-state tracking, before and after `load_plugins()`; prints one JSON object.
+`ddtree_args.py` beside upstream's): which track slots a linear DFLASH verify is built with, and which verify step
+upstream's commit snapshots into them for the radix cache's recurrent-state tracking, before and after
+`load_plugins()`; prints one JSON object.
 
-What runs for real: `DFlashWorkerV2._update_target_mamba_state_after_verify` (each base's own) and SGLang's
-`HookRegistry` applying what `ddtree_v2_args` registers at import. Stand-ins, and why: the attention backend
+What runs for real: `DFlashWorkerV2._update_target_mamba_state_after_verify` and `DFlashVerifyInput.prepare_for_verify`
+(each base's own, with `spec_utils.prepare_mamba_track_for_verify` and `set_mamba_track_indices_from_reqs`) and
+SGLang's `HookRegistry` applying what `ddtree_v2_args` registers at import. Stand-ins, and why: the attention backend
 (records the step indices it is asked to snapshot: the copy itself is a GPU kernel), the worker's other fields (no
-model on a CPU), the runtime bag's track interval (`get_exec()` / `mamba_track_grid`, read-only configuration).
+model on a CPU), the runtime bag's track interval and extra-buffer setting (`get_exec()` / `get_server_args()` /
+`mamba_track_grid`, read-only configuration), `ForwardBatch.init_new` (records the slots the verify's forward batch
+is built from, then stops: the rest needs a model runner), pinned host memory (needs a GPU driver).
 The oracle: for each request, the last verify step (0-based, within its committed tokens) after which its length
 is a multiple of the interval, else -1 (the state the scheduler records as `mamba_last_track_seqlen`).
 
@@ -14,6 +18,7 @@ Usage: python v2_mamba_track_cases.py
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import random
@@ -91,12 +96,67 @@ def run(seed: int) -> dict:
     return {"agree": agree, "cases": len(cases(seed)), "crossings": crossings, "wrong": wrong}
 
 
+class _Unpinned:
+    """torch, its host tensors never pinned (pinning needs a GPU driver)."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    @staticmethod
+    def tensor(data, *args, pin_memory: bool = False, **kwargs) -> torch.Tensor:
+        return torch.tensor(data, *args, **kwargs)
+
+
+class _Built(Exception):
+    """`ForwardBatch.init_new` was reached: what it was handed is recorded."""
+
+
+def verify_slots() -> dict:
+    """The track slots (and the extend-time mask) the verify's forward batch is built from, after the base's own
+    `DFlashVerifyInput.prepare_for_verify` on a decode batch whose slots a filter / merge nulled and whose extend-time
+    mask is stale; the oracle: each request's ping-pong slot at its `mamba_next_track_idx`."""
+    from sglang.srt.managers import schedule_batch as sb
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.speculative import dflash_info as di
+    from sglang.srt.speculative import spec_utils as su
+
+    mapping = torch.arange(100, 112, dtype=torch.int64).view(6, 2)  # request row -> its two ping-pong track slots
+    rows = torch.tensor([3, 0, 5, 2])
+    reqs = [SimpleNamespace(mamba_next_track_idx=i % 2, kv=SimpleNamespace(mamba_next_track_idx=i % 2))  # 0.5.23: .kv
+            for i in range(4)]
+    batch = SimpleNamespace(forward_mode=ForwardMode.DECODE, reqs=reqs, req_pool_indices=rows,
+                            req_to_token_pool=SimpleNamespace(req_index_to_mamba_ping_pong_track_buffer_mapping=mapping),
+                            mamba_track_indices=None, mamba_track_mask=torch.ones(4, dtype=torch.bool),
+                            mamba_track_seqlens=None, input_ids=None, spec_info=None)
+    seen: dict = {}
+
+    def init_new(b, runner, **kwargs):
+        seen["slots"] = None if b.mamba_track_indices is None else b.mamba_track_indices.tolist()
+        seen["mask"] = None if b.mamba_track_mask is None else b.mamba_track_mask.tolist()
+        raise _Built
+
+    verify = object.__new__(di.DFlashVerifyInput)
+    verify.__dict__.update(draft_token=torch.zeros(16, dtype=torch.int64), capture_hidden_mode=None, draft_token_num=4,
+                           live_seq_lens_cpu=None)
+    flags = SimpleNamespace(enable_mamba_extra_buffer=lambda: True, enable_mamba_extra_buffer_lazy=lambda: False)
+    bag = SimpleNamespace(mamba=SimpleNamespace(enable_mamba_extra_buffer=True, enable_mamba_extra_buffer_lazy=False))
+    with mock.patch.object(di, "ForwardBatch", SimpleNamespace(init_new=init_new)), \
+            mock.patch.object(v2args._shared, "running_server_args", lambda: flags), \
+            mock.patch.object(su, "get_server_args", lambda: flags, create=True), \
+            mock.patch.object(su, "get_exec", lambda: bag, create=True), \
+            mock.patch.object(sb, "torch", _Unpinned()), contextlib.suppress(_Built):
+        di.DFlashVerifyInput.prepare_for_verify(verify, batch, SimpleNamespace(model_runner=None))
+    seen["want"] = [int(mapping[int(r), reqs[i].mamba_next_track_idx]) for i, r in enumerate(rows)]
+    return seen
+
+
 def main() -> None:
     original = dw.DFlashWorkerV2._update_target_mamba_state_after_verify
-    before = run(1)
+    before, slots_before = run(1), verify_slots()
     registered = v2args.register_mamba_track()
     load_plugins()
     print(json.dumps({"version": __version__, "registered": registered, "before": before, "after": run(2),
+                      "slots_before": slots_before, "slots_after": verify_slots(),
                       "hooked": dw.DFlashWorkerV2._update_target_mamba_state_after_verify is not original}))
 
 

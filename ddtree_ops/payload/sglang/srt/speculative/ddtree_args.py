@@ -411,7 +411,10 @@ def check_hybrid_full_mode(server_args: Any) -> None:
                 f"path is the one DDTree's commit follows); got {flag} {value}. Use {flag} triton or {FLAG_MODE} "
                 "shadow-linear."
             )
-    strategy = getattr(server_args, "mamba_scheduler_strategy", None)
+    # 0.5.14+ keeps the flag's value as `mamba_radix_cache_strategy` (the flag a deprecated alias of
+    # --mamba-radix-cache-strategy there)
+    strategy = getattr(server_args, "mamba_scheduler_strategy", None) or getattr(
+        server_args, "mamba_radix_cache_strategy", None)
     if not getattr(server_args, "disable_radix_cache", False) and strategy != "extra_buffer":
         # SGLang refuses the others with speculative decoding today; a later release that lets one through
         # would cache recurrent states DDTree's commit does not track.

@@ -95,7 +95,7 @@ ROW_HEADROOM_TARGET = "sglang.srt.mem_cache.allocation_sizing.get_req_to_token_e
 # 1269-1278), so a request resuming from a cached state resumes from a stale one (a wrong first token on the H200,
 # bench/RESULTS.md). 0.5.23 compares with the post-verify lengths (23:speculative/dflash_worker_v2.py:2106-2117).
 # shadow-linear (upstream's steps, counted) is refused there unless --disable-radix-cache: the tracking hook below
-# (`register_mamba_track`, payload 0.8.13) mends the comparison, CPU-proven only until the radix-cache run on a GPU.
+# (`register_mamba_track`, payload 0.8.13; the track slots 0.8.14) mends it, CPU-proven only until the radix-cache run on a GPU.
 UNTRACKED_HYBRID_RADIX_BASES = ("0.5.17",)
 # The bases whose linear DFLASH verify drops the penalties (ddtree_v2_penalties).
 LINEAR_PENALTY_BASES = ("0.5.17", "0.5.23")
@@ -380,14 +380,31 @@ def register_linear_penalties() -> bool:
 
 
 # --- the radix cache's recurrent-state tracking in upstream's linear verify (0.5.17, every DFLASH server) ------
-# 0.5.17's commit picks the verify step to snapshot for the radix cache by comparing the pre-verify lengths with
-# `batch.seq_lens`, which the step has not advanced (17:speculative/dflash_worker_v2.py:1269-1278, called at :1840
-# with `seq_lens_pre_verify = batch.seq_lens.clone()`): it never sees a crossing and tracks nothing, while the
-# scheduler still records one (`mamba_last_track_seqlen`), so a request resuming from that cached prefix resumes
-# from a stale state. 0.5.23 compares with the post-verify lengths (23:…:2106-2117); the hook hands 0.5.17's commit
-# the batch with those, so its own code picks the step 0.5.23's would.
+# 0.5.17's DFLASH never tracks a recurrent state for the radix cache, while the scheduler records one at every
+# crossed multiple of the track interval (`mamba_last_track_seqlen`, 17:managers/scheduler_components/
+# batch_result_processor.py:1183-1193), so a request resuming from that cached prefix resumes from a stale state
+# (a wrong first token on the H100 and H200, bench/RESULTS.md). Two gaps, both closed in 0.5.23:
+# - the verify batch carries no track slots: spec batches skip the decode-time refresh and filter / merge null
+#   them, and 0.5.17's `DFlashVerifyInput.prepare_for_verify` does not rebuild them as EAGLE's, NGRAM's and
+#   0.5.23's DFLASH's do (`spec_utils.prepare_mamba_track_for_verify`, 23:speculative/dflash_info.py:99-104);
+#   a BEFORE hook calls upstream's own function there;
+# - the commit compares the pre-verify lengths with `batch.seq_lens`, which the step has not advanced
+#   (17:speculative/dflash_worker_v2.py:1269-1278, called at :1840 with `seq_lens_pre_verify =
+#   batch.seq_lens.clone()`); 0.5.23 compares with the post-verify lengths (23:…:2106-2117): an AROUND hook hands
+#   0.5.17's commit the batch with those, so its own code picks the step 0.5.23's would.
 POST_VERIFY_TRACK_BASES = ("0.5.17",)
 MAMBA_TRACK_TARGET = "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2._update_target_mamba_state_after_verify"
+
+
+def _before_verify_track_slots(verify: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE `DFlashVerifyInput.prepare_for_verify` (0.5.17): on a server that tracks states for the radix cache
+    (`extra_buffer`), the batch's track slots from its requests, as 0.5.23 rebuilds them before a verify (an idle batch
+    has none)."""
+    tracks = getattr(_shared.running_server_args(), "enable_mamba_extra_buffer", None)
+    if tracks is not None and tracks() and not batch.forward_mode.is_idle():
+        from sglang.srt.speculative.spec_utils import prepare_mamba_track_for_verify
+
+        prepare_mamba_track_for_verify(batch)
 
 
 class _PostVerifyBatch:
@@ -410,11 +427,12 @@ _mamba_track_registered = False
 
 
 def register_mamba_track() -> bool:
-    """Register (not apply) the tracking hook once per process on the bases that need it; whether it is."""
+    """Register (not apply) the tracking hooks once per process on the bases that need them; whether they are."""
     global _mamba_track_registered
     if not _mamba_track_registered and base_version() in POST_VERIFY_TRACK_BASES:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+        HookRegistry.register(PREPARE_VERIFY_TARGET, _before_verify_track_slots, HookType.BEFORE)
         HookRegistry.register(MAMBA_TRACK_TARGET, _around_mamba_track, HookType.AROUND)
         _mamba_track_registered = True
     return _mamba_track_registered

@@ -402,7 +402,7 @@ class DDTreeStepV2:
                              prefix_lens, block)
         commit_lens = commit.commit_lens.to(torch.int32)
         if self._ddtree_hybrid is not None:  # the recurrent state of each request's last committed node
-            self._ddtree_hybrid.commit(self, batch, tree, accepted, commit_lens)
+            self._ddtree_hybrid.commit(self, batch, tree, accepted, commit_lens, prefix_lens)
         new_seq_lens = prefix_lens + commit_lens.to(prefix_lens.dtype)
         if on_publish is not None:
             on_publish(new_seq_lens)

@@ -31,8 +31,11 @@ Per tree step (`HybridStepV2`): the tree's first-child / next-sibling arrays on 
 the kernels derive the parents from them, bench/gpu/HYBRID.md §0.3), and after the walk the commit of each
 request's last committed node on its accepted path (`ddtree_hybrid.HybridTree.commit_steps`, the rule of
 `ddtree_hybrid_state.commit_step`, on the device: no host read) through upstream's
-`update_mamba_state_after_mtp_verify`. The radix cache's recurrent-state tracking is not wired: refused
-(`--disable-radix-cache` required).
+`update_mamba_state_after_mtp_verify`, with the radix cache's recurrent-state tracking when the batch tracks
+(`--mamba-scheduler-strategy extra_buffer`): the step crossing a multiple of the track interval keeps the state of the
+node at that position on its accepted path (`track_offsets`, 0.5.23's rule on the post-verify lengths, mapped through
+the path as v1's `ddtree_hybrid_state.track_step`). CPU-proven only: with the radix cache on, the step is served
+under the unproven-hybrid test switch alone (`refusal`) until its GPU run.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from sglang.srt.runtime_context import get_exec
 from sglang.srt.speculative import ddtree_args as _args
 from sglang.srt.speculative.ddtree_hybrid import HybridTree, hf_config_dict
 from sglang.srt.speculative.ddtree_utils import DDTreeRefused, hybrid_kind, hybrid_support, proven_hybrids
@@ -126,11 +130,11 @@ def refusal(server_args: Any, kind: tuple[str | None, str | None] = (None, None)
     refused = kind_refusal(kind, environ)
     if refused:
         return refused
-    if not getattr(server_args, "disable_radix_cache", False):
-        return (f"{_FULL} on a hybrid target needs --disable-radix-cache: the radix cache's recurrent-state tracking "
-                "is not wired into the v2 tree step (upstream's own v2 DFLASH tracked nothing either: its commit "
-                "compares the pre-verify length with itself, 17:speculative/dflash_worker_v2.py:1269-1278; on the "
-                "H200 it served a wrong token after resuming a cached state, bench/RESULTS.md).")
+    if not getattr(server_args, "disable_radix_cache", False) and not _args.test_switch(
+            _args.TEST_UNPROVEN_HYBRID, environ):
+        return (f"{_FULL} on a hybrid target needs --disable-radix-cache: the tree step's recurrent-state tracking "
+                "for the radix cache is proven on the CPU only, not yet on a GPU (a wrongly tracked state is served "
+                "to every request that resumes from that cached prefix).")
     for flag, field, allowed in _REQUIRED:
         value = getattr(server_args, field, None)
         if value not in allowed:
@@ -247,6 +251,19 @@ def install() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ per step
+def track_offsets(prefix_lens: torch.Tensor, commit_lens: torch.Tensor, interval: int) -> torch.Tensor:
+    """Per request, the offset along this step's committed path whose state the radix cache keeps, -1 for none: a step
+    that crosses a multiple `T` of `interval` keeps the state after `T` tokens, path offset `T - prefix - 1`, when that
+    offset was committed (0.5.23's rule on the post-verify lengths, 23:speculative/dflash_worker_v2.py:2106-2117;
+    0.5.17's own compares the pre-verify length with itself and tracks nothing)."""
+    before = prefix_lens.to(torch.int64)
+    lens = commit_lens.to(torch.int64)
+    after = before + lens
+    offset = (after // interval * interval - before - 1).clamp(min=0)
+    keep = (before // interval != after // interval) & (offset < lens)
+    return torch.where(keep, offset, torch.full_like(offset, -1))
+
+
 @dataclasses.dataclass
 class _Walk:
     """What `HybridTree.commit_steps` reads of a verified step."""
@@ -287,25 +304,30 @@ class HybridStepV2:
         verify_input.retrieve_next_token = tree.retrive_next_token
         verify_input.retrieve_next_sibling = tree.retrive_next_sibling
 
-    def commit_steps(self, tree: Any, accepted_nodes: torch.Tensor, commit_lens: torch.Tensor) -> torch.Tensor:
-        """Per request, the verify-block index of the node whose state is committed: the last committed node on the
-        accepted path, `accepted_nodes[b, commit_lens[b] - 1]` (DFLASH's chain offset mapped through the path;
-        the test fault `SGLANG_DDTREE_TEST_MAMBA_COMMIT` swaps it)."""
+    def commit_steps(self, tree: Any, accepted_nodes: torch.Tensor, commit_lens: torch.Tensor,
+                     track: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per request, the verify-block index of the node whose state is committed, the last committed node on the
+        accepted path `accepted_nodes[b, commit_lens[b] - 1]` (DFLASH's chain offset mapped through the path), and of
+        the node whose state is tracked (`track`: offsets along the path, `track_offsets`; -1 stays none). The test
+        fault `SGLANG_DDTREE_TEST_MAMBA_COMMIT` swaps them."""
         if self.state is None:
             raise RuntimeError("HybridStepV2.start was not called")
-        chain = commit_lens.to(torch.int64) - 1
-        steps, _ = self.state.commit_steps(_Walk(accepted_nodes, tree), chain, None)
-        return steps
+        return self.state.commit_steps(_Walk(accepted_nodes, tree), commit_lens.to(torch.int64) - 1, track)
 
-    def commit(self, worker: Any, batch: Any, tree: Any, accepted_nodes: torch.Tensor,
-               commit_lens: torch.Tensor) -> None:
+    def commit(self, worker: Any, batch: Any, tree: Any, accepted_nodes: torch.Tensor, commit_lens: torch.Tensor,
+               prefix_lens: torch.Tensor) -> None:
         """Commit the accepted path's states into the pool (upstream's fused scatter; the pool slots come from the
-        verify's own metadata). Nothing is tracked for the radix cache (refused on v2 hybrid)."""
-        steps = self.commit_steps(tree, accepted_nodes, commit_lens)
+        verify's own metadata), and where the batch tracks states for the radix cache, the state at each crossed
+        multiple of the track interval into the request's track slot."""
+        track_slots = getattr(batch, "mamba_track_indices", None)
+        offsets = None if track_slots is None else track_offsets(
+            prefix_lens, commit_lens, int(get_exec().mamba.mamba_track_interval))
+        steps, track = self.commit_steps(tree, accepted_nodes, commit_lens, offsets)
         runner = worker.target_worker.model_runner
         runner.attn_backend.update_mamba_state_after_mtp_verify(
-            last_correct_step_indices=steps, mamba_track_indices=None, mamba_steps_to_track=None,
-            model=runner.model, req_pool_indices=batch.req_pool_indices[: steps.shape[0]],
+            last_correct_step_indices=steps, mamba_track_indices=None if track is None else track_slots,
+            mamba_steps_to_track=track, model=runner.model,
+            req_pool_indices=batch.req_pool_indices[: steps.shape[0]],
         )
 
     def as_dict(self) -> dict[str, Any]:
