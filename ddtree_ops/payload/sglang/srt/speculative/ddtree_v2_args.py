@@ -90,12 +90,11 @@ WORKER_BASES = ("0.5.17", "0.5.23")
 # The bases whose `req_to_token` rows are too short for the v2 DFLASH reservation at page size 1 (below).
 ROW_HEADROOM_BASES = ("0.5.17", "0.5.23")
 ROW_HEADROOM_TARGET = "sglang.srt.mem_cache.allocation_sizing.get_req_to_token_extra_context_len"
-# The bases whose own v2 DFLASH tracks no recurrent state for the radix cache on a hybrid target: its commit compares
-# the pre-verify lengths with `batch.seq_lens`, which the step has not advanced (17:speculative/dflash_worker_v2.py:
-# 1269-1278), so a request resuming from a cached state resumes from a stale one (a wrong first token on the H200,
-# bench/RESULTS.md). 0.5.23 compares with the post-verify lengths (23:speculative/dflash_worker_v2.py:2106-2117).
-# shadow-linear (upstream's steps, counted) is refused there unless --disable-radix-cache: the tracking hook below
-# (`register_mamba_track`, payload 0.8.13; the track slots 0.8.14) mends it, CPU-proven only until the radix-cache run on a GPU.
+# The bases whose own v2 DFLASH tracks no recurrent state for the radix cache on a hybrid target (two gaps, below at
+# `register_mamba_track`), so a request resuming from a cached state resumes from a stale one (a wrong first token on
+# the H100 and H200, bench/RESULTS.md). shadow-linear (upstream's steps, counted) is refused there unless
+# --disable-radix-cache until the hooks that close both gaps (payload 0.8.14; CPU-proven) pass the radix-cache run on
+# a GPU.
 UNTRACKED_HYBRID_RADIX_BASES = ("0.5.17",)
 # The bases whose linear DFLASH verify drops the penalties (ddtree_v2_penalties).
 LINEAR_PENALTY_BASES = ("0.5.17", "0.5.23")
