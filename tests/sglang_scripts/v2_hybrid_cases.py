@@ -105,6 +105,13 @@ def hybrid_step(fault: str = "") -> hy.HybridStepV2:
     return step_
 
 
+def last_crossed(before: int, after: int, interval: int) -> int | None:
+    """The last multiple of `interval` a step from `before` to `after` tokens crossed (the state after it is the one
+    the radix cache keeps), by counting; None when it crossed none."""
+    crossed = [t for t in range(before + 1, after + 1) if interval and t % interval == 0]
+    return crossed[-1] if crossed else None
+
+
 def index_oracle(trials: int = 60) -> dict:
     """The committed index per request (the worker's `HybridStepV2.commit_steps`, on the walk `tree_walk` gives)
     against an independent walk by hand: the last node on the accepted path; its state equals the recurrence over
@@ -165,10 +172,9 @@ def index_oracle(trials: int = 60) -> dict:
             for f, (steps, _) in by_fault.items():
                 wrong[f] += steps[b] < 0 or states[steps[b]] != linear
             # tracking: the state after the crossed multiple T of the interval, by hand
-            pre, post = int(before[b]), int(before[b]) + len(path)
-            multiples = [t for t in range(pre + 1, post + 1) if t % interval == 0]  # crossed this step
-            want = multiples[-1] if multiples else -1  # the state after `want` tokens: path offset want - pre - 1
-            expected = path[want - pre - 1] if multiples else -1
+            pre = int(before[b])
+            want = last_crossed(pre, pre + len(path), interval)  # the state after `want` tokens: offset want - pre - 1
+            expected = -1 if want is None else path[want - pre - 1]
             if tracked[b] != hs.track_step(path, len(path), pre, interval) or tracked[b] != expected:
                 bad.append(f"{trial}/{b}: tracked {tracked[b]}, want {expected} (path {path}, {pre}, {interval})")
             if expected >= 0:
@@ -339,15 +345,14 @@ def decode_run(seed: int, fault: str = "", attach: bool = True, steps_n: int = 6
         for b in range(bs):
             emitted[b] += out[b][: int(result.accept_lens[b])]
             fed[b] += out[b][: int(result.accept_lens[b])]
-            after = int(result.new_seq_lens[b])
-            crossed = [t for t in range(before[b] + 1, after + 1) if track_interval and t % track_interval == 0]
-            if crossed:  # the state after crossed[-1] tokens, by the recurrence over what was consumed
+            crossed = last_crossed(before[b], int(result.new_seq_lens[b]), track_interval)
+            if crossed is not None:  # the state after `crossed` tokens, by the recurrence over what was consumed
                 crossings += 1
                 state = starts[b]
-                for tok in fed[b][: crossed[-1] - initial[b]]:
+                for tok in fed[b][: crossed - initial[b]]:
                     state = step(state, tok)
                 if int(pool_ssm[0, int(track_slots[b]), 0]) != state:
-                    track_bad.append(f"step {i} request {b}: track slot holds no state after {crossed[-1]} tokens")
+                    track_bad.append(f"step {i} request {b}: track slot holds no state after {crossed} tokens")
         prefix = result.new_seq_lens
         draft_input = result.next_draft_input
     hy.track_offsets = real_offsets

@@ -391,7 +391,7 @@ def register_linear_penalties() -> bool:
 #   (17:speculative/dflash_worker_v2.py:1269-1278, called at :1840 with `seq_lens_pre_verify =
 #   batch.seq_lens.clone()`); 0.5.23 compares with the post-verify lengths (23:…:2106-2117): an AROUND hook hands
 #   0.5.17's commit the batch with those, so its own code picks the step 0.5.23's would.
-POST_VERIFY_TRACK_BASES = ("0.5.17",)
+TRACK_MEND_BASES = ("0.5.17",)
 MAMBA_TRACK_TARGET = "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2._update_target_mamba_state_after_verify"
 
 
@@ -428,7 +428,7 @@ _mamba_track_registered = False
 def register_mamba_track() -> bool:
     """Register (not apply) the tracking hooks once per process on the bases that need them; whether they are."""
     global _mamba_track_registered
-    if not _mamba_track_registered and base_version() in POST_VERIFY_TRACK_BASES:
+    if not _mamba_track_registered and base_version() in TRACK_MEND_BASES:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
         HookRegistry.register(PREPARE_VERIFY_TARGET, _before_verify_track_slots, HookType.BEFORE)
