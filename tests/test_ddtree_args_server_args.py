@@ -98,5 +98,6 @@ def test_full_mode_on_a_hybrid_keeps_the_radix_cache_only_with_tracked_states(
         return
     with pytest.raises(args.DDTreeConfigError) as err:
         args.check_hybrid_full_mode(server)
-    assert "--mamba-scheduler-strategy extra_buffer" in str(err.value) and "--disable-radix-cache" in str(err.value)
+    flag = "--mamba-scheduler-strategy" if field == "mamba_scheduler_strategy" else "--mamba-radix-cache-strategy"
+    assert f"{flag} extra_buffer" in str(err.value) and "--disable-radix-cache" in str(err.value)
     assert f"got {strategy}" in str(err.value)

@@ -80,6 +80,7 @@ def test_verify_input_matches_the_oracles_and_a_chain_is_causal(observed: dict) 
 def test_small_pieces(observed: dict) -> None:
     small = observed["small"]
     assert small["draft_logits"]
+    assert small["sharded_draft_logits"]  # the TP gather v1 serves with (ddtree_ranks.vocab_logits), on v2's shapes
     assert small["sampled_rows"] == [1, 2]  # top_k 40 and "all"; top_k 1 is greedy
     assert small["bounds"] == [[7, 9], 8, [20, 30], 42]  # exact from the host's lengths; else the reservation
     assert small["no_bounds"]

@@ -437,6 +437,64 @@ def test_promotes_shadow_linear_check_gives_the_servers_refusal(base: V2Base, si
         assert refused["refusal"] is None, refused
 
 
+RADIX_STRATEGY_CASES = r"""
+import argparse, contextlib, io, json, re
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.speculative.ddtree_args import check_hybrid_full_mode
+
+def parsed(flags):
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            return parser.parse_args(["--model-path", "m", *flags])
+    except SystemExit:
+        return None
+
+def refusal(args):
+    try:
+        check_hybrid_full_mode(args)
+    except Exception as exc:
+        return str(exc)
+
+out = {}
+for flags in ([], ["--mamba-scheduler-strategy", "no_buffer"], ["--mamba-radix-cache-strategy", "no_buffer"],
+              ["--mamba-scheduler-strategy", "extra_buffer"], ["--mamba-radix-cache-strategy", "extra_buffer"]):
+    args = parsed(flags)
+    said = None if args is None else refusal(args)
+    advised = re.search(r"(--mamba-[a-z-]+) extra_buffer", said or "")
+    # the advice taken: the flag the refusal names, parsed by this base and checked again
+    retry = advised and parsed([advised.group(1), "extra_buffer"])
+    out[" ".join(flags)] = {"parses": args is not None, "refusal": said,
+                            "advice": retry and {"parses": True, "refusal": refusal(retry)}
+                            if advised else None}
+print(json.dumps(out))
+"""
+
+
+def test_the_radix_strategy_flag_reaches_the_hybrid_full_mode_check(base: V2Base, site: Path) -> None:
+    """The radix-cache tracking strategy as each base's own parser stores it (0.5.17: --mamba-scheduler-strategy a
+    deprecated alias of --mamba-radix-cache-strategy; 0.5.23: the old flag gone) reaches check_hybrid_full_mode:
+    `extra_buffer` by either spelling the base parses is served, anything else refused, and the refusal names a flag
+    this base parses which, given `extra_buffer`, is served. (On the H200 the check read the old field only and
+    refused 0.5.17's `extra_buffer` as None.)"""
+    proc = run_in_site(site, ["-c", RADIX_STRATEGY_CASES])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    old_flag = base.version == "0.5.17"
+    assert {k: v["parses"] for k, v in got.items()} == {
+        "": True, "--mamba-radix-cache-strategy no_buffer": True, "--mamba-radix-cache-strategy extra_buffer": True,
+        "--mamba-scheduler-strategy no_buffer": old_flag, "--mamba-scheduler-strategy extra_buffer": old_flag}
+    for flags, case in got.items():
+        if not case["parses"]:
+            continue
+        if flags.endswith("extra_buffer"):
+            assert case["refusal"] is None, (flags, case)
+        else:
+            assert case["refusal"] and case["advice"] == {"parses": True, "refusal": None}, (flags, case)
+            assert "--mamba-radix-cache-strategy extra_buffer" in case["refusal"], case
+
+
 def test_promotes_full_mode_probe_gives_the_bases_own_verdict(base: V2Base, site: Path) -> None:
     """promote's pre-check before a full-mode unit (units.BASE_MODE_PROBE, run where the glue is installed): 0.5.23
     refuses full mode whatever the target; 0.5.17 serves dense targets and the hybrids proven on its worker, and

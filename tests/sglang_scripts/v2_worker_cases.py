@@ -176,15 +176,42 @@ def verify_inputs(trials: int = 40) -> dict:
     return {"bad": bad[:20], "chains_causal": chains_causal}
 
 
+def sharded_draft_logits() -> bool:
+    """draft_tree_logits over a vocab-parallel head on 2 emulated ranks (SGLang's shard layout: rank r holds
+    tokens r * padded .. of an odd vocabulary, the last shard padded): every rank gets one device's logits."""
+    vocab, tp, padded = 11, 2, 8
+    weight, hidden = torch.randn(vocab, 5), torch.randn(2, 4, 5)
+    heads = []
+    for rank in range(tp):
+        start, end = min(rank * padded, vocab), min((rank + 1) * padded, vocab)
+        local = torch.zeros(padded, 5)
+        local[: end - start] = weight[start:end]
+        heads.append(SimpleNamespace(weight=local, org_vocab_size=vocab,
+                                     shard_indices=SimpleNamespace(num_org_elements=end - start,
+                                                                   num_org_elements_padded=padded)))
+    sent: dict[int, torch.Tensor] = {}
+
+    def sending(rank: int) -> SimpleNamespace:  # pass 1: what each rank contributes to the gather
+        return SimpleNamespace(world_size=tp, all_gather=lambda x, dim=-1: sent.setdefault(rank, x.clone()))
+
+    gathered = SimpleNamespace(world_size=tp, all_gather=lambda x, dim=-1: torch.cat([sent[r] for r in range(tp)], dim))
+    for rank in range(tp):
+        s.draft_tree_logits(hidden, heads[rank], vocab, sending(rank))
+    want = hidden[:, 1:, :] @ weight.T
+    return all(torch.allclose(s.draft_tree_logits(hidden, heads[rank], vocab, gathered), want, atol=1e-5)
+               for rank in range(tp))
+
+
 def small_pieces() -> dict:
     hidden = torch.randn(2, 4, 5)
     weight = torch.randn(9, 5)
-    logits = s.draft_tree_logits(hidden, weight, 7)
+    logits = s.draft_tree_logits(hidden, SimpleNamespace(weight=weight[:7]), 7, None)
     reqs = [SimpleNamespace(sampling_params=SimpleNamespace(top_k=k)) for k in (1, 40, 1 << 30, 1)]
     bounds, total = s.host_prefix_bounds(torch.tensor([3, 5], dtype=torch.int32), None, 4)
     r_bounds, r_total = s.host_prefix_bounds(None, torch.tensor([20, 30], dtype=torch.int32), 4)
     return {
         "draft_logits": bool(torch.allclose(logits, hidden[:, 1:, :] @ weight[:7].T)) and list(logits.shape) == [2, 3, 7],
+        "sharded_draft_logits": sharded_draft_logits(),
         "sampled_rows": s.sampled_rows(reqs),
         "bounds": [bounds.tolist(), total, r_bounds.tolist(), r_total],
         "no_bounds": s.host_prefix_bounds(None, None, 4) == (None, None),

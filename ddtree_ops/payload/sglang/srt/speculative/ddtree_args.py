@@ -411,16 +411,18 @@ def check_hybrid_full_mode(server_args: Any) -> None:
                 f"path is the one DDTree's commit follows); got {flag} {value}. Use {flag} triton or {FLAG_MODE} "
                 "shadow-linear."
             )
-    # 0.5.14+ keeps the flag's value as `mamba_radix_cache_strategy` (the flag a deprecated alias of
-    # --mamba-radix-cache-strategy there)
-    strategy = getattr(server_args, "mamba_scheduler_strategy", None) or getattr(
-        server_args, "mamba_radix_cache_strategy", None)
+    # 0.5.14+ keeps the value as `mamba_radix_cache_strategy`: --mamba-scheduler-strategy is a deprecated alias
+    # there (0.5.17) or gone (0.5.23), so the advice names the flag this base parses
+    if hasattr(server_args, "mamba_radix_cache_strategy"):
+        strategy, flag = server_args.mamba_radix_cache_strategy, "--mamba-radix-cache-strategy"
+    else:
+        strategy, flag = getattr(server_args, "mamba_scheduler_strategy", None), "--mamba-scheduler-strategy"
     if not getattr(server_args, "disable_radix_cache", False) and strategy != "extra_buffer":
         # SGLang refuses the others with speculative decoding today; a later release that lets one through
         # would cache recurrent states DDTree's commit does not track.
         raise DDTreeConfigError(
             f"{FLAG_MODE} full on a hybrid target with the radix cache tracks recurrent states only with "
-            f"--mamba-scheduler-strategy extra_buffer (got {strategy}): add it, or --disable-radix-cache."
+            f"{flag} extra_buffer (got {strategy}): add it, or --disable-radix-cache."
         )
     if int(getattr(server_args, "tp_size", 1) or 1) != 1:
         raise DDTreeConfigError(

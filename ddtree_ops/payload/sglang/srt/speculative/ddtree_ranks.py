@@ -7,7 +7,9 @@ the batch, which the ranks share, and from limits sized at start from the free d
 do not: ranks with different free memory would pick different tree widths, or graphs on one and eager on
 another, and hang. So every per-rank value a step depends on goes through `agree` once at start: the
 minimum over the group (the most any rank can afford), or for a flag the AND; auto's timings are summed
-over the group at each refresh, so its plan is the same on every rank.
+over the group at each refresh, so its plan is the same on every rank. The tree itself is built from
+`vocab_logits`, the draft logits gathered over the vocab shards: the same on every rank (the tree is the
+verify input) and the same as one device's.
 """
 
 from __future__ import annotations
@@ -41,3 +43,24 @@ def agree_sum(values: list[float], group: Any) -> list[float]:
     t = torch.tensor([float(v) for v in values], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return [float(v) for v in t.tolist()]
+
+
+def vocab_logits(hidden_states: torch.Tensor, lm_head: Any, vocab: int, tp_group: Any) -> torch.Tensor:
+    """Full-vocabulary logits `[rows, vocab]` of `hidden_states` `[rows, hidden]` under a vocab-parallel LM head
+    (SGLang's `ParallelLMHead`: `weight` this rank's shard, `shard_indices` its layout) whose TP group is
+    `tp_group` (`get_tp_group()`: `world_size`, `all_gather`); a plain head (no `shard_indices`) is one rank's
+    whole vocabulary. Every rank returns the same tensor. Added (LoRA) vocab entries are left out: the tree
+    drafts base-vocab tokens only, which costs acceptance at most, never correctness."""
+    weight = lm_head.weight
+    shard = getattr(lm_head, "shard_indices", None)
+    num_org = int(shard.num_org_elements) if shard is not None else int(weight.shape[0])
+    hs = hidden_states if hidden_states.dtype == weight.dtype else hidden_states.to(weight.dtype)
+    local = torch.matmul(hs, weight[:num_org].T)
+    if tp_group is None or int(tp_group.world_size) == 1:
+        return local[:, :vocab]
+    # org_vocab_start_index(rank) = rank * num_org_elements_padded (vocab_parallel_embedding), so padding each
+    # shard to the padded width and concatenating gives column == token id
+    padded = int(shard.num_org_elements_padded)
+    full_local = torch.full((local.shape[0], padded), float("-inf"), dtype=local.dtype, device=local.device)
+    full_local[:, :num_org] = local
+    return tp_group.all_gather(full_local.contiguous(), dim=-1)[:, :vocab]

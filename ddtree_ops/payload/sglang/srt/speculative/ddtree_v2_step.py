@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
+from sglang.srt.distributed import get_tp_group
 from sglang.srt.managers.scheduler import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from sglang.srt.speculative import ddtree_args as _args
@@ -57,6 +58,7 @@ from sglang.srt.speculative import ddtree_v2_args as _v2args
 from sglang.srt.speculative import ddtree_v2_penalties as _penalties
 from sglang.srt.speculative import ddtree_v2_seams as _seams
 from sglang.srt.speculative.ddtree_commit import commit_tree
+from sglang.srt.speculative.ddtree_ranks import vocab_logits
 from sglang.srt.speculative.ddtree_sampling import sampled_rows, tree_walk
 from sglang.srt.speculative.ddtree_utils import DDTree, build_ddtree
 from sglang.srt.speculative.ddtree_v2_shadow import is_decode
@@ -155,12 +157,12 @@ def tree_verify_input(
     )
 
 
-def draft_tree_logits(draft_hidden: torch.Tensor, lm_head_weight: torch.Tensor, vocab: int) -> torch.Tensor:
+def draft_tree_logits(draft_hidden: torch.Tensor, lm_head: Any, vocab: int, tp_group: Any) -> torch.Tensor:
     """`[bs, block - 1, vocab]` logits of draft positions 1 .. block - 1 (position 0 is the bonus) under the
-    target's LM head, TP 1 (v1's `DDTreeController.draft_logits` without the TP gather)."""
+    target's LM head, gathered over its vocab shards (v1's `DDTreeController.draft_logits`: the same function)."""
     tail = draft_hidden[:, 1:, :]
-    weight = lm_head_weight[:vocab]
-    return torch.matmul(tail.to(weight.dtype), weight.T)
+    bs, depth = int(tail.shape[0]), int(tail.shape[1])
+    return vocab_logits(tail.reshape(bs * depth, -1), lm_head, vocab, tp_group).view(bs, depth, -1)
 
 
 def host_prefix_bounds(seq_lens_cpu: Any, reserved_cpu: Any, width: int) -> tuple[torch.Tensor | None, int | None]:
@@ -348,9 +350,10 @@ class DDTreeStepV2:
     # ------------------------------------------------------------------ the step
     def _build_tree(self, draft_hidden: torch.Tensor) -> DDTree:
         lm_head = self.target_worker.model_runner.model.lm_head
-        shard = getattr(lm_head, "shard_indices", None)
-        vocab = int(shard.num_org_elements) if shard is not None else int(lm_head.weight.shape[0])
-        logits = draft_tree_logits(draft_hidden, lm_head.weight, vocab)
+        # SGLang's ParallelLMHead is sharded over the TP group (one shard at TP 1); a plain head is the vocabulary
+        sharded = hasattr(lm_head, "shard_indices")
+        vocab = int(lm_head.org_vocab_size) if sharded else int(lm_head.weight.shape[0])
+        logits = draft_tree_logits(draft_hidden, lm_head, vocab, get_tp_group() if sharded else None)
         return build_ddtree(logits, self.tree_budget, self.tree_topk_cap, self.tree_keep_chain)
 
     def _tree_step(self, batch: Any, on_publish: Any) -> Any:

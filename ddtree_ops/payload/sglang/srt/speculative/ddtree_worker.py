@@ -62,7 +62,7 @@ from sglang.srt.speculative.ddtree_hybrid import HybridTree, hf_config_dict, run
 from sglang.srt.speculative.ddtree_metrics import AutoMetrics
 from sglang.srt.speculative.ddtree_penalties import NOTHING_REQUIRED, order_of, penalise_and_bias
 from sglang.srt.speculative.ddtree_profile import StepProfile
-from sglang.srt.speculative.ddtree_ranks import agree_all, agree_min, agree_sum
+from sglang.srt.speculative.ddtree_ranks import agree_all, agree_min, agree_sum, vocab_logits
 from sglang.srt.speculative.ddtree_sampling import sampled_rows, target_probs, tree_walk, walk_bytes
 from sglang.srt.speculative.ddtree_stats import DDTreeStats
 from sglang.srt.speculative.ddtree_step_budget import (
@@ -492,33 +492,12 @@ class DDTreeController:
 
     # ------------------------------------------------------------------ draft logits + tree
     def draft_logits(self, hidden_states: torch.Tensor, lm_head: Any) -> torch.Tensor:
-        """Full-vocabulary draft logits `[n, vocab]` from the target's vocab-parallel LM head.
-
-        With TP > 1 each rank holds a vocab shard; the shards are gathered so every rank builds
-        the same tree (the tree must be identical across ranks: it is the verify input).
-        Added (LoRA) vocab entries are left out: the tree only drafts base-vocab tokens, which
-        costs acceptance at most, never correctness.
-        """
-        shard = lm_head.shard_indices
-        weight = lm_head.weight
-        num_org = int(shard.num_org_elements)
-        hs = hidden_states if hidden_states.dtype == weight.dtype else hidden_states.to(weight.dtype)
-        local = torch.matmul(hs, weight[:num_org].T)
+        """Full-vocabulary draft logits `[n, vocab]` from the target's vocab-parallel LM head, gathered over
+        the TP ranks so every rank builds the same tree (`ddtree_ranks.vocab_logits`)."""
         from sglang.srt.distributed import get_tp_group
 
-        tp_group = get_tp_group()
-        if int(tp_group.world_size) == 1:
-            return local
-        # org_vocab_start_index(rank) = rank * num_org_elements_padded (vocab_parallel_embedding),
-        # so padding each shard to the padded width and concatenating gives column == token id.
-        padded = int(shard.num_org_elements_padded)
-        full_local = torch.full(
-            (local.shape[0], padded), float("-inf"), dtype=local.dtype, device=local.device
-        )
-        full_local[:, :num_org] = local
-        gathered = tp_group.all_gather(full_local.contiguous(), dim=-1)
         vocab = int(self.worker.model_runner.model_config.vocab_size)
-        return gathered[:, :vocab]
+        return vocab_logits(hidden_states, lm_head, vocab, get_tp_group())
 
     def build_tree(self, draft_hidden: torch.Tensor, lm_head: Any, budget: int | None = None) -> Any:
         """The tree of `budget` (one of `build_budgets`; default the configured one). draft_hidden:
