@@ -119,6 +119,12 @@ def test_out_of_scope_settings_are_refused_naming_the_flag(observed: dict, base:
     assert r["chain-only switches upstream sets"] == (["use_verify_splitkv", "use_verify_shared_kv"]
                                                        if base == "0.5.23" else ["use_verify_splitkv"])
     assert f"SGLang {base}'s v2 worker" in r["auto"]
+    assert r["head bf16"] is None and r["head fp32"] is None
+    for case, words in {"head fp8": "stored as torch.float8_e4m3fn", "head int8": "stored as torch.int8",
+                        "head vector": "no weight matrix", "head qweight only": "no weight matrix",
+                        "no head": "(NoneType) has no weight matrix",
+                        "start with fp8 head": "stored as torch.float8_e4m3fn"}.items():
+        assert r[case] and words in r[case] and "--speculative-ddtree-mode off" in r[case], (case, r[case])
     if base == "0.5.23":  # its own: DP attention; the draft checkpoint's heads and id-translating pools
         assert "--attn-dp-size 1" in r["dp attention"]
         assert "candidate selector / Domino head" in r["draft heads"] and r["no draft heads"] is None

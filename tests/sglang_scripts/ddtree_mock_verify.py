@@ -264,7 +264,8 @@ def _mamba_pool(width, rows=49, layers=3):
 
 
 def _worker(mode="full", backend=TritonAttnBackend, hybrid_attr=None, hf=None, page_size=1, vocab=VOCAB,
-            window=None, verify_width=None, budget=64, budget_max=None, linear=None, state_width=None, radix=False):
+            window=None, verify_width=None, budget=64, budget_max=None, linear=None, state_width=None, radix=False,
+            head_dtype=torch.float32):
     attn_backend = backend()
     attn_backend.num_draft_tokens = verify_width or (65 if mode == "full" else 16)
     if linear is not None:
@@ -280,6 +281,7 @@ def _worker(mode="full", backend=TritonAttnBackend, hybrid_attr=None, hf=None, p
         model_config=SimpleNamespace(
             hf_config=SimpleNamespace(to_dict=lambda: hf or {"model_type": "qwen3"}), vocab_size=vocab
         ),
+        model=SimpleNamespace(lm_head=SimpleNamespace(weight=torch.zeros(vocab, 8).to(head_dtype))),
     )
     if hybrid_attr:
         setattr(runner, hybrid_attr, object())
@@ -383,6 +385,11 @@ def guard_checks() -> list[str]:
         "flashinfer": (_worker(backend=FlashInferAttnBackend), ("FlashInferAttnBackend", "supported: triton")),
         "page size": (_worker(page_size=16), ("page-size 1",)),
         "unpatched backend width": (_worker(verify_width=16), ("16 tokens per request", "not installed")),
+        # the tree drafts through the target's LM head in both modes: a quantized head, refused at start
+        "fp8 head": (_worker(head_dtype=torch.float8_e4m3fn), ("full mode refused", "stored as torch.float8_e4m3fn",
+                                                               "--speculative-ddtree-mode off")),
+        "int8 head, shadow": (_worker(mode="shadow-linear", head_dtype=torch.int8),
+                              ("shadow-linear mode refused", "stored as torch.int8")),
     }
     for name, (worker, needles) in cases.items():
         problem = refused(worker, *needles)

@@ -30,6 +30,7 @@ def _worker(dw):
         req_to_token_pool=SimpleNamespace(size=MAX_RUNNING, max_context_len=CONTEXT + 4 + BUDGET + 1),
         model_config=SimpleNamespace(hf_config=SimpleNamespace(to_dict=lambda: {"model_type": "qwen3"}),
                                      vocab_size=152_000, hidden_size=4096, dtype=torch.bfloat16),
+        model=SimpleNamespace(lm_head=SimpleNamespace(weight=torch.zeros(1, 1, dtype=torch.bfloat16))),
     )
     args = SimpleNamespace(speculative_ddtree_mode="full", speculative_ddtree_budget=BUDGET,
                            speculative_ddtree_topk_cap=None, speculative_ddtree_allow_hybrid_unsafe=False, tp_size=2)

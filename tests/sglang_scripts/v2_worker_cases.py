@@ -262,6 +262,24 @@ def refusals() -> dict:
         SimpleNamespace(full_attn_backend=triton(use_verify_splitkv=True)))
     out["backend shared-kv"] = s.verify_backend_refusal(triton(use_verify_shared_kv=True))
     out["backend other"] = s.verify_backend_refusal(SimpleNamespace())
+    # the target's LM head the tree drafts through: a float matrix; a quantized one refused at start, not at the
+    # first tree step (a crash mid-serving)
+    heads = {"bf16": torch.zeros(8, 4, dtype=torch.bfloat16), "fp32": torch.zeros(8, 4),
+             "fp8": torch.zeros(8, 4).to(torch.float8_e4m3fn), "int8": torch.zeros(8, 4, dtype=torch.int8),
+             "vector": torch.zeros(8)}
+    for name, weight in heads.items():
+        out[f"head {name}"] = s.head_refusal(SimpleNamespace(lm_head=SimpleNamespace(weight=weight)))
+    out["head qweight only"] = s.head_refusal(SimpleNamespace(lm_head=SimpleNamespace(qweight=heads["int8"])))
+    out["no head"] = s.head_refusal(SimpleNamespace())
+    worker = object.__new__(w.DDTreeWorkerV2)
+    fp8_target = SimpleNamespace(model=SimpleNamespace(lm_head=SimpleNamespace(weight=heads["fp8"])))
+    worker.__dict__.update(model_runner=SimpleNamespace(attn_backend=triton(use_verify_splitkv=False)),
+                           _target_worker=SimpleNamespace(model_runner=fp8_target))
+    try:
+        worker.init_cuda_graphs()  # refused before upstream captures anything
+        out["start with fp8 head"] = None
+    except w.DDTreeV2Refused as e:
+        out["start with fp8 head"] = str(e)
     init_source = inspect.getsource(TritonAttnBackend.__init__)
     out["chain-only switches upstream sets"] = [n for n in s.CHAIN_ONLY_VERIFY if f"self.{n} =" in init_source]
     if V23:  # 0.5.23's own: DP attention; the draft checkpoint's heads and translating pools (known after __init__)

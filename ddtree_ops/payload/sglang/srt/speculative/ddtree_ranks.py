@@ -9,7 +9,8 @@ another, and hang. So every per-rank value a step depends on goes through `agree
 minimum over the group (the most any rank can afford), or for a flag the AND; auto's timings are summed
 over the group at each refresh, so its plan is the same on every rank. The tree itself is built from
 `vocab_logits`, the draft logits gathered over the vocab shards: the same on every rank (the tree is the
-verify input) and the same as one device's.
+verify input) and the same as one device's; `lm_head_refusal` says at start when a target's LM head cannot
+give them (a quantized head would fail the first tree step, mid-serving).
 """
 
 from __future__ import annotations
@@ -43,6 +44,21 @@ def agree_sum(values: list[float], group: Any) -> list[float]:
     t = torch.tensor([float(v) for v in values], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return [float(v) for v in t.tolist()]
+
+
+FLOAT_HEAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def lm_head_refusal(lm_head: Any) -> str | None:
+    """Why `vocab_logits` cannot multiply by this target LM head (it reads `weight` as a float matrix, as
+    upstream's own DFLASH draft sampler does when it folds the head), or None."""
+    weight = getattr(lm_head, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return (f"the target's LM head ({type(lm_head).__name__}) has no weight matrix to build the tree's draft "
+                "logits with (a quantized or wrapped head)")
+    if weight.dtype not in FLOAT_HEAD_DTYPES:
+        return f"the target's LM head is stored as {weight.dtype} (a quantized head); the tree needs a float head"
+    return None
 
 
 def vocab_logits(hidden_states: torch.Tensor, lm_head: Any, vocab: int, tp_group: Any) -> torch.Tensor:

@@ -58,7 +58,7 @@ from sglang.srt.speculative import ddtree_v2_args as _v2args
 from sglang.srt.speculative import ddtree_v2_penalties as _penalties
 from sglang.srt.speculative import ddtree_v2_seams as _seams
 from sglang.srt.speculative.ddtree_commit import commit_tree
-from sglang.srt.speculative.ddtree_ranks import vocab_logits
+from sglang.srt.speculative.ddtree_ranks import lm_head_refusal, vocab_logits
 from sglang.srt.speculative.ddtree_sampling import sampled_rows, tree_walk
 from sglang.srt.speculative.ddtree_utils import DDTree, build_ddtree
 from sglang.srt.speculative.ddtree_v2_shadow import is_decode
@@ -70,7 +70,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "DDTreeStepV2", "DDTreeV2Refused", "TreeVerify", "adjust_tree_verify_logits", "draft_tree_logits",
-    "host_prefix_bounds", "sampled_rows", "settings_refusal", "tree_verify_input", "verify_backend_refusal",
+    "head_refusal", "host_prefix_bounds", "sampled_rows", "settings_refusal", "tree_verify_input",
+    "verify_backend_refusal",
 ]
 
 
@@ -119,6 +120,12 @@ def verify_backend_refusal(attn_backend: Any) -> str | None:
                 f"({', '.join(chain_only)}: gfx95 with SGLANG_ENABLE_SPLITKV_VERIFY), which would read the tree as "
                 "a chain; start with SGLANG_ENABLE_SPLITKV_VERIFY=0.")
     return None
+
+
+def head_refusal(target_model: Any) -> str | None:
+    """Why the tree step cannot draft through this target's LM head (`ddtree_ranks.lm_head_refusal`), or None."""
+    reason = lm_head_refusal(getattr(target_model, "lm_head", None))
+    return reason and f"{_args.FLAG_MODE} full on v2: {reason}. Serve this target with {_args.FLAG_MODE} off."
 
 
 @dataclass
@@ -246,7 +253,9 @@ class DDTreeStepV2:
                            "(the promote settings gate will say inconclusive)", _v2args.INTERNAL_STATE_TARGET)
 
     def init_cuda_graphs(self, *args: Any, **kwargs: Any) -> None:
-        refusal = verify_backend_refusal(self.model_runner.attn_backend)  # built by now; the graphs come next
+        # the target is built by now (its backend, its LM head); the graphs come next
+        refusal = verify_backend_refusal(self.model_runner.attn_backend) or head_refusal(
+            self.target_worker.model_runner.model)
         if refusal:
             raise DDTreeV2Refused(refusal)
         super().init_cuda_graphs(*args, **kwargs)

@@ -62,7 +62,7 @@ from sglang.srt.speculative.ddtree_hybrid import HybridTree, hf_config_dict, run
 from sglang.srt.speculative.ddtree_metrics import AutoMetrics
 from sglang.srt.speculative.ddtree_penalties import NOTHING_REQUIRED, order_of, penalise_and_bias
 from sglang.srt.speculative.ddtree_profile import StepProfile
-from sglang.srt.speculative.ddtree_ranks import agree_all, agree_min, agree_sum, vocab_logits
+from sglang.srt.speculative.ddtree_ranks import agree_all, agree_min, agree_sum, lm_head_refusal, vocab_logits
 from sglang.srt.speculative.ddtree_sampling import sampled_rows, target_probs, tree_walk, walk_bytes
 from sglang.srt.speculative.ddtree_stats import DDTreeStats
 from sglang.srt.speculative.ddtree_step_budget import (
@@ -267,6 +267,12 @@ class DDTreeController:
         self.verify_graph_width = getattr(graph_runner, "num_tokens_per_bs", None)
         self.verify_graph_max_bs = getattr(graph_runner, "max_bs", None)
 
+        # both modes build trees through the target's LM head: a head it cannot read is refused here, at start,
+        # not by the first tree step's matmul mid-serving
+        head_refusal = lm_head_refusal(getattr(getattr(worker.model_runner, "model", None), "lm_head", None))
+        if head_refusal:
+            raise DDTreeRefused(f"DDTree {mode} mode refused: {head_refusal}. Serve this target with "
+                                "--speculative-ddtree-mode off.")
         if mode == "full":
             refusal = full_mode_refusal_at_start(worker.model_runner)
             if refusal:
