@@ -86,12 +86,11 @@ def test_promotes_settings_gate_passes_the_shadow_stage(observed: dict, tmp_path
 
 
 def test_a_hub_model_is_checked_against_the_config_sglang_loaded(observed: dict) -> None:
-    """Argument parsing reads a local --model-path only; the shadow worker refuses a 0.5.17 hybrid with the radix
-    cache from the config SGLang loaded (a hub id), in the words of the argument check. 0.5.23 tracks: served."""
-    loaded = observed["loaded"]
+    """Argument parsing reads a local --model-path only; the shadow worker checks the config SGLang loaded (a hub
+    id). As shipped every base tracks the hybrid's states for the radix cache (0.5.17 through the payload's hooks):
+    served. On a base marked untracked it refuses a hybrid with the radix cache, in the words of the argument check."""
+    assert observed["loaded"] == {"hybrid, radix on": None, "hybrid, radix off": None, "dense": None}, observed
+    loaded = observed["loaded untracked"]
     refused = loaded.pop("hybrid, radix on")
     assert loaded == {"hybrid, radix off": None, "dense": None}, loaded
-    if observed["version"] == "0.5.17":
-        assert refused and refused.startswith("DDTreeConfigError") and "--disable-radix-cache" in refused, refused
-    else:
-        assert refused is None, refused
+    assert refused and refused.startswith("DDTreeConfigError") and "--disable-radix-cache" in refused, refused

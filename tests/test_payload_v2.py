@@ -354,7 +354,9 @@ SHADOW_REFUSAL_CASES = r"""
 import json, sys
 from types import SimpleNamespace
 from sglang.srt.speculative import ddtree_v2_args as glue
-hybrid, dense = sys.argv[1], sys.argv[2]
+hybrid, dense, untracked = sys.argv[1], sys.argv[2], sys.argv[3] == "untracked"
+if untracked:  # the refusal a base whose own DFLASH tracks no recurrent state would get (none ships so now)
+    glue.UNTRACKED_HYBRID_RADIX_BASES = (glue.base_version(),)
 cases = {
     "hybrid, radix on": dict(model_path=hybrid, disable_radix_cache=False),
     "hybrid, radix off": dict(model_path=hybrid, disable_radix_cache=True),
@@ -378,12 +380,13 @@ print(json.dumps(out))
 """
 
 
-def test_shadow_linear_is_refused_where_upstreams_hybrid_radix_tracking_is_broken(
+def test_shadow_linear_is_refused_only_where_upstreams_hybrid_radix_tracking_is_broken(
         base: V2Base, site: Path, tmp_path: Path) -> None:
-    """0.5.17's own v2 DFLASH tracks no recurrent state for the radix cache (ddtree_v2_args.
-    UNTRACKED_HYBRID_RADIX_BASES; a wrong token on the H200): shadow-linear, which serves those steps, is refused on a
-    hybrid target there unless --disable-radix-cache, through the checks both bases' resolution runs. 0.5.23 tracks
-    with the post-verify lengths: served."""
+    """shadow-linear serves upstream's own DFLASH steps. On a base whose DFLASH tracks no recurrent state for the
+    radix cache even with the payload's hooks (ddtree_v2_args.UNTRACKED_HYBRID_RADIX_BASES), a hybrid target with the
+    radix cache is refused unless --disable-radix-cache, through the checks both bases' resolution runs. None is so
+    now: 0.5.17's gaps are closed by the payload's hooks (0.8.14; the radix-cache run passed on a GPU), so every base
+    serves it as shipped; the refusal is checked with the base marked untracked."""
     from ddtree_ops.agent.remote.smoke import TINY_CONFIG
 
     hybrid, dense = tmp_path / "qwen35", tmp_path / "qwen3"
@@ -391,16 +394,16 @@ def test_shadow_linear_is_refused_where_upstreams_hybrid_radix_tracking_is_broke
                          (dense, TINY_CONFIG)):
         path.mkdir()
         (path / "config.json").write_text(json.dumps(config))
-    proc = run_in_site(site, ["-c", SHADOW_REFUSAL_CASES, str(hybrid), str(dense)])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
-    refused = got.pop("hybrid, radix on")
-    assert got == dict.fromkeys(got), got  # the others are served on every base
-    if base.version == "0.5.17":
-        assert refused and refused.startswith("DDTreeConfigError") and "--disable-radix-cache" in refused, refused
-        assert "shadow-linear" in refused and "Qwen3.5" in refused
-    else:
-        assert refused is None, refused
+    got = {}
+    for marking in ("shipped", "untracked"):
+        proc = run_in_site(site, ["-c", SHADOW_REFUSAL_CASES, str(hybrid), str(dense), marking])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        got[marking] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["shipped"] == dict.fromkeys(got["shipped"]), got["shipped"]
+    refused = got["untracked"].pop("hybrid, radix on")
+    assert got["untracked"] == dict.fromkeys(got["untracked"]), got["untracked"]  # the others are served
+    assert refused and refused.startswith("DDTreeConfigError") and "--disable-radix-cache" in refused, refused
+    assert "shadow-linear" in refused and "Qwen3.5" in refused
 
 
 SHADOW_CHECK_CASES = r"""
@@ -413,10 +416,10 @@ print(json.dumps({f"{name}, radix {'off' if off else 'on'}": shadow_mode_check(p
 """
 
 
-def test_promotes_shadow_linear_check_gives_the_servers_refusal(base: V2Base, site: Path, tmp_path: Path) -> None:
-    """promote's pre-check before a shadow-linear unit (units.shadow_mode_check, run by unit_inspect on the host): on
-    0.5.17 a hybrid target with the radix cache gets the words the server would refuse with at start, before the unit
-    changes; with --disable-radix-cache, on a dense target and on 0.5.23 it is served."""
+def test_promotes_shadow_linear_check_gives_the_servers_verdict(base: V2Base, site: Path, tmp_path: Path) -> None:
+    """promote's pre-check before a shadow-linear unit (units.shadow_mode_check, run by unit_inspect on the host) asks
+    the installed glue: this payload serves shadow-linear on every base, hybrid or dense, radix cache or not (an
+    older payload's glue that refuses is turned into a refusal by rollout, tests/test_rollout.py)."""
     from ddtree_ops.agent.remote.smoke import TINY_CONFIG
 
     hybrid, dense = tmp_path / "qwen35", tmp_path / "qwen3"
@@ -428,13 +431,7 @@ def test_promotes_shadow_linear_check_gives_the_servers_refusal(base: V2Base, si
     proc = run_in_site(site, ["-c", SHADOW_CHECK_CASES, str(repo), str(hybrid), str(dense)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    refused = got.pop("hybrid, radix on")
-    assert got == dict.fromkeys(got, {"checked": True, "refusal": None}), got
-    assert refused["checked"], refused
-    if base.version == "0.5.17":
-        assert "--disable-radix-cache" in refused["refusal"] and "Qwen3.5" in refused["refusal"], refused
-    else:
-        assert refused["refusal"] is None, refused
+    assert len(got) == 4 and got == dict.fromkeys(got, {"checked": True, "refusal": None}), got
 
 
 RADIX_STRATEGY_CASES = r"""
@@ -497,24 +494,26 @@ def test_the_radix_strategy_flag_reaches_the_hybrid_full_mode_check(base: V2Base
 
 def test_promotes_full_mode_probe_gives_the_bases_own_verdict(base: V2Base, site: Path) -> None:
     """promote's pre-check before a full-mode unit (units.BASE_MODE_PROBE, run where the glue is installed): 0.5.23
-    refuses full mode whatever the target; 0.5.17 serves dense targets and the hybrids proven on its worker, and
-    refuses Qwen3-Next (proven on v1 only) with the words its worker would use."""
+    refuses full mode whatever the target; 0.5.17 serves dense targets and the GDN hybrids proven on its worker, and
+    refuses an unproven architecture (Qwen3.6) with the words its worker would use."""
     from ddtree_ops.agent.remote.smoke import TINY_CONFIG
     from ddtree_ops.agent.remote.units import BASE_MODE_PROBE
 
     configs = {"dense": TINY_CONFIG,
                "qwen3.5": {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"]},
                "qwen3.5-moe": {"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"]},
-               "qwen3-next": {"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"]}}
+               "qwen3-next": {"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"]},
+               "qwen3.6-moe": {"model_type": "qwen3_6_moe", "architectures": ["Qwen3_6MoeForConditionalGeneration"]}}
     got = {}
     for name, config in configs.items():
         proc = run_in_site(site, ["-c", BASE_MODE_PROBE, json.dumps(config)])
         assert proc.returncode == 0, proc.stderr[-3000:]
         got[name] = json.loads(proc.stdout.strip().splitlines()[-1])["refusal"]
     if base.version in PROVEN_TREE_BASES:
-        assert {k: v for k, v in got.items() if k != "qwen3-next"} == dict.fromkeys(["dense", "qwen3.5", "qwen3.5-moe"])
-        assert got["qwen3-next"] and "qwen3-next" in got["qwen3-next"] and "shadow-linear" in got["qwen3-next"], got
-        assert "wrong-commit check has not run" in got["qwen3-next"]  # the worker's own words (ddtree_v2_hybrid)
+        unproven = got.pop("qwen3.6-moe")
+        assert got == dict.fromkeys(["dense", "qwen3.5", "qwen3.5-moe", "qwen3-next"]), got
+        # the worker's own words (ddtree_v2_hybrid.kind_refusal)
+        assert unproven and "qwen3.6-moe" in unproven and "shadow-linear" in unproven, unproven
     else:
         assert all(v and f"full is not available yet on SGLang {base.version}" in v for v in got.values()), got
 

@@ -531,8 +531,10 @@ def ssh_argv(
     as root, with the same key and known_hosts) unless the host is the bastion itself."""
     common = [
         "-i", str(client_key), "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes",
-        "-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={known_hosts}", "-o", "ConnectTimeout=5",
+        "-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={known_hosts}", "-o", "ConnectTimeout=15",
     ]  # fmt: skip
+    # ConnectTimeout bounds the banner exchange too: a lab host's sshd behind the bastion's ProxyCommand, on a
+    # 2-core machine busy with the test suite, took more than 5 s to greet (a CI run's fixture failed on it)
     proxy: list[str] = []
     if via is not None and not host.is_bastion:
         # ProxyCommand, not ProxyJump: a jump's ssh reads only ssh_config, not these -o options.
@@ -555,7 +557,7 @@ def wait_for_ssh(
             )
         behind = via is not None and not host.is_bastion
         if (host.address in ssh_ports_open_behind(via, [host.address])) if behind else ssh_port_open(host.address):
-            result = capture(ssh_argv(host, client_key, known_hosts, "true", via=via), timeout=15)
+            result = capture(ssh_argv(host, client_key, known_hosts, "true", via=via), timeout=40)
             if result.returncode == 0:
                 return
             last = result.stderr.strip()

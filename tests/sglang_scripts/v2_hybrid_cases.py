@@ -582,14 +582,12 @@ def refusals() -> dict:
     cases = {
         "good": ({}, QWEN35, {}),
         "good moe": ({}, ("gated-deltanet", "qwen3.5-moe"), {}),
-        "qwen3-next": ({}, ("gated-deltanet", "qwen3-next"), {}),  # v1 proves it; this worker has not yet
-        "qwen3-next allowed": ({}, ("gated-deltanet", "qwen3-next"), UNPROVEN_ON),
+        "qwen3-next": ({}, ("gated-deltanet", "qwen3-next"), {}),
         "mamba2": ({}, (None, None), {}),
         "unproven": ({}, ("gated-deltanet", "qwen3.6"), {}),
         "unproven allowed": ({}, ("gated-deltanet", "qwen3.6"), UNPROVEN_ON),
         "radix": ({"disable_radix_cache": False}, QWEN35, {}),
-        "radix allowed": ({"disable_radix_cache": False, "mamba_radix_cache_strategy": "extra_buffer"}, QWEN35,
-                          UNPROVEN_ON),  # tracking: CPU-proven only
+        "radix tracked": ({"disable_radix_cache": False, "mamba_radix_cache_strategy": "extra_buffer"}, QWEN35, {}),
         "verify backend": ({"linear_attn_verify_backend": "flashinfer"}, QWEN35, {}),
         "decode backend": ({"linear_attn_decode_backend": "flashinfer"}, QWEN35, {}),
         "replayssm": ({"enable_linear_replayssm": True}, QWEN35, {}),

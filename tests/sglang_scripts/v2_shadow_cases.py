@@ -96,18 +96,24 @@ def main() -> None:
     out["auto"] = shadow_worker(speculative_ddtree_budget="auto", speculative_ddtree_budget_max=63,
                                 speculative_ddtree_topk_cap=None, speculative_ddtree_keep_chain=False
                                 ).ddtree_internal_state()
-    # A hub id is not read at argument parsing: the worker checks the config SGLang loaded.
+    # A hub id is not read at argument parsing: the worker checks the config SGLang loaded; as shipped (no base is
+    # untracked) and with this base marked untracked (the refusal a host would get)
     hub = dict(model_path="Qwen/Qwen3.5-9B", disable_radix_cache=False)
-    out["loaded"] = {}
-    for name, loaded, change in (
-            ("hybrid, radix on", {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"]}, {}),
-            ("hybrid, radix off", {"model_type": "qwen3_5"}, {"disable_radix_cache": True}),
-            ("dense", {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}, {})):
-        try:
-            shadow_worker(loaded, **{**hub, **change})
-            out["loaded"][name] = None
-        except ValueError as exc:
-            out["loaded"][name] = f"{type(exc).__name__}: {exc}"
+    shipped = v2args.UNTRACKED_HYBRID_RADIX_BASES
+    for marking, bases in (("loaded", shipped), ("loaded untracked", (__version__,))):
+        v2args.UNTRACKED_HYBRID_RADIX_BASES = bases
+        out[marking] = {}
+        for name, loaded, change in (
+                ("hybrid, radix on", {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"]},
+                 {}),
+                ("hybrid, radix off", {"model_type": "qwen3_5"}, {"disable_radix_cache": True}),
+                ("dense", {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}, {})):
+            try:
+                shadow_worker(loaded, **{**hub, **change})
+                out[marking][name] = None
+            except ValueError as exc:
+                out[marking][name] = f"{type(exc).__name__}: {exc}"
+    v2args.UNTRACKED_HYBRID_RADIX_BASES = shipped
     plain = object.__new__(DFlashWorkerV2)
     plain.__dict__.update(_draft_worker=None, _additional_graph_memory_usage={},
                           _target_worker=SimpleNamespace(model_runner=None))

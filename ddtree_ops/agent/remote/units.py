@@ -475,8 +475,9 @@ print(json.dumps({"refusal": refusal}))
 """
 
 
-# The base glue's refusal of shadow-linear (ddtree_v2_args.shadow_refusal: 0.5.17's own DFLASH on a hybrid with the
-# radix cache), over the unit's model path and radix flag, before the unit changes. argv[1]: {model_path,
+# The base glue's refusal of shadow-linear (ddtree_v2_args.shadow_refusal: a base whose own DFLASH tracks no recurrent
+# state on a hybrid with the radix cache; 0.5.17 under payloads 0.8.12-0.8.14), over the unit's model path and radix
+# flag, before the unit changes. argv[1]: {model_path,
 # disable_radix_cache}. A payload older than the refusal has none to give.
 SHADOW_MODE_PROBE = r"""
 import json, sys, types

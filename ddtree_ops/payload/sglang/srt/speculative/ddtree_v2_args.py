@@ -90,12 +90,12 @@ WORKER_BASES = ("0.5.17", "0.5.23")
 # The bases whose `req_to_token` rows are too short for the v2 DFLASH reservation at page size 1 (below).
 ROW_HEADROOM_BASES = ("0.5.17", "0.5.23")
 ROW_HEADROOM_TARGET = "sglang.srt.mem_cache.allocation_sizing.get_req_to_token_extra_context_len"
-# The bases whose own v2 DFLASH tracks no recurrent state for the radix cache on a hybrid target (two gaps, below at
-# `register_mamba_track`), so a request resuming from a cached state resumes from a stale one (a wrong first token on
-# the H100 and H200, bench/RESULTS.md). shadow-linear (upstream's steps, counted) is refused there unless
-# --disable-radix-cache until the hooks that close both gaps (payload 0.8.14; CPU-proven) pass the radix-cache run on
-# a GPU.
-UNTRACKED_HYBRID_RADIX_BASES = ("0.5.17",)
+# The bases whose own v2 DFLASH tracks no recurrent state for the radix cache on a hybrid target even with this
+# payload's hooks, so a request resuming from a cached state would resume from a stale one: shadow-linear (upstream's
+# steps, counted) is refused there unless --disable-radix-cache. None now: 0.5.17's two gaps (a wrong first token on
+# the H100 and H200) are closed by `register_mamba_track` (payload 0.8.14; the radix-cache run passed on an H100 with
+# 0.8.15, bench/RESULTS.md). A host still on payload 0.8.12-0.8.14 refuses by its own glue, which promote asks.
+UNTRACKED_HYBRID_RADIX_BASES: tuple[str, ...] = ()
 # The bases whose linear DFLASH verify drops the penalties (ddtree_v2_penalties).
 LINEAR_PENALTY_BASES = ("0.5.17", "0.5.23")
 # The bases whose min_new_tokens penalizer also holds back a request's own (the model's) eos ids
@@ -160,8 +160,8 @@ def shadow_refusal(server_args: Any, config: dict | None = None) -> str | None:
     return (
         f"{_shared.FLAG_MODE} shadow-linear serves SGLang {version}'s own DFLASH steps, and on a hybrid target "
         f"({reason}) with the radix cache those track no recurrent state: a request resuming from a cached prefix "
-        "resumes from a stale state and its tokens are wrong (seen on the H200, ddtree-ops bench/RESULTS.md; the "
-        "payload's mend has not run on a GPU yet). Add --disable-radix-cache."
+        "resumes from a stale state and its tokens are wrong (seen on 0.5.17 before payload 0.8.14, ddtree-ops "
+        "bench/RESULTS.md). Add --disable-radix-cache."
     )
 
 

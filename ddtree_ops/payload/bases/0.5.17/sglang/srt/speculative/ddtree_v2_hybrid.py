@@ -1,9 +1,9 @@
 """DDTree's tree step on hybrid (Gated DeltaNet) targets for SGLang 0.5.17's v2 DFLASH worker (installed as
-`sglang/srt/speculative/ddtree_v2_hybrid.py` by the 0.5.17 payload; 0.5.17's own glue). Proven on the H200 on dense
-Qwen3.5 and Qwen3.5 MoE (trained pairs, production mix and limits on CUDA graphs, the deepest-node fault caught):
-bench/RESULTS.md, "Hybrid targets on the 0.5.17 v2 tree step". Served there with the radix cache off (`refusal`:
-v1's support table narrowed by `V2_UNPROVEN`). bench/gpu/V2_WORKER.md §8 is the reading this follows (17: = 0.5.17's
-wheel).
+`sglang/srt/speculative/ddtree_v2_hybrid.py` by the 0.5.17 payload; 0.5.17's own glue). Proven on dense Qwen3.5 and
+Qwen3.5 MoE (H200) and Qwen3-Next (H100): trained pairs, production mix and limits on CUDA graphs, the deepest-node
+fault caught; with the radix cache (`extra_buffer`, round 2 resuming cached states) on dense Qwen3.5 (H100):
+bench/RESULTS.md, "Hybrid targets on the 0.5.17 v2 tree step" and "Payload 0.8.15 on a GPU". Served as v1's support
+table says (`refusal`). bench/gpu/V2_WORKER.md §8 is the reading this follows (17: = 0.5.17's wheel).
 
 What a tree verify on a GDN target needs on 0.5.17 beyond the dense tree step, each turned on only while a hybrid
 DDTree worker runs in this process (`activate`, called by the worker's `__init__`, which the scheduler runs before
@@ -90,22 +90,6 @@ _REQUIRED = (
 )
 
 
-# Architectures v1's support table proves (ddtree_utils.HYBRID_TREE_SUPPORT) whose proof on this worker is still
-# short: unproven here, served only under TEST_UNPROVEN_HYBRID like v1's unproven entries.
-V2_UNPROVEN = {
-    "qwen3-next": "on 0.5.17's v2 worker Qwen3-Next's trained pair has passed the production mix and the limits "
-                  "on CUDA graphs on an H100 only, and its wrong-commit check has not run there",
-}
-
-
-def support(layer: str | None, architecture: str | None) -> tuple[str, str]:
-    """(status, why) of a hybrid kind on this worker: v1's table, narrowed to what ran here."""
-    status, why = hybrid_support(layer, architecture)
-    if status == "proven" and architecture in V2_UNPROVEN:
-        return "unproven", V2_UNPROVEN[architecture]
-    return status, why
-
-
 _FULL = f"{_args.FLAG_MODE} full on SGLang 0.5.17's v2 worker"
 
 
@@ -117,11 +101,10 @@ def kind_refusal(kind: tuple[str | None, str | None], environ: Any = None) -> st
         return (f"{_FULL} drives Gated DeltaNet layers only (SGLang's hybrid_gdn_config: Qwen3-Next, Qwen3.5); this "
                 f"target's recurrent layers are another kind (Mamba-2, KDA, Lightning, ...). Use {_args.FLAG_MODE} "
                 "shadow-linear.")
-    status, why = support(layer, architecture)
+    status, why = hybrid_support(layer, architecture)
     if status != "proven" and not (status == "unproven" and _args.test_switch(_args.TEST_UNPROVEN_HYBRID, environ)):
-        proven = [k for k in proven_hybrids() if k.rsplit(" on ", 1)[-1] not in V2_UNPROVEN]
         return (f"{_FULL} refused on {layer} / {architecture or 'an unknown architecture'}: {why} (this worker's "
-                f"proofs cover {', '.join(proven)}). Use {_args.FLAG_MODE} shadow-linear.")
+                f"proofs cover {', '.join(proven_hybrids())}). Use {_args.FLAG_MODE} shadow-linear.")
     return None
 
 
@@ -130,11 +113,6 @@ def refusal(server_args: Any, kind: tuple[str | None, str | None] = (None, None)
     refused = kind_refusal(kind, environ)
     if refused:
         return refused
-    if not getattr(server_args, "disable_radix_cache", False) and not _args.test_switch(
-            _args.TEST_UNPROVEN_HYBRID, environ):
-        return (f"{_FULL} on a hybrid target needs --disable-radix-cache: the tree step's recurrent-state tracking "
-                "for the radix cache is proven on the CPU only, not yet on a GPU (a wrongly tracked state is served "
-                "to every request that resumes from that cached prefix).")
     for flag, field, allowed in _REQUIRED:
         value = getattr(server_args, field, None)
         if value not in allowed:
