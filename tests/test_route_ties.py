@@ -147,6 +147,24 @@ def test_a_divergence_from_a_planted_router_tie_is_named_and_nothing_else_is(pla
     assert strict["h_cand"]["faults"] == 1 and strict["h_cand"]["divergences"][0]["flips_tried"] == 0
 
 
+def test_what_upstream_dflash_diverges_on_too_is_upstreams_not_a_fault(planted, monkeypatch, capsys):
+    _, rt = _mods()
+    # a candidate with upstream's own divergence (no flip explains it), and one with a divergence of its own
+    (planted / "h_twin.json").write_text((planted / "h_bad.json").read_text())
+    oracle = rt.RouterOracle(str(planted / "model"))
+    report = rt.judge(str(planted), oracle, "h_plain", ["h_twin", "h_bad", "h_cand"], "h_bad", 2.0**-10)
+    assert [r["class"] for r in report["h_twin"]["divergences"]] == ["upstream"]
+    assert report["h_twin"]["faults"] == 0 and report["h_twin"]["upstream"] == 1
+    assert report["h_bad"]["reference"] and report["h_bad"]["faults"] == 1
+    assert report["h_cand"]["route_ties"] == 1  # upstream does not make the router-tie divergence: still weighed
+    argv = ["route_ties.py", str(planted), "--model", str(planted / "model"), "--plain", "h_plain", "--upstream", "h_bad"]
+    monkeypatch.setattr("sys.argv", [*argv, "--cand", "h_twin", "h_bad"])
+    assert rt.main() == 0  # upstream's own leftover is reported as the reference's, not judged
+    assert "reference (diverges beyond a route tie)" in capsys.readouterr().out
+    monkeypatch.setattr("sys.argv", [*argv[:-2], "--cand", "h_twin", "h_bad"])
+    assert rt.main() == 1  # without --upstream the same divergence is a fault
+
+
 def test_near_ties_measures_the_gap_against_the_terms_magnitude():
     import torch
 

@@ -188,15 +188,15 @@ if [ "${MIX:-0}" = 1 ]; then
       COMMON=("${KEEP[@]}" --cuda-graph-max-bs 8)
     fi
     # the wrong commit before budget 256: its mix is quick, 256's samples the slowest (a tight deadline cuts 256)
-    VARIANTS=("h_plain|$HM|$H" "h_dflash|$HM|DF $H" "h_full15|$HM|$FULL 15 $H HYB" "h_full64|$HM|$FULL 64 $H HYB"
-              "h_full64_deepest|$HM|$FULL 64 $H HYB DEEPEST" "h_full256|$HM|$FULL 256 $H HYB" "h_twin|$HM|$H"
+    VARIANTS=("h_plain|$HM|$H" "h_dflash|$HM|DF $H" "h_full15|$HM|$FULL 15 $H" "h_full64|$HM|$FULL 64 $H"
+              "h_full64_deepest|$HM|$FULL 64 $H DEEPEST" "h_full256|$HM|$FULL 256 $H" "h_twin|$HM|$H"
               "h_dflash_pristine|$HM|DF $H PRISTINE"  # upstream, no payload: graph replay's one-token-prompt fault
               "h_dflash_old|$HM|DF $H OLD"  # dist/old/'s payload (HYB_RADIX=1 with 0.8.4: DFLASH's radix tracking unfixed)
               # the recurrent-state pool audited step by step (state_audit/; HYBRID.md §1.11): plain without the
               # overlap scheduler as the state reference, DFLASH and full 64 on graphs and eager
               "h_plain_audit|$HM|$H NOOVERLAP AUDIT" "h_plain_audit_eager|$HM|$H NOOVERLAP EAGER AUDIT"
               "h_dflash_audit|$HM|DF $H AUDIT" "h_dflash_eager|$HM|DF $H EAGER AUDIT"
-              "h_full64_audit|$HM|$FULL 64 $H HYB AUDIT" "h_full64_eager|$HM|$FULL 64 $H HYB EAGER AUDIT")
+              "h_full64_audit|$HM|$FULL 64 $H AUDIT" "h_full64_eager|$HM|$FULL 64 $H EAGER AUDIT")
     if [ -z "$OLD_BUNDLE" ]; then VARIANTS=("${VARIANTS[@]/*_old|*}"); fi
     rm -rf /tmp/site_pristine && mkdir -p /tmp/site_pristine && tar -C /tmp/site_pristine -xJf "$SITE_TAR"
   fi
@@ -271,8 +271,8 @@ if [ "${LIMITS:-0}" = 1 ]; then
   # power check, and the penalties on upstream DFLASH and the previous payload (expected to fault).
   [ "${LIMITS_SET:-}" = p ] && VARIANTS=("p_full64|/tmp/tiny_p|$FULL 64" "p_plain|/tmp/tiny_p|" "p_dflash|/tmp/tiny_p|DF"
     "p_full64_bias|/tmp/tiny_p|$FULL 64 BIAS" "p_dflash_pristine|/tmp/tiny_p|DF PRISTINE" "p_full64_old|/tmp/tiny_p|$FULL 64 OLD")
-  # LIMITS_SET=h (issue 25): the trained hybrid pair (.gpu/pair_h, radix cache off, full mode under the proof's
-  # switch): the production mix and a graph batch of 32 at the context limit, the deepest-node commit (must fail),
+  # LIMITS_SET=h (issue 25): the trained hybrid pair (.gpu/pair_h, radix cache off, full mode as operators start it,
+  # no switch): the production mix and a graph batch of 32 at the context limit, the deepest-node commit (must fail),
   # upstream DFLASH last (expected dead)
   # LIMITS_SET=hd: the same on the hybrid without MoE (make_tiny_hybrid.py's random dense Qwen3.5, served as
   # Qwen3_5ForConditionalGeneration; HYB_PAIR=1 the trained dense pair from .gpu/pair_hd), plus the deepest-node
@@ -297,18 +297,18 @@ if [ "${LIMITS:-0}" = 1 ]; then
     # SGLang warms a multimodal target up with an image through the chat API (a chat template the tiny tokenizer
     # lacks; the vision tower is not what this proves): every request here is text, so no warm-up request
     [ -n "$QWEN35" ] && H="$H --skip-server-warmup"
-    VARIANTS=("h_full64|$HM|$FULL 64 $H HYB" "h_plain|$HM|$H" "h_dflash|$HM|DF $H" "h_full15|$HM|$FULL 15 $H HYB"
-              "h_full256|$HM|$FULL 256 $H HYB" "h_dflash_pristine|$HM|DF $H PRISTINE" "h_full64_deepest|$HM|$FULL 64 $H HYB DEEPEST")
+    VARIANTS=("h_full64|$HM|$FULL 64 $H" "h_plain|$HM|$H" "h_dflash|$HM|DF $H" "h_full15|$HM|$FULL 15 $H"
+              "h_full256|$HM|$FULL 256 $H" "h_dflash_pristine|$HM|DF $H PRISTINE" "h_full64_deepest|$HM|$FULL 64 $H DEEPEST")
     if [ -n "$QWEN35" ] && [ "${HYB_PAIR:-0}" = 1 ]; then
       # the trained pair a second time as the x set, with the radix cache (states tracked every HYB_TRACK tokens):
       # its mix's round 2 resumes from cached states; samples and liveness there too
       X="--mamba-scheduler-strategy extra_buffer --mamba-track-interval ${HYB_TRACK:-64} --skip-server-warmup"
       VARIANTS+=("x_plain|$HM|$X" "x_dflash|$HM|DF $X"
-                 "x_full64|$HM|$FULL 64 $X HYB" "x_full256|$HM|$FULL 256 $X HYB" "x_full64_deepest|$HM|$FULL 64 $X HYB DEEPEST")
+                 "x_full64|$HM|$FULL 64 $X" "x_full256|$HM|$FULL 256 $X" "x_full64_deepest|$HM|$FULL 64 $X DEEPEST")
     elif [ -n "$QWEN35" ]; then
       KM=/tmp/tiny_hp/$QWEN35  # the peaked twin: drafts accepted, so full mode commits deep nodes
       VARIANTS+=("k_plain|$KM|$H" "k_dflash|$KM|DF $H"
-                 "k_full64|$KM|$FULL 64 $H HYB" "k_full256|$KM|$FULL 256 $H HYB" "k_full64_deepest|$KM|$FULL 64 $H HYB DEEPEST")
+                 "k_full64|$KM|$FULL 64 $H" "k_full256|$KM|$FULL 256 $H" "k_full64_deepest|$KM|$FULL 64 $H DEEPEST")
     fi
   fi
   if [ -z "$OLD_BUNDLE" ]; then VARIANTS=("${VARIANTS[@]/*_old|*}"); fi
@@ -385,7 +385,7 @@ launch() {  # TAG MODEL_DIR EXTRA...
       PRISTINE) envs+=(PYTHONPATH=/tmp/site_pristine) ;;  # upstream 0.5.13.post1, no payload
       BIAS) envs+=(SGLANG_DDTREE_TEST_BIASED_WALK=1 SGLANG_DDTREE_ALLOW_TEST_SWITCHES=1) ;;  # a deliberately wrong sampled walk
       PROF) envs+=(SGLANG_DDTREE_PROFILE=1) ;;
-      HYB) envs+=(SGLANG_DDTREE_TEST_UNPROVEN_HYBRID=1 SGLANG_DDTREE_ALLOW_TEST_SWITCHES=1) ;;  # full mode on an unproven hybrid layer type (the proof's own servers)
+      HYB) envs+=(SGLANG_DDTREE_TEST_UNPROVEN_HYBRID=1 SGLANG_DDTREE_ALLOW_TEST_SWITCHES=1) ;;  # full mode on an unproven hybrid architecture (Qwen3.6: add HYB to its servers); the proven ones run without it
       DEEPEST) envs+=(SGLANG_DDTREE_TEST_MAMBA_COMMIT=deepest) ;;  # commit the deepest node's recurrent state: must fail  # per-phase step times in /server_info (ddtree_profile)
       UNFUSED) envs+=(SGLANG_DDTREE_VERIFY_KERNELS=0) ;;  # the verify step on torch ops (ddtree_verify_step)
       CYCLE) envs+=(SGLANG_DDTREE_TEST_CYCLE_BUDGETS=1 SGLANG_DDTREE_ALLOW_TEST_SWITCHES=1) ;;  # step k takes the k-th ladder budget (0 included)
