@@ -109,6 +109,7 @@ def test_out_of_scope_settings_are_refused_naming_the_flag(observed: dict, base:
                         "simulated": "SGLANG_SIMULATE_ACC_LEN",
                         "init": "--disable-overlap-schedule"}.items():
         assert r[name] and words in r[name], (name, r[name])
+    assert r["tp under switch"] is None and "--pp-size 1" in r["pp under switch"]  # the TP proof's own servers
     assert not r["seams_after_refusal"]  # refused before the seams turn on
     # the built target backend: triton's extend kernel only; never a chain-only verify kernel (ROCm gfx95)
     assert r["backend triton"] is None

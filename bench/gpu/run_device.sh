@@ -33,6 +33,7 @@
 #   p_dflash_tp2, p_full64_tp2, p_shadow_tp2, r_full64_tp2 = their one-GPU twins + --tp-size 2 on GPUs
 #   0,1, each with its own --nccl-port (server port + 5; our ports stay below the ephemeral range that
 #   the one-GPU servers' random NCCL ports come from). One-GPU servers stay on GPU 0 (--base-gpu-id 0).
+#   On a v2 base (SITE_TAR=.gpu/site312-0.5.17.tar.xz) the TP servers run under the v2 TP proof switch.
 #   TP2_EXTRA (default --disable-custom-all-reduce: its v2 kernel would JIT-compile in every TP server at
 #   start; the DDTree gather is an all-gather over NCCL either way) is added to the TP servers' flags.
 # MIX_SET=h (issue 25, with MIX=1): the hybrid set; HYB_MODELS picks its model dir (<dir>/next/{target,draft});
@@ -394,7 +395,9 @@ launch() {  # TAG MODEL_DIR EXTRA...
       AUDIT) audit=1 ;;  # state_audit/sitecustomize.py: the recurrent-state pool fingerprinted around every step
       EAGER) args+=(--disable-cuda-graph) ;;
       NOOVERLAP) args+=(--disable-overlap-schedule) ;;
-      TP2) args+=(--tp-size 2 --nccl-port $(( PORT[$tag] + 5 )) "${TP2_EXTRA_ARGS[@]}") ;;
+      TP2) args+=(--tp-size 2 --nccl-port $(( PORT[$tag] + 5 )) "${TP2_EXTRA_ARGS[@]}")
+        # a v2 base's tree step takes --tp-size 2 only under its proof switch (ddtree_args.TEST_V2_TP)
+        [ -z "$SITE_BASE" ] || envs+=(SGLANG_DDTREE_TEST_V2_TP=1 SGLANG_DDTREE_ALLOW_TEST_SWITCHES=1) ;;
       *) args+=("$a") ;;
     esac
   done

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import random
 import re
 from pathlib import Path
@@ -42,6 +43,7 @@ from sglang.srt.speculative import ddtree_v2_penalties as vp
 from sglang.srt.speculative import ddtree_v2_seams as seams
 from sglang.srt.speculative import ddtree_v2_step as s
 from sglang.srt.speculative import ddtree_worker_v2 as w
+from sglang.srt.speculative.ddtree_args import TEST_V2_TP
 from sglang.srt.speculative.ddtree_stats import DDTreeStats
 from sglang.srt.speculative.ddtree_utils import build_ddtree
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
@@ -238,6 +240,12 @@ def refusals() -> dict:
         "window": {"speculative_draft_window_size": 512},
     }
     out = {name: w.v2_refusal(SimpleNamespace(**{**GOOD, **change})) for name, change in cases.items()}
+    os.environ[TEST_V2_TP] = "1"  # the TP proof's servers: --tp-size 2 served, --pp-size still refused
+    try:
+        out["tp under switch"] = w.v2_refusal(SimpleNamespace(**{**GOOD, **cases["tp"]}))
+        out["pp under switch"] = w.v2_refusal(SimpleNamespace(**{**GOOD, **cases["pp"]}))
+    finally:
+        del os.environ[TEST_V2_TP]
     out["hybrid"] = w.v2_refusal(SimpleNamespace(**GOOD), hybrid=True)
     out["simulated"] = w.v2_refusal(SimpleNamespace(**GOOD), simulate_acc_len=3)
     # the worker refuses before upstream builds anything (its __init__ would need a GPU and models)

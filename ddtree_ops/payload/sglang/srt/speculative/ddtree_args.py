@@ -51,8 +51,11 @@ TEST_UNPROVEN_HYBRID = "SGLANG_DDTREE_TEST_UNPROVEN_HYBRID"
 # torch cannot run it, so it is proven on the CPU only; ddtree_v2_args.PROVEN_TREE_BASES need no switch): the
 # proof's own servers, nothing else (ddtree_v2_args.refuse_unavailable).
 TEST_V2_TREE = "SGLANG_DDTREE_TEST_V2_TREE"
+# TEST_V2_TP serves the v2 tree step with --tp-size > 1 (its draft logits are gathered over the vocab shards as v1's;
+# no GPU proof across ranks yet): the proof's own TP servers, nothing else (ddtree_v2_step.settings_refusal).
+TEST_V2_TP = "SGLANG_DDTREE_TEST_V2_TP"
 TEST_SWITCHES = ("SGLANG_DDTREE_TEST_BIASED_WALK", "SGLANG_DDTREE_TEST_CYCLE_BUDGETS", TEST_UNPROVEN_HYBRID,
-                 TEST_V2_TREE)
+                 TEST_V2_TREE, TEST_V2_TP)
 # A deliberately wrong recurrent-state commit on hybrid targets (the hybrid proof's power check):
 # "deepest" commits each tree's deepest node, "chain" DFLASH's `commit_len - 1`, "skip" nothing.
 TEST_MAMBA_COMMIT = "SGLANG_DDTREE_TEST_MAMBA_COMMIT"

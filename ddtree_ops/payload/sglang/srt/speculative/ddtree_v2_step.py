@@ -93,7 +93,7 @@ def settings_refusal(server_args: Any, full: str) -> str | None:
     if int(getattr(server_args, "page_size", None) or 1) != 1:
         return f"{full} needs --page-size 1, got --page-size {server_args.page_size}."
     for flag in ("tp_size", "pp_size"):
-        if int(getattr(server_args, flag, None) or 1) != 1:
+        if int(getattr(server_args, flag, None) or 1) != 1 and not (flag == "tp_size" and _args.test_switch(_args.TEST_V2_TP)):
             return f"{full} needs --{flag.replace('_', '-')} 1, got {getattr(server_args, flag)}."
     if getattr(server_args, "speculative_draft_window_size", None) is not None:
         return f"{full} does not support --speculative-draft-window-size (the compact draft cache) yet."
