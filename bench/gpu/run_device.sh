@@ -385,9 +385,9 @@ launch() {  # TAG MODEL_DIR EXTRA...
       CAP) envs+=(SGLANG_DDTREE_MAX_VERIFY_TOKENS=1024) ;;  # steps must shrink their trees
       PRISTINE) envs+=(PYTHONPATH=/tmp/site_pristine) ;;  # upstream 0.5.13.post1, no payload
       BIAS) envs+=(SGLANG_DDTREE_TEST_BIASED_WALK=1 SGLANG_DDTREE_ALLOW_TEST_SWITCHES=1) ;;  # a deliberately wrong sampled walk
-      PROF) envs+=(SGLANG_DDTREE_PROFILE=1) ;;
+      PROF) envs+=(SGLANG_DDTREE_PROFILE=1) ;;  # per-phase step times in /server_info (ddtree_profile)
       HYB) envs+=(SGLANG_DDTREE_TEST_UNPROVEN_HYBRID=1 SGLANG_DDTREE_ALLOW_TEST_SWITCHES=1) ;;  # full mode on an unproven hybrid architecture (Qwen3.6: add HYB to its servers); the proven ones run without it
-      DEEPEST) envs+=(SGLANG_DDTREE_TEST_MAMBA_COMMIT=deepest) ;;  # commit the deepest node's recurrent state: must fail  # per-phase step times in /server_info (ddtree_profile)
+      DEEPEST) envs+=(SGLANG_DDTREE_TEST_MAMBA_COMMIT=deepest) ;;  # commit the deepest node's recurrent state: must fail
       UNFUSED) envs+=(SGLANG_DDTREE_VERIFY_KERNELS=0) ;;  # the verify step on torch ops (ddtree_verify_step)
       CYCLE) envs+=(SGLANG_DDTREE_TEST_CYCLE_BUDGETS=1 SGLANG_DDTREE_ALLOW_TEST_SWITCHES=1) ;;  # step k takes the k-th ladder budget (0 included)
       CTX4K) args+=(--context-length 4096 --cuda-graph-max-bs 8) ;;  # LIMITS: the second context length (after COMMON's)
