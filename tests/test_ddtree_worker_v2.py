@@ -22,6 +22,7 @@ stand-ins it uses). Skipped when the wheel, or xgrammar / tvm_ffi, cannot be had
 from __future__ import annotations
 
 import collections
+import json
 import shutil
 from pathlib import Path
 
@@ -29,7 +30,7 @@ import pytest
 
 from ddtree_ops import bundle as B
 from ddtree_ops import gates, rollout
-from tests.test_payload_v2 import site_report, wheel_site
+from tests.test_payload_v2 import run_in_site, site_report, wheel_site
 
 SCRIPT = Path(__file__).parent / "sglang_scripts" / "v2_worker_cases.py"
 BASES = ("0.5.17", "0.5.23")  # every base with a tree step (ddtree_v2_args.TREE_STEP_BASES)
@@ -272,3 +273,24 @@ def test_a_logprob_batch_is_refused_on_0517_and_upstreams_on_0523(observed: dict
                        "fallback_steps": 2, "tree_steps": 0}
     else:
         assert got["handed"] == 0 and "return_logprob" in got["error"] and got["fallback_steps"] == 0
+
+
+def test_tp2_sharded_draft_logits_build_the_single_device_tree_on_v2(base: str, base_site: Path) -> None:
+    """bench/gpu/tp_tree_check.py in the base's tree, two gloo ranks in SGLang's real distributed state and real
+    `ParallelLMHead` shards: the v2 tree step's own `draft_tree_logits` gathers the vocab shards, and both ranks build
+    the tree one device builds from the unsharded logits (what --tp-size 2 under SGLANG_DDTREE_TEST_V2_TP rests on)."""
+    if base != "0.5.17":  # the TP proof's GPU base; 0.5.23 builds its groups from a runtime topology context
+        pytest.skip(f"{base}: initialize_model_parallel reads runtime_context.get_parallel(), which the check does "
+                    "not set up; the GPU TP proof runs on 0.5.17, the newest base the GPU carry runs")
+    script = Path(__file__).resolve().parents[1] / "bench" / "gpu" / "tp_tree_check.py"
+    proc = run_in_site(base_site, [str(script), "--nproc", "2", "--device", "cpu", "--seeds", "1",
+                                   "--layouts", "4099,4099+13", "--timeout", "200", "--require-installed"],
+                       {"OMP_NUM_THREADS": "1"}, timeout=260)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert lines, f"no JSON summary (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    summary = json.loads(lines[-1])
+    assert summary["ok"] and proc.returncode == 0, json.dumps(summary, indent=1)[:4000]
+    assert summary["version"] == base and summary["payload"].startswith("installed v2:")
+    assert summary["backend"] == "gloo" and summary["nproc"] == 2
+    assert summary["cases"] == 16 and summary["trees_per_rank"] == 48  # 2 layouts x 2 kinds x 2 dtypes x 2 bs, 3 budgets
+    assert all(n > 0 for n in summary["local_only_tree_differs"])  # the gather is what makes the trees equal

@@ -11,7 +11,8 @@ size=N)`), builds SGLang's real `ParallelLMHead(vocab, hidden)` and loads its sh
 full weight with the layer's own `weight_loader` (the weight is seeded: identical on every rank),
 then calls the payload's `DDTreeController.draft_logits(hidden_states, lm_head)` -- the serving
 code, which all-gathers the shards with `get_tp_group().all_gather` -- and `build_ddtree` on the
-result. The reference is `build_ddtree(hs @ W.T)` on the same device without any sharding.
+result. On a v2 base (0.5.17's payload: `ddtree_v2_step`, no v1 worker) the serving code checked is the
+v2 tree step's `draft_tree_logits` (tests/test_ddtree_worker_v2.py runs it in the 0.5.17 tree). The reference is `build_ddtree(hs @ W.T)` on the same device without any sharding.
 
 Checks, per case (vocab layout x dtype x seed x batch size {1, 8} x budget {15, 64, 256}):
   * gathered logits: shape [rows, vocab], bitwise equal to the reference logits (values are dyadic
@@ -62,9 +63,27 @@ def _free_port() -> int:
 
 
 def import_payload(require_installed: bool) -> tuple[Any, Any, str]:
-    """(ddtree_worker module, build_ddtree, where it came from)."""
+    """(the serving draft-logits function `(hidden_states [rows, hidden], lm_head, vocab) -> [rows, vocab]`,
+    build_ddtree, where it came from). A v2 base (0.5.17's payload: `ddtree_v2_step`, no v1 worker) is checked
+    through the v2 tree step's own `draft_tree_logits`, a v1 base through `DDTreeController.draft_logits`."""
+    import importlib.util
+
     import sglang.srt.speculative as spec_pkg
 
+    if importlib.util.find_spec("sglang.srt.speculative.ddtree_v2_step") is not None:
+        import torch
+        from sglang.srt.distributed import get_tp_group
+        from sglang.srt.speculative import ddtree_v2_step as v2
+
+        def v2_logits(hs: Any, head: Any, vocab: int) -> Any:
+            # the v2 step drafts from positions 1.. of each request's block: a dummy position 0 in front
+            rows = hs.view(-1, DEPTH, hs.shape[-1])
+            block = torch.cat([torch.zeros_like(rows[:, :1]), rows], dim=1)
+            return v2.draft_tree_logits(block, head, vocab, get_tp_group()).reshape(-1, vocab)
+
+        from sglang.srt.speculative.ddtree_utils import build_ddtree
+
+        return v2_logits, build_ddtree, f"installed v2:{v2.__file__}"
     try:
         import sglang.srt.speculative.ddtree_worker as dw
 
@@ -79,7 +98,12 @@ def import_payload(require_installed: bool) -> tuple[Any, Any, str]:
         origin = "repo"
     from sglang.srt.speculative.ddtree_utils import build_ddtree
 
-    return dw, build_ddtree, f"{origin}:{dw.__file__}"
+    def v1_logits(hs: Any, head: Any, vocab: int) -> Any:
+        ctl = object.__new__(dw.DDTreeController)
+        ctl.worker = SimpleNamespace(model_runner=SimpleNamespace(model_config=SimpleNamespace(vocab_size=vocab)))
+        return ctl.draft_logits(hs, head)
+
+    return v1_logits, build_ddtree, f"{origin}:{dw.__file__}"
 
 
 def dyadic(gen: Any, shape: tuple[int, ...], denom: int) -> Any:
@@ -146,13 +170,7 @@ def run_rank(rank: int, args: argparse.Namespace, port: int) -> dict[str, Any]:
         # it at no library, as on a CPU-only torch (its "missing NCCL library" branch disables it).
         os.environ["SGLANG_NCCL_SO_PATH"] = "/nonexistent/libnccl-cpu-check.so"
     torch.manual_seed(0)
-    from sglang.srt.distributed import (
-        get_tensor_model_parallel_rank,
-        get_tensor_model_parallel_world_size,
-        get_tp_group,
-        init_distributed_environment,
-        initialize_model_parallel,
-    )
+    from sglang.srt.distributed import get_tp_group, init_distributed_environment, initialize_model_parallel
     from sglang.srt.distributed.parallel_state import (
         destroy_distributed_environment,
         destroy_model_parallel,
@@ -171,10 +189,10 @@ def run_rank(rank: int, args: argparse.Namespace, port: int) -> dict[str, Any]:
         timeout=args.dist_timeout,
     )
     initialize_model_parallel(tensor_model_parallel_size=args.nproc)
-    assert get_tensor_model_parallel_world_size() == args.nproc and get_tensor_model_parallel_rank() == rank
+    assert get_tp_group().world_size == args.nproc and get_tp_group().rank_in_group == rank
     from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
 
-    dw, build_ddtree, payload_origin = import_payload(args.require_installed)
+    draft_logits, build_ddtree, payload_origin = import_payload(args.require_installed)
     init_s = time.perf_counter() - t0
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -205,15 +223,11 @@ def run_rank(rank: int, args: argparse.Namespace, port: int) -> dict[str, Any]:
                     if not torch.equal(head.weight[: si.num_org_elements].cpu(),
                                        w_full[si.org_vocab_start_index : si.org_vocab_end_index].to(dtype)):
                         failures.append(f"rank {rank} vocab {vocab}: shard rows are not the promised slice")
-                    ctl = object.__new__(dw.DDTreeController)
-                    ctl.worker = SimpleNamespace(
-                        model_runner=SimpleNamespace(model_config=SimpleNamespace(vocab_size=vocab))
-                    )
                     w_dev = w_full.to(device=device, dtype=dtype)
                     for bs in args.batch_sizes:
                         label = f"{kind}/{dt_name}/v{vocab}+{added}/seed{seed}/bs{bs}"
                         hs = hs_all[: bs * DEPTH].to(device=device, dtype=dtype)
-                        got = ctl.draft_logits(hs, head)
+                        got = draft_logits(hs, head, vocab)
                         ref = torch.matmul(hs, w_dev.T)
                         local = torch.matmul(hs, head.weight[: si.num_org_elements].T)
                         if got.shape != ref.shape:
@@ -268,6 +282,15 @@ def parse_layouts(text: str) -> list[tuple[int, int]]:
         v, _, a = item.strip().partition("+")
         out.append((int(v), int(a or 0)))
     return out
+
+
+def _sglang_version() -> str | None:
+    try:
+        from sglang.version import __version__
+
+        return str(__version__)
+    except ImportError:
+        return None
 
 
 def main() -> int:
@@ -358,6 +381,7 @@ def main() -> int:
     summary = {
         "ok": not failures,
         "check": "tp_tree",
+        "version": _sglang_version(),
         "nproc": args.nproc,
         "device": args.device,
         "backend": good[0]["backend"] if good else None,
