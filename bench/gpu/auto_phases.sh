@@ -17,12 +17,14 @@ pack() {
     && find . -maxdepth 1 -type f ! -name logs.tgz ! -name summary.txt ! -name 'auto_*.json' ! -name run.log -delete )
 }
 summarize() {
-  local fixed_p=() fixed_s=() b
+  # the card that ran it (issue 24's figures count only from an H200; a title must not say so for another card)
+  local fixed_p=() fixed_s=() b gpu
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1); gpu=${gpu:-unknown GPU}
   for b in ${AUTO_FIXED:-16 32 64 128}; do fixed_p+=(p_full$b); fixed_s+=(s_full$b); done
   { "${ABENCH[@]}" compare $(ls "$OUT"/auto_p_*.json 2>/dev/null) --plain p_plain --dflash p_dflash --auto p_auto \
-      --fixed "${fixed_p[@]}" --title "trained pair (hidden 256), H200 $(date -u +%F)"
+      --fixed "${fixed_p[@]}" --title "trained pair (hidden 256), $gpu $(date -u +%F)"
     "${ABENCH[@]}" compare $(ls "$OUT"/auto_s_*.json 2>/dev/null) --plain s_plain --dflash s_dflash --auto s_auto \
-      --fixed "${fixed_s[@]}" --cost-realistic --title "real-size shell of the pair (36 x 4096), H200 $(date -u +%F)"
+      --fixed "${fixed_s[@]}" --cost-realistic --title "real-size shell of the pair (36 x 4096), $gpu $(date -u +%F)"
   } 2>&1 | tee "$OUT/summary.txt"
 }
 at_deadline() { ts "watchdog: summary and packing at the deadline"; summarize; pack; }
