@@ -12,7 +12,8 @@ full weight with the layer's own `weight_loader` (the weight is seeded: identica
 then calls the payload's `DDTreeController.draft_logits(hidden_states, lm_head)` -- the serving
 code, which all-gathers the shards with `get_tp_group().all_gather` -- and `build_ddtree` on the
 result. On a v2 base (0.5.17's payload: `ddtree_v2_step`, no v1 worker) the serving code checked is the
-v2 tree step's `draft_tree_logits` (tests/test_ddtree_worker_v2.py runs it in the 0.5.17 tree). The reference is `build_ddtree(hs @ W.T)` on the same device without any sharding.
+v2 tree step's `draft_tree_logits` (tests/test_ddtree_worker_v2.py runs it in the 0.5.17 tree). The
+reference is `build_ddtree(hs @ W.T)` on the same device without any sharding.
 
 Checks, per case (vocab layout x dtype x seed x batch size {1, 8} x budget {15, 64, 256}):
   * gathered logits: shape [rows, vocab], bitwise equal to the reference logits (values are dyadic

@@ -820,8 +820,6 @@ def _is_parent(verify, b: int, n: int, prefix, parent: int, child: int) -> bool:
 
 
 if __name__ == "__main__":
-    import os
-
     out = {"version": __version__, "switch": os.environ.get("SGLANG_DDTREE_TEST_V2_TREE") == "1"}
     out["selection"] = worker_selection()
     if out["switch"]:
