@@ -19,8 +19,8 @@ For each divergence production_mix.py does not call the same or a tie, on the to
   3. classes the divergence 'route tie' iff some flip makes the reference pick the candidate's token, naming it.
 What no flip explains stays a fault (exit 1). With --upstream, a divergence upstream DFLASH makes too is classed
 'upstream' (production_mix.py's class), and upstream's own leftovers are reported, not judged. Needs
-`transformers` with the target's architecture; CPU is enough for the tiny targets. The deliberately wrong state commit (h_full64_deepest) is the check that this does not
-explain everything: its faults must stay faults."""
+`transformers` with the target's architecture; CPU is enough for the tiny targets. The deliberately wrong state
+commit (h_full64_deepest) is the check that this does not explain everything: its faults must stay faults."""
 
 from __future__ import annotations
 
