@@ -76,35 +76,36 @@ def import_payload(require_installed: bool) -> tuple[Any, Any, str]:
         from sglang.srt.distributed import get_tp_group
         from sglang.srt.speculative import ddtree_v2_step as v2
 
-        def v2_logits(hs: Any, head: Any, vocab: int) -> Any:
+        def draft_logits(hs: Any, head: Any, vocab: int) -> Any:
             # the v2 step drafts from positions 1.. of each request's block: a dummy position 0 in front
             rows = hs.view(-1, DEPTH, hs.shape[-1])
             block = torch.cat([torch.zeros_like(rows[:, :1]), rows], dim=1)
             return v2.draft_tree_logits(block, head, vocab, get_tp_group()).reshape(-1, vocab)
 
-        from sglang.srt.speculative.ddtree_utils import build_ddtree
+        origin = f"installed v2:{v2.__file__}"
+    else:
+        try:
+            import sglang.srt.speculative.ddtree_worker as dw
 
-        return v2_logits, build_ddtree, f"installed v2:{v2.__file__}"
-    try:
-        import sglang.srt.speculative.ddtree_worker as dw
+            where = "installed"
+        except ModuleNotFoundError as e:
+            if require_installed or e.name != "sglang.srt.speculative.ddtree_worker":
+                raise
+            # New modules only (ddtree_worker imports pristine upstream modules and its siblings).
+            spec_pkg.__path__.append(str(PAYLOAD_SPEC))
+            import sglang.srt.speculative.ddtree_worker as dw
 
-        origin = "installed"
-    except ModuleNotFoundError as e:
-        if require_installed or e.name != "sglang.srt.speculative.ddtree_worker":
-            raise
-        # New modules only (ddtree_worker imports pristine upstream modules and its siblings).
-        spec_pkg.__path__.append(str(PAYLOAD_SPEC))
-        import sglang.srt.speculative.ddtree_worker as dw
+            where = "repo"
 
-        origin = "repo"
+        def draft_logits(hs: Any, head: Any, vocab: int) -> Any:
+            ctl = object.__new__(dw.DDTreeController)
+            ctl.worker = SimpleNamespace(model_runner=SimpleNamespace(model_config=SimpleNamespace(vocab_size=vocab)))
+            return ctl.draft_logits(hs, head)
+
+        origin = f"{where}:{dw.__file__}"
     from sglang.srt.speculative.ddtree_utils import build_ddtree
 
-    def v1_logits(hs: Any, head: Any, vocab: int) -> Any:
-        ctl = object.__new__(dw.DDTreeController)
-        ctl.worker = SimpleNamespace(model_runner=SimpleNamespace(model_config=SimpleNamespace(vocab_size=vocab)))
-        return ctl.draft_logits(hs, head)
-
-    return v1_logits, build_ddtree, f"{origin}:{dw.__file__}"
+    return draft_logits, build_ddtree, origin
 
 
 def dyadic(gen: Any, shape: tuple[int, ...], denom: int) -> Any:

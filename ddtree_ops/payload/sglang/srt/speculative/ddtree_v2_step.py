@@ -92,9 +92,11 @@ def settings_refusal(server_args: Any, full: str) -> str | None:
             return f"{full} needs --attention-backend triton, got --{flag.replace('_', '-')} {backend}."
     if int(getattr(server_args, "page_size", None) or 1) != 1:
         return f"{full} needs --page-size 1, got --page-size {server_args.page_size}."
-    for flag in ("tp_size", "pp_size"):
-        if int(getattr(server_args, flag, None) or 1) != 1 and not (flag == "tp_size" and _args.test_switch(_args.TEST_V2_TP)):
-            return f"{full} needs --{flag.replace('_', '-')} 1, got {getattr(server_args, flag)}."
+    tp, pp = (int(getattr(server_args, flag, None) or 1) for flag in ("tp_size", "pp_size"))
+    if tp != 1 and not _args.test_switch(_args.TEST_V2_TP):  # the TP proof's own servers run under the switch
+        return f"{full} needs --tp-size 1, got {server_args.tp_size}."
+    if pp != 1:
+        return f"{full} needs --pp-size 1, got {server_args.pp_size}."
     if getattr(server_args, "speculative_draft_window_size", None) is not None:
         return f"{full} does not support --speculative-draft-window-size (the compact draft cache) yet."
     return None
