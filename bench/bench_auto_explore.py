@@ -2,7 +2,8 @@
 """What `--speculative-ddtree-budget auto` loses to exploration on the 8.2 B shell's costs (simulated:
 tests/ddtree_shell_sim.py), against an oracle that plays the best fixed candidate for each batch bucket on the
 same steps: steady batch 1 / 4 / 16 / 64, live traffic whose batch size and ease move (also with every cell's
-first three steps slow), and auto_bench.py's schedule on a fresh server (measured passes only).
+first three steps slow), and auto_bench.py's schedule on a fresh server (measured passes only), greedy alone and
+greedy then T 0.8 (a sampled walk's cost grows with the tree's width).
 
     .venv/bin/python bench/bench_auto_explore.py [--seeds N] [--steps N] [--module PATH]
 
@@ -49,6 +50,7 @@ def main() -> None:
     scenarios["moving"] = (lambda rng: (sim.moving(4 * n, rng), 0), 1, 8)
     scenarios["moving, slow first steps"] = (lambda rng: (sim.moving(4 * n, rng), 0), 3, 8)
     scenarios["benchmark schedule"] = (lambda rng: sim.benchmark(rng), 1, 8)
+    scenarios["benchmark schedule, greedy and T 0.8"] = (lambda rng: sim.benchmark(rng, kinds=(False, True)), 1, 8)
     for name, (make, slow, lo) in scenarios.items():
         ratios, steps, lost, by_bs = [], [], [], {}
         for seed in range(a.seeds):
@@ -62,10 +64,11 @@ def main() -> None:
             steps.append(s)
             lost.append(t)
             if name.startswith(("moving", "benchmark")):
-                for group in ((1, 2), (3, 7), (8, 16), (18, 32), (40, 64)):
-                    sel = {b: c for b, c in cells.items() if group[0] <= b <= group[1]}
-                    if sel:
-                        by_bs.setdefault(f"{group[0]}-{group[1]}", []).append(sim.overall(sel))
+                for sign, kind in ((1, ""), (-1, "T0.8 ")):  # sampled steps are counted under negative buckets
+                    for group in ((1, 2), (3, 7), (8, 16), (18, 32), (40, 64)):
+                        sel = {b: c for b, c in cells.items() if group[0] <= sign * b <= group[1]}
+                        if sel:
+                            by_bs.setdefault(f"{kind}{group[0]}-{group[1]}", []).append(sim.overall(sel))
         row = {"vs_oracle": round(statistics.median(ratios), 4), "vs_oracle_min": round(min(ratios), 4),
                f"explore_steps_bs>={lo}": round(statistics.median(steps), 4),
                f"explore_time_lost_bs>={lo}": round(statistics.median(lost), 4)}

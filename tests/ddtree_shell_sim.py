@@ -9,8 +9,11 @@ for each batch size.
   cells at batch 4 grew ~1 ms per doubling); a chain step's commit 1 ms + 0.03 ms a request. Steps are noisy
   (+-8 %), a cell's first `slow_first` steps are slow (a graph's first replay, 3-8x), and 1 % of steps carry a
   spike (a prefill between steps, 2-4x).
+- A sampled request's walk builds the target's distribution at every verified node: 1.8 ms a step plus 15 us
+  per sampled request and verify token (the H100 diagnostic of payload 0.8.16: full 16's walk at T 0.8 took
+  2.7 / 3.05 / 5.1 / 18.8 ms at batch 1 / 4 / 16 / 64, auto's 63-tree 4.2 ms at batch 1).
 - Acceptance (extra tokens per request-step, call 3's curve): chain 0.45, 15: 1.02, 31: 1.16, 63: 1.34,
-  127: 1.34. Each request's walk draws one uniform and every budget's accepted length is the geometric
+  127: 1.34; sampled requests (a guess: less, and less gain from width) 0.40, 0.85, 0.93, 1.0, 1.0. Each request's walk draws one uniform and every budget's accepted length is the geometric
   quantile of it (capped at the block's 15), so a larger tree accepts at least what a smaller one did, as
   the walks are nested; `ease` scales every budget's mean alike (moving traffic).
 
@@ -41,6 +44,8 @@ REPLAY_MS = {
           133.7521, 147.616, 155.6694, 168.7884, 177.5893],
 }
 ACCEPT = {0: 0.45, 15: 1.02, 31: 1.16, 63: 1.34, 127: 1.34}
+ACCEPT_SAMPLED = {0: 0.40, 15: 0.85, 31: 0.93, 63: 1.0, 127: 1.0}
+SAMPLED_WALK_MS, SAMPLED_TOKEN_MS = 1.8, 0.015
 DEPTH = 15  # the block's most accepted draft tokens
 
 
@@ -70,12 +75,14 @@ class ShellServer:
     def bucket(bs: int) -> int:
         return next(b for b in BUCKETS if b >= bs)
 
-    def true_seconds(self, c, bs: int) -> float:
+    def true_seconds(self, c, bs: int, sampled: int = 0) -> float:
         k = BUCKETS.index(self.bucket(bs))
         w = c.width
         draft = 1.2 + 1.3 * (bs - 1) / 63
         # A chain step commits; a tree step also builds, masks and walks, more so the wider it is.
         extra = 1.0 + 0.03 * bs if c.is_chain else 2.2 + 0.05 * bs + 0.4 * math.log2(w / 16) + 0.0005 * w * bs
+        if sampled:
+            extra += SAMPLED_WALK_MS + SAMPLED_TOKEN_MS * w * sampled
         return (draft + REPLAY_MS[w][k] + 0.5 + extra) * 1e-3
 
     def start_replays(self) -> dict[tuple[int, int], float]:
@@ -83,13 +90,14 @@ class ShellServer:
         return {(w, bs): REPLAY_MS[w][k] * 1e-3 * self.rng.uniform(0.97, 1.03)
                 for w in REPLAY_MS for k, bs in enumerate(BUCKETS)}
 
-    def expected_tokens(self, c, bs: int, ease: float = 1.0) -> float:
-        return bs * (1.0 + capped_mean(self.accept[c.budget] * ease))
+    def expected_tokens(self, c, bs: int, ease: float = 1.0, sampled: int = 0) -> float:
+        return ((bs - sampled) * (1.0 + capped_mean(self.accept[c.budget] * ease))
+                + sampled * (1.0 + capped_mean(ACCEPT_SAMPLED[c.budget] * ease)))
 
-    def throughput(self, c, bs: int, ease: float = 1.0) -> float:
-        return self.expected_tokens(c, bs, ease) / self.true_seconds(c, bs)
+    def throughput(self, c, bs: int, ease: float = 1.0, sampled: int = 0) -> float:
+        return self.expected_tokens(c, bs, ease, sampled) / self.true_seconds(c, bs, sampled)
 
-    def observation(self, c, bs: int, budgets: list[int], ease: float = 1.0):
+    def observation(self, c, bs: int, budgets: list[int], ease: float = 1.0, sampled: int = 0):
         rng = self.rng
         noise = rng.uniform(0.92, 1.08)
         cell = (c, self.bucket(bs))
@@ -98,21 +106,26 @@ class ShellServer:
             noise *= rng.uniform(3.0, 8.0)
         elif self.spikes and rng.random() < 0.01:
             noise *= rng.uniform(2.0, 4.0)
-        accepted = [0.0] * len(budgets)
-        chain = 0.0
-        for _ in range(bs):
-            u = rng.random()
-            if c.is_chain:
-                chain += _quantile(u, self.accept[0] * ease)
-                continue
-            for i, b in enumerate(budgets):
-                if b <= c.budget:
-                    accepted[i] += _quantile(u, self.accept[b] * ease)
-            # A tree walk's chain figure is a lower bound (the walk may leave the chain).
-            chain += _quantile(u, self.accept[0] * ease * 0.9)
+        sums = []
+        for accept, n in ((self.accept, bs - sampled), (ACCEPT_SAMPLED, sampled)):
+            accepted = [0.0] * len(budgets)
+            chain = 0.0
+            for _ in range(n):
+                u = rng.random()
+                if c.is_chain:
+                    chain += _quantile(u, accept[0] * ease)
+                    continue
+                for i, b in enumerate(budgets):
+                    if b <= c.budget:
+                        accepted[i] += _quantile(u, accept[b] * ease)
+                # A tree walk's chain figure is a lower bound (the walk may leave the chain).
+                chain += _quantile(u, accept[0] * ease * 0.9)
+            sums.append((accepted, chain, n))
+        (accepted, chain, n), (s_accepted, s_chain, s_n) = sums
         return self.ab.StepObservation(budget=c.budget, width=c.width, batch_size=bs,
-                                       seconds=self.true_seconds(c, bs) * noise, accepted=accepted, chain=chain,
-                                       requests=bs)
+                                       seconds=self.true_seconds(c, bs, sampled) * noise, accepted=accepted,
+                                       chain=chain, requests=n, sampled_accepted=s_accepted, sampled_chain=s_chain,
+                                       sampled_requests=s_n)
 
 
 # ----------------------------------------------------------------------------- traces
@@ -147,22 +160,26 @@ def moving(steps: int, rng: random.Random, *, period: int = 4000, life: float = 
 
 
 def benchmark(rng: random.Random, *, batches=(1, 4, 16, 64), warmup: int = 3, passes: int = 2,
-              steps: int = 20) -> tuple[list[tuple[int, float]], int]:
-    """`bench/gpu/auto_bench.py` on a fresh server (greedy): `warmup` batches of each size, then `passes`
-    measured ones; a batch is `steps` steps at its size, then its requests finish one after another (the
-    batch drains: 3/4, 1/2, 1/4 of it, then 1). Returns the trace and the index of its first measured step."""
-    def one(bs: int) -> list[tuple[int, float]]:
+              steps: int = 20, kinds: tuple[bool, ...] = (False,)) -> tuple[list[tuple[int, float, int]], int]:
+    """`bench/gpu/auto_bench.py` on a fresh server: for each kind (False greedy, True sampled: T 0.8),
+    `warmup` batches of each size, then `passes` measured ones, each of every kind in turn; a batch is `steps`
+    steps at its size, then its requests finish one after another (the batch drains: 3/4, 1/2, 1/4 of it,
+    then 1). Returns the trace ((batch size, ease, sampled requests)) and the index of its first measured
+    step."""
+    def one(bs: int, sampled: bool) -> list[tuple[int, float, int]]:
         tail = [max(1, bs * 3 // 4), max(1, bs // 2), max(1, bs // 4), 1] if bs > 1 else []
-        return [(bs, 1.0)] * steps + [(b, 1.0) for b in tail]
+        return [(b, 1.0, b if sampled else 0) for b in [bs] * steps + tail]
 
-    out: list[tuple[int, float]] = []
-    for bs in batches:
-        for _ in range(warmup):
-            out += one(bs)
+    out: list[tuple[int, float, int]] = []
+    for sampled in kinds:
+        for bs in batches:
+            for _ in range(warmup):
+                out += one(bs, sampled)
     measured = len(out)
     for _ in range(passes):
-        for bs in batches:
-            out += one(bs)
+        for sampled in kinds:
+            for bs in batches:
+                out += one(bs, sampled)
     return out, measured
 
 
@@ -196,31 +213,34 @@ class Cell:
 
 
 def run(ab, auto, server: ShellServer, trace, *, skip: int = 0) -> dict[int, Cell]:
-    """Step `auto` through `trace` ([(batch size, ease)]); per batch bucket what it made against the best fixed
+    """Step `auto` through `trace` ([(batch size, ease)] or [(batch size, ease, sampled requests)]); per batch
+    bucket (and kind: a sampled step counts under the bucket's negative) what it made against the best fixed
     candidate (`skip` first steps observed but not counted)."""
     cells: dict[int, Cell] = {}
     budgets = list(auto.budgets)
-    for step, (bs, ease) in enumerate(trace):
+    for step, (bs, ease, *rest) in enumerate(trace):
+        sampled = rest[0] if rest else 0
         before = auto.explore_steps
-        c = auto.choose(bs, step)
+        c = auto.choose(bs, step, sampled=sampled)
         explored = auto.explore_steps > before
-        auto.observe(server.observation(c, bs, budgets, ease))
+        auto.observe(server.observation(c, bs, budgets, ease, sampled))
         if auto.due(step):
             auto.refresh()
         if step < skip:
             continue
-        cell = cells.setdefault(server.bucket(bs), Cell())
-        tok, sec = server.expected_tokens(c, bs, ease), server.true_seconds(c, bs)
+        cell = cells.setdefault(-server.bucket(bs) if sampled else server.bucket(bs), Cell())
+        tok, sec = server.expected_tokens(c, bs, ease, sampled), server.true_seconds(c, bs, sampled)
         cell.steps += 1
         cell.tokens += tok
         cell.seconds += sec
-        best = max(auto.candidates, key=lambda x: server.throughput(x, bs, ease))
+        best = max(auto.candidates, key=lambda x: server.throughput(x, bs, ease, sampled))
         if explored:
             cell.explore_steps += 1
-            cell.explore_lost += max(0.0, sec - tok / server.throughput(best, bs, ease))
+            cell.explore_lost += max(0.0, sec - tok / server.throughput(best, bs, ease, sampled))
         for x in auto.candidates:
             t, s = cell.per_candidate.get(x, (0.0, 0.0))
-            cell.per_candidate[x] = (t + server.expected_tokens(x, bs, ease), s + server.true_seconds(x, bs))
+            cell.per_candidate[x] = (t + server.expected_tokens(x, bs, ease, sampled),
+                                     s + server.true_seconds(x, bs, sampled))
     return cells
 
 
@@ -234,8 +254,8 @@ def overall(cells: dict[int, Cell]) -> float:
 
 
 def explore_share(cells: dict[int, Cell], lo: int = 1, hi: int = 64) -> tuple[float, float]:
-    """(share of steps that explored, share of time lost to exploring) over the buckets in [lo, hi]."""
-    sel = [c for b, c in cells.items() if lo <= b <= hi]
+    """(share of steps that explored, share of time lost to exploring) over the buckets in [lo, hi] (both kinds)."""
+    sel = [c for b, c in cells.items() if lo <= abs(b) <= hi]
     steps = sum(c.steps for c in sel)
     return (sum(c.explore_steps for c in sel) / max(1, steps),
             sum(c.explore_lost for c in sel) / max(1e-12, sum(c.seconds for c in sel)))

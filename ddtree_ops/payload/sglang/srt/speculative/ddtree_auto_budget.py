@@ -29,11 +29,16 @@ per request. Each step takes the candidate with the most expected tokens per sec
   dear; the chain likewise, against the tree walks' bound for it in the same refreshes.
 - Greedy and sampled requests accept differently (a sampled walk accepts less, and less so on wide
   trees): acceptance is kept for each kind, and a step scores the candidates for its batch's mix.
-- Costs, measured on this server, per candidate and batch bucket (the chain and the tree of the same
-  width differ: a tree step also builds, masks and walks the tree): the verify graphs' replays timed at
-  start (`seed_start_costs`, seconds per `(width, batch bucket)`), then every step's own wall time; a
-  cell never stepped in is its start-up replay plus what its kind's steps (tree or chain) of that bucket
-  cost beyond their replays (draft, build, walk, attention over real contexts).
+- Costs, measured on this server, per candidate, batch bucket and kind of request (the chain and the tree
+  of the same width differ: a tree step also builds, masks and walks the tree; a sampled walk builds the
+  target's distribution at every verified node, so its cost grows with the tree's width, where a greedy
+  walk's hardly does: on the H100 pooled cells, taught by greedy steps, made auto pick trees 1.5-2x too dear
+  for sampled batches): the verify graphs' replays timed at start (`seed_start_costs`, seconds per
+  `(width, batch bucket)`), then every step's own wall time, in the cell of its majority kind; a batch's
+  cost is its kinds' cells interpolated by its share of sampled requests, as its acceptance is. A cell
+  never stepped in is its start-up replay plus what its kind's steps (tree or chain, either kind of request:
+  the least, so the plan visits it and measures it) of that bucket cost beyond their replays (draft, build,
+  walk, attention over real contexts).
 - Budgets larger than the ones stepped in are only learnt by stepping in them, and a cell's cost by its
   own steps: one step in `explore_every` may explore a candidate other than the plan. Exploration is
   priced per batch bucket (`_explore_table`): a step of a candidate loses its time at this batch beyond
@@ -239,14 +244,15 @@ class AutoBudget:
         # the same refreshes for as many requests (`_fold`), and those requests (SHAPE_DECAY).
         self.chain_shape_sum, self.chain_shape_ref = [0.0] * len(KINDS), [0.0] * len(KINDS)
         self.chain_shape_n = [0.0] * len(KINDS)
-        self.cost = [[0.0] * nk for _ in range(nc)]  # EWMA seconds per (candidate, bucket)
-        self.cost_weight = [[0.0] * nk for _ in range(nc)]
+        # EWMA seconds per (kind of request, candidate, bucket), and the cells' decayed observation weights.
+        self.cost = [[[0.0] * nk for _ in range(nc)] for _ in KINDS]
+        self.cost_weight = [[[0.0] * nk for _ in range(nc)] for _ in KINDS]
         self.start_cost: dict[tuple[int, int], float] = {}
         # Pending sums since the last refresh (this rank's), flattened by `_pending_vector`.
         self._reset_pending()
         self.plan: list[Candidate] = [self.largest] * nk
-        # Per bucket: (candidate, seconds, accepted per kind) of the candidates a step can score (`_best`).
-        self._scores: list[list[tuple[Candidate, float, list[float]]]] = [[] for _ in range(nk)]
+        # Per bucket: (candidate, seconds per kind, accepted per kind) of the candidates a step can score (`_best`).
+        self._scores: list[list[tuple[Candidate, list[float], list[float]]]] = [[] for _ in range(nk)]
         # Per bucket: who exploration may take, and once in how many of the bucket's exploration rounds.
         self.explore: list[list[tuple[Candidate, int]]] = [
             [(c, 1) for c in self.candidates if c != self.largest] for _ in range(nk)]
@@ -254,10 +260,13 @@ class AutoBudget:
         # every rank: every rank calls `choose` with the same steps and batch sizes).
         self._rounds = [0] * nk
         self._last_explored = [[0] * nc for _ in range(nk)]
-        self._untimed = [[UNTIMED_FIRST_STEPS] * nk for _ in range(nc)]
+        self._untimed = [[[UNTIMED_FIRST_STEPS] * nk for _ in range(nc)] for _ in KINDS]
         # Per kind (chain, tree) and bucket: the least its measured cells cost beyond their replays, None where
         # none is measured; recomputed by `_replan`, which every change of the costs ends with.
-        self._extra: dict[bool, list[float | None]] = {True: [None] * nk, False: [None] * nk}
+        self._extra: dict[tuple[bool, int], list[float | None]] = {
+            (chain, kind): [None] * nk for chain in (True, False) for kind in KINDS}
+        # Per kind (chain, tree) and bucket: the sampled surcharge, (seconds, seconds per verify token) (`_surcharge`).
+        self._sampled_surcharge: dict[bool, list[tuple[float, float] | None]] = {True: [None] * nk, False: [None] * nk}
         self._nearest = [sorted(range(nk), key=lambda j, k=k: abs(j - k)) for k in range(nk)]  # buckets by distance
         self.chosen: dict[str, int] = {c.name: 0 for c in self.candidates}  # by choose()
         self.verified: dict[str, int] = {}  # budgets steps really verified (memory may shrink a choice)
@@ -298,10 +307,11 @@ class AutoBudget:
         c = self._candidate_of(obs)
         if c is not None and obs.seconds > 0:
             i, k = self._index[c], self.bucket_index(obs.batch_size)
-            if self._untimed[i][k] > 0:
-                self._untimed[i][k] -= 1
+            kind = SAMPLED if 2 * obs.sampled_requests > obs.requests + obs.sampled_requests else GREEDY
+            if self._untimed[kind][i][k] > 0:
+                self._untimed[kind][i][k] -= 1
             else:
-                self._p_times[i][k].append(obs.seconds)
+                self._p_times[kind][i][k].append(obs.seconds)
 
     # ------------------------------------------------------------------ decisions
     def choose(self, batch_size: int, step: int, sampled: int = 0) -> Candidate:
@@ -324,7 +334,8 @@ class AutoBudget:
         if not self._scores[bucket]:
             return self.plan[bucket]
         mix = (max(0, batch_size - sampled), min(sampled, batch_size))
-        scored = [(sum(n * (1.0 + a) for n, a in zip(mix, accepted, strict=True)) / seconds, c)
+        share = mix[1] / max(1, batch_size)
+        scored = [(sum(n * (1.0 + a) for n, a in zip(mix, accepted, strict=True)) / _mixed(seconds, share), c)
                   for c, seconds, accepted in self._scores[bucket]]
         return _narrowest_best(scored)
 
@@ -401,20 +412,37 @@ class AutoBudget:
             total += base * gain / walks if walks >= MIN_SHAPE_BASE else gain / n
         return total
 
-    def step_seconds(self, candidate: Candidate, bucket: int) -> float | None:
-        """Estimated wall seconds of a step of `candidate` in bucket index `bucket`: the cell's own steps while
-        they are trusted (`MIN_COST_WEIGHT`); else its start-up replay plus what its kind's steps cost beyond
-        their replays (optimistic: the plan visits it and measures it again; a few spiky steps long ago do not
-        bar it); else its own steps however old (a fit is a worse guess); else a fit over the measured cells of
-        its kind."""
+    def sampled_share(self) -> float:
+        """The share of sampled requests in the traffic (decayed as the acceptance level is): what the plan
+        and the exploration prices mix the kinds' costs by."""
+        n = [self.accept_n[kind][0] + self.chain_step_n[kind] for kind in KINDS]
+        return n[SAMPLED] / (n[GREEDY] + n[SAMPLED]) if n[GREEDY] + n[SAMPLED] > 0 else 0.0
+
+    def step_seconds(self, candidate: Candidate, bucket: int, sampled_share: float | None = None) -> float | None:
+        """Estimated wall seconds of a step of `candidate` in bucket index `bucket` whose requests are
+        `sampled_share` sampled (None: the traffic's share): its kinds' estimates (`kind_seconds`) mixed."""
+        share = self.sampled_share() if sampled_share is None else sampled_share
+        per_kind = [self.kind_seconds(candidate, bucket, kind) for kind in KINDS]
+        return None if None in per_kind else _mixed(per_kind, share)
+
+    def kind_seconds(self, candidate: Candidate, bucket: int, kind: int) -> float | None:
+        """Estimated wall seconds of a step of `candidate` in bucket index `bucket` whose requests are of `kind`:
+        the cell's own steps while they are trusted (`MIN_COST_WEIGHT`); else its prior (`_prior`: optimistic,
+        so the plan visits it and measures it again; a few spiky steps long ago do not bar it); else its own
+        steps however old (a fit is a worse guess); else a fit over the measured cells of its kind; else the
+        other kind of request's estimate."""
         i = self._index[candidate]
-        weight = self.cost_weight[i][bucket]
-        if weight >= MIN_COST_WEIGHT:
-            return self.cost[i][bucket]
-        prior = self._prior(candidate, bucket)
-        if prior is not None:
-            return prior
-        return self.cost[i][bucket] if weight > 0 else self._fitted(candidate, self.buckets[bucket])
+        for own in (kind, 1 - kind):
+            weight = self.cost_weight[own][i][bucket]
+            if weight >= MIN_COST_WEIGHT:
+                return self.cost[own][i][bucket]
+            prior = self._prior(candidate, bucket, own)
+            if prior is not None:
+                return prior
+            guess = self.cost[own][i][bucket] if weight > 0 else self._fitted(candidate, self.buckets[bucket], own)
+            if guess is not None:
+                return guess
+        return None
 
     # ------------------------------------------------------------------ reporting
     def as_dict(self) -> dict[str, Any]:
@@ -423,14 +451,17 @@ class AutoBudget:
             values = {c.name: self.expected_accepted(c, kind) for c in self.candidates}
             return {k: None if v is None else round(v, 4) for k, v in values.items()}
 
-        costs = {}
-        for c in self.candidates:
-            row = {}
-            for k, bs in enumerate(self.buckets):
-                seconds = self.step_seconds(c, k)
-                if seconds is not None:
-                    row[str(bs)] = round(seconds * 1e3, 4)
-            costs[c.name] = row
+        def costs(kind: int | None) -> dict[str, dict[str, float]]:
+            out = {}
+            for c in self.candidates:
+                row = {}
+                for k, bs in enumerate(self.buckets):
+                    seconds = self.step_seconds(c, k) if kind is None else self.kind_seconds(c, k, kind)
+                    if seconds is not None:
+                        row[str(bs)] = round(seconds * 1e3, 4)
+                out[c.name] = row
+            return out
+
         return {
             "candidates": [c.name for c in self.candidates],
             "chosen": dict(self.chosen),
@@ -442,7 +473,9 @@ class AutoBudget:
             "accepted_by_kind": {"greedy": curve(GREEDY), "sampled": curve(SAMPLED)},
             # per bucket: candidate -> explored once in this many of the bucket's exploration rounds
             "explore": {str(bs): {c.name: r for c, r in self.explore[k]} for k, bs in enumerate(self.buckets)},
-            "step_ms": costs,  # estimated ms per step, by candidate then batch bucket
+            "step_ms": costs(None),  # estimated ms per step at the traffic's mix, by candidate then batch bucket
+            "step_ms_by_kind": {"greedy": costs(GREEDY), "sampled": costs(SAMPLED)},
+            "sampled_share": round(self.sampled_share(), 4),
             "replay_ms": {f"{w}x{bs}": round(s * 1e3, 4) for (w, bs), s in sorted(self.start_cost.items())},
         }
 
@@ -454,7 +487,7 @@ class AutoBudget:
         self._p_accept_base = [[0.0] * nb for _ in KINDS]
         self._p_chain_tree_sum, self._p_chain_tree_n = [0.0] * len(KINDS), [0.0] * len(KINDS)
         self._p_chain_step_sum, self._p_chain_step_n = [0.0] * len(KINDS), [0.0] * len(KINDS)
-        self._p_times: list[list[list[float]]] = [[[] for _ in range(nk)] for _ in range(nc)]
+        self._p_times: list[list[list[list[float]]]] = [[[[] for _ in range(nk)] for _ in range(nc)] for _ in KINDS]
 
     def _pending_vector(self) -> list[float]:
         v: list[float] = []
@@ -464,10 +497,11 @@ class AutoBudget:
                   self._p_chain_step_sum[k], self._p_chain_step_n[k]]
         # Per cell: the median of this refresh's steps (a spike among them does not move it), then their
         # count; summed over the ranks, which time the same steps.
-        for row in self._p_times:
-            v.extend(_median(times) if times else 0.0 for times in row)
-        for row in self._p_times:
-            v.extend(float(len(times)) for times in row)
+        for kind in KINDS:
+            for row in self._p_times[kind]:
+                v.extend(_median(times) if times else 0.0 for times in row)
+            for row in self._p_times[kind]:
+                v.extend(float(len(times)) for times in row)
         return v
 
     def _fold(self, v: list[float], world: int) -> None:
@@ -494,30 +528,46 @@ class AutoBudget:
             for state, x in zip((self.chain_tree_sum, self.chain_tree_n, self.chain_step_sum, self.chain_step_n),
                                 (tree_sum, tree_n, step_sum, step_n), strict=True):
                 state[k] = DECAY * state[k] + x
-        t0 = len(KINDS) * per_kind
+        for kind in KINDS:
+            self._fold_costs(kind, v[len(KINDS) * per_kind + kind * 2 * nc * nk:], world)
+
+    def _fold_costs(self, kind: int, v: list[float], world: int) -> None:
+        """Fold one kind of request's step times (per cell the ranks' summed medians, then their counts)."""
+        nc, nk = len(self.candidates), len(self.buckets)
+        cost, weight = self.cost[kind], self.cost_weight[kind]
         for w in range(nc):
             for k in range(nk):
-                median_sum = v[t0 + w * nk + k]
-                count = v[t0 + nc * nk + w * nk + k]
-                self.cost_weight[w][k] *= COST_DECAY
+                median_sum = v[w * nk + k]
+                count = v[nc * nk + w * nk + k]
+                weight[w][k] *= COST_DECAY
                 if count <= 0:
                     continue
                 mean = median_sum / world  # the ranks' mean of their medians
-                old, est = self.cost_weight[w][k], self.cost[w][k]
+                old, est = weight[w][k], cost[w][k]
                 if old <= 0:
                     # A cell's first timing, against its prior (a spike there would bar it for long).
-                    prior = self._prior(self.candidates[w], k)
+                    prior = self._prior(self.candidates[w], k, kind)
                     est = mean if prior is None else min(mean, prior * COST_SPIKE)
                 elif mean * COST_SPIKE < est:
                     est = mean
                 else:
                     alpha = max(EWMA_ALPHA, count / (count + old))
                     est += alpha * (min(mean, est * COST_SPIKE) - est)
-                self.cost[w][k] = est
-                self.cost_weight[w][k] = old + count / world
+                cost[w][k] = est
+                weight[w][k] = old + count / world
 
-    def _prior(self, candidate: Candidate, bucket: int) -> float | None:
-        """What a cell is believed to cost before its first step: its replay plus its kind's overhead."""
+    def _prior(self, candidate: Candidate, bucket: int, kind: int) -> float | None:
+        """What a cell is believed to cost before its first step. Greedy: its replay plus what steps of its
+        candidate kind cost beyond their replays (`_overhead`). Sampled: the same cell's greedy estimate (its
+        own steps while trusted, else that prior) plus the sampled walk's surcharge at its width
+        (`_surcharge`)."""
+        if kind == SAMPLED:
+            i = self._index[candidate]
+            if self.cost_weight[GREEDY][i][bucket] >= MIN_COST_WEIGHT:
+                greedy = self.cost[GREEDY][i][bucket]
+            elif (greedy := self._prior(candidate, bucket, GREEDY)) is None:
+                return None
+            return greedy + self._surcharge(candidate, bucket)
         replay = self._start_replay(candidate.width, bucket)
         return None if replay is None else replay + self._overhead(candidate, bucket)
 
@@ -533,47 +583,79 @@ class AutoBudget:
         return next((c for c in self.trees if c.width == obs.width and obs.budget), None)
 
     def _overhead(self, candidate: Candidate, bucket: int) -> float:
-        """What steps of the candidate's kind (chain, or tree) cost beyond their verify replay in this bucket
-        (draft, build, walk, real-context attention), from its kind's measured cells here and in the nearest
-        measured buckets either side (`_measure_extra`); else the nearest measured bucket's; else the other
+        """What greedy steps of the candidate's kind (chain, or tree) cost beyond their verify replay in this
+        bucket (draft, build, walk, real-context attention), from its kind's measured greedy cells here and in
+        the nearest measured buckets either side (`_measure_extra`); else the nearest measured bucket's; else
+        its sampled cells' (traffic with no greedy requests: their walks are what it pays); else the other
         kind's (both draft); else 0. The smallest of them: a guess too low is corrected by the plan's next
         steps, one too high never is (nothing steps there)."""
         for chain in (candidate.is_chain, not candidate.is_chain):
-            extra = self._extra[chain]
+            for kind in KINDS:
+                extra = self._extra[chain, kind]
+                for k in self._nearest[bucket]:
+                    if extra[k] is not None:
+                        return extra[k]
+        return 0.0
+
+    def _surcharge(self, candidate: Candidate, bucket: int) -> float:
+        """What a sampled step of the candidate costs beyond a greedy one: a sampled walk builds the target's
+        distribution at every verified node, so a fixed part plus one per verify token (width times the
+        bucket's batch size), fitted to the cells of its kind (chain, or tree) measured both ways in the nearest
+        bucket that has any (`_measure_extra`); else the other kind's; else 0 (optimistic: the plan visits the
+        cell and measures it)."""
+        tokens = candidate.width * self.buckets[bucket]
+        for chain in (candidate.is_chain, not candidate.is_chain):
+            fits = self._sampled_surcharge[chain]
             for k in self._nearest[bucket]:
-                if extra[k] is not None:
-                    return extra[k]
+                if (fit := fits[k]) is not None:
+                    return fit[0] + fit[1] * tokens
         return 0.0
 
     def _measure_extra(self) -> None:
-        """Per kind and bucket, the least that its measured cells cost beyond their replays, at most
-        `COST_SPIKE` times that of the nearest measured buckets either side (the overhead moves little from
-        one bucket to the next, while a bucket whose only measured cell had slow first steps, at a batch size
-        reached for the first time, would otherwise lend its spikes to every cell around it, and bar them)."""
-        for chain, kind in ((True, [self.chain]), (False, self.trees)):
-            here: list[float | None] = []
-            for k in range(len(self.buckets)):
-                extra = [self.cost[self._index[c]][k] - replay for c in kind
-                         if self.cost_weight[self._index[c]][k] >= MIN_COST_WEIGHT
-                         and (replay := self._start_replay(c.width, k)) is not None]
-                here.append(max(0.0, min(extra)) if extra else None)
-            measured = [k for k, x in enumerate(here) if x is not None]
-            out = self._extra[chain]
-            for k in range(len(self.buckets)):
-                out[k] = None
-            for j, k in enumerate(measured):
-                around = [here[m] for m in (measured[j - 1] if j else None, measured[j + 1] if j + 1 < len(measured)
-                                            else None) if m is not None]
-                out[k] = min([here[k], *(COST_SPIKE * x for x in around)])
+        """Per candidate kind, kind of request and bucket, the least that its measured cells cost beyond their
+        replays, at most `COST_SPIKE` times that of the nearest measured buckets either side (the overhead moves
+        little from one bucket to the next, while a bucket whose only measured cell had slow first steps, at a
+        batch size reached for the first time, would otherwise lend its spikes to every cell around it, and bar
+        them); then per candidate kind and bucket, the sampled surcharge: what its measured sampled cells cost
+        beyond their greedy estimates (their own greedy steps while trusted, else their greedy priors, which
+        the overheads just measured give)."""
+        trusted = self._trusted_cost
+        kinds = ((True, [self.chain]), (False, self.trees))
+        for chain, kind in kinds:
+            for request in KINDS:
+                here: list[float | None] = []
+                for k in range(len(self.buckets)):
+                    extra = [cost - replay for c in kind if (cost := trusted(request, c, k)) is not None
+                             and (replay := self._start_replay(c.width, k)) is not None]
+                    here.append(max(0.0, min(extra)) if extra else None)
+                measured = [k for k, x in enumerate(here) if x is not None]
+                out = self._extra[chain, request]
+                for k in range(len(self.buckets)):
+                    out[k] = None
+                for j, k in enumerate(measured):
+                    around = [here[m] for m in (measured[j - 1] if j else None,
+                                                measured[j + 1] if j + 1 < len(measured) else None) if m is not None]
+                    out[k] = min([here[k], *(COST_SPIKE * x for x in around)])
+        for chain, kind in kinds:
+            for k, bs in enumerate(self.buckets):
+                points = [(float(c.width * bs), max(0.0, sampled - greedy)) for c in kind
+                          if (sampled := trusted(SAMPLED, c, k)) is not None
+                          and (greedy := trusted(GREEDY, c, k) or self._prior(c, k, GREEDY)) is not None]
+                self._sampled_surcharge[chain][k] = _fixed_and_per_token(points)
 
-    def _fitted(self, candidate: Candidate, batch_size: int) -> float | None:
+    def _trusted_cost(self, kind: int, candidate: Candidate, bucket: int) -> float | None:
+        i = self._index[candidate]
+        return self.cost[kind][i][bucket] if self.cost_weight[kind][i][bucket] >= MIN_COST_WEIGHT else None
+
+    def _fitted(self, candidate: Candidate, batch_size: int, request_kind: int) -> float | None:
         """`a + b * batch + c * width * batch` (per step, per request, per verify token) least-squares fitted
-        to the measured cells of the candidate's kind; None while they cannot tell the three apart (fewer
-        than two widths or two batch sizes measured)."""
+        to the measured cells of the candidate's kind for `request_kind`; None while they cannot tell the three
+        apart (fewer than two widths or two batch sizes measured)."""
         kind = [self.chain] if candidate.is_chain else self.trees
-        rows = [(float(bs), float(c.width * bs), self.cost[i][k], self.cost_weight[i][k])
+        cost, cost_weight = self.cost[request_kind], self.cost_weight[request_kind]
+        rows = [(float(bs), float(c.width * bs), cost[i][k], cost_weight[i][k])
                 for i, c in enumerate(self.candidates) if c in kind for k, bs in enumerate(self.buckets)
-                if self.cost_weight[i][k] >= MIN_COST_WEIGHT]
+                if cost_weight[i][k] >= MIN_COST_WEIGHT]
         if len({r[0] for r in rows}) < 2:
             return None
         # The chain has one width: its per-token term cannot be told from the per-request one.
@@ -598,10 +680,13 @@ class AutoBudget:
         accepted = [self.expected_accepted(c) for c in cands]
         by_kind = [[self.expected_accepted(c, kind) for kind in KINDS] for c in cands]
         optimistic = self._optimistic_accepted(accepted)
+        share = self.sampled_share()
         for k in range(len(self.buckets)):
-            seconds = [self.step_seconds(c, k) for c in cands]
-            self._scores[k] = [(c, seconds[i], by_kind[i]) for i, c in enumerate(cands)
-                               if accepted[i] is not None and seconds[i] is not None and seconds[i] > 0]
+            per_kind = [[self.kind_seconds(c, k, kind) for kind in KINDS] for c in cands]
+            # The plan and its exploration prices are for the traffic's mix; a step scores its own (`_best`).
+            seconds = [None if None in x else _mixed(x, share) for x in per_kind]
+            self._scores[k] = [(c, per_kind[i], by_kind[i]) for i, c in enumerate(cands)
+                               if accepted[i] is not None and seconds[i] is not None and min(per_kind[i]) > 0]
             if all(s is None for s in seconds):
                 # No cost known for this bucket (no graphs timed, nothing stepped yet): as far as we know
                 # the candidates cost alike, so the one that accepts most wins (ties: the narrower).
@@ -609,7 +694,8 @@ class AutoBudget:
                 self.plan[k] = cands[max(known, key=lambda i: (accepted[i], -cands[i].width))] if known else self.largest
                 self.explore[k] = [(c, 1) for c in cands if c is not self.plan[k]]
                 continue
-            scored = [(self.buckets[k] * (1.0 + accepted[self._index[c]]) / s, c) for c, s, _ in self._scores[k]]
+            scored = [(self.buckets[k] * (1.0 + accepted[i]) / seconds[i], c)
+                      for c, _, _ in self._scores[k] for i in (self._index[c],)]
             if not scored:
                 self.plan[k] = self.largest
                 self.explore[k] = [(c, 1) for c in cands if c is not self.largest]
@@ -632,7 +718,7 @@ class AutoBudget:
         an equal part of `RECHECK_SHARE`. Equal parts for a fixed total keep the staleness of all of them
         lowest: a cheap candidate is explored often, a dear one rarely. A candidate whose acceptance or cost
         here is not known at all is explored every round: it must be measured."""
-        bs = self.buckets[k]
+        bs, share = self.buckets[k], self.sampled_share()
         plan_rate = bs * (1.0 + accepted[plan]) / seconds[plan]
         rows: list[tuple[int, float, float | None]] = []  # (candidate index, loss, weight)
         for i in range(len(self.candidates)):
@@ -643,7 +729,7 @@ class AutoBudget:
                 rows.append((i, loss, None))
                 continue
             rate = bs * (1.0 + accepted[i]) / seconds[i]
-            upper = bs * (1.0 + optimistic[i]) / self._optimistic_seconds(i, k, seconds[i])
+            upper = bs * (1.0 + optimistic[i]) / self._optimistic_seconds(i, k, seconds[i], share)
             if rate >= plan_rate or self._guessed(i, k):
                 weight = 1.0
             elif upper <= plan_rate:
@@ -701,20 +787,23 @@ class AutoBudget:
 
     def _guessed(self, i: int, bucket: int) -> bool:
         """Whether cell (candidate index `i`, `bucket`)'s cost is only the fit over other cells (no steps of its
-        own, no start-up replay)."""
-        return self.cost_weight[i][bucket] <= 0 and self._start_replay(self.candidates[i].width, bucket) is None
+        own of either kind of request, no start-up replay)."""
+        return (all(self.cost_weight[kind][i][bucket] <= 0 for kind in KINDS)
+                and self._start_replay(self.candidates[i].width, bucket) is None)
 
-    def _optimistic_seconds(self, i: int, bucket: int, seconds: float) -> float:
-        """The least a step of candidate index `i` in `bucket` may cost: `UCB_Z` spreads below its estimate
-        (its own steps' spread, `COST_CV` over the root of their decayed count; a prior's, `PRIOR_CV`); while
-        the cell holds fewer than `TRUSTED_STEPS` steps, never above its prior's bound (one spiky step, a
-        prefill between steps, cannot bar a candidate: it is explored on its prior until measured)."""
-        weight = self.cost_weight[i][bucket]
+    def _optimistic_seconds(self, i: int, bucket: int, seconds: float, share: float) -> float:
+        """The least a step of candidate index `i` in `bucket` may cost at the traffic's mix (`share` sampled):
+        `UCB_Z` spreads below its estimate (its own steps' spread, `COST_CV` over the root of their decayed
+        count, the kinds' counts mixed; a prior's, `PRIOR_CV`); while the cell holds fewer than `TRUSTED_STEPS`
+        steps, never above its prior's bound (one spiky step, a prefill between steps, cannot bar a candidate:
+        it is explored on its prior until measured)."""
+        weight = _mixed([self.cost_weight[kind][i][bucket] for kind in KINDS], share)
         trusted = weight >= MIN_COST_WEIGHT or (weight > 0 and self._start_replay(self.candidates[i].width, bucket) is None)
         spread = max(COST_FLOOR, COST_CV / math.sqrt(weight)) if trusted else PRIOR_CV
         low = seconds * max(0.5, 1.0 - UCB_Z * spread)
-        if weight < TRUSTED_STEPS and (prior := self._prior(self.candidates[i], bucket)) is not None:
-            low = min(low, prior * (1.0 - UCB_Z * PRIOR_CV))
+        priors = [self._prior(self.candidates[i], bucket, kind) for kind in KINDS]
+        if weight < TRUSTED_STEPS and None not in priors:
+            low = min(low, _mixed(priors, share) * (1.0 - UCB_Z * PRIOR_CV))
         return low
 
     @staticmethod
@@ -733,6 +822,32 @@ def _narrowest_best(scored: list[tuple[float, Candidate]]) -> Candidate:
     timings are not that exact)."""
     best = max(s for s, _ in scored)
     return min((c for s, c in scored if s >= best * (1 - 1e-3)), key=lambda c: (c.width, c.budget))
+
+
+def _fixed_and_per_token(points: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """`(a, b)` with `surcharge = a + b * tokens` through `(tokens, surcharge)` points, neither negative: a
+    least-squares line where the points have two token counts; else all of it per token (a narrow cell's
+    figure prices a wider one high, which its own steps then correct; one wide cell's a narrower one low,
+    which the plan visits)."""
+    if not points:
+        return None
+    xs = {x for x, _ in points}
+    if len(xs) < 2:
+        x = next(iter(xs))
+        return 0.0, sum(y for _, y in points) / len(points) / max(x, 1.0)
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    slope = max(0.0, slope)
+    fixed = my - slope * mx
+    if fixed < 0.0:  # through the origin instead
+        return 0.0, sum(x * y for x, y in points) / sum(x * x for x, _ in points)
+    return fixed, slope
+
+
+def _mixed(per_kind: Sequence[float], share: float) -> float:
+    """A greedy and a sampled figure mixed by the share of sampled requests."""
+    return per_kind[GREEDY] if share <= 0.0 else (1.0 - share) * per_kind[GREEDY] + share * per_kind[SAMPLED]
 
 
 def _median(values: list[float]) -> float:
