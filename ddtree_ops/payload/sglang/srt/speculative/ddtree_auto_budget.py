@@ -58,7 +58,8 @@ per request. Each step takes the candidate with the most expected tokens per sec
   the rarely stepped cells the minimum of their noise, the plan's cell their median: on the H200 the chain
   looked 25 % cheaper than the width-16 tree at batch 4, and ran), a cell's first timing counts at most
   `COST_SPIKE` times its prior, and a cell never stepped in borrows the smallest overhead of its kind
-  (optimistic, so the plan visits it and measures it, where a pessimistic guess would never be corrected),
+  (optimistic, so the plan visits it and measures it, where a pessimistic guess would never be corrected; the
+  chain's at most the trees': a chain step is a tree step without build, mask and walk),
   at most `COST_SPIKE` times what the nearest measured buckets' cells do (a batch size reached for the
   first time lends no first-step spikes to the cells around it); a cell whose steps have decayed below
   trust goes back to that prior, or keeps its own old estimate where it has no replay (a fit over other
@@ -588,14 +589,24 @@ class AutoBudget:
         the nearest measured buckets either side (`_measure_extra`); else the nearest measured bucket's; else
         its sampled cells' (traffic with no greedy requests: their walks are what it pays); else the other
         kind's (both draft); else 0. The smallest of them: a guess too low is corrected by the plan's next
-        steps, one too high never is (nothing steps there)."""
-        for chain in (candidate.is_chain, not candidate.is_chain):
-            for kind in KINDS:
-                extra = self._extra[chain, kind]
-                for k in self._nearest[bucket]:
-                    if extra[k] is not None:
-                        return extra[k]
-        return 0.0
+        steps, one too high never is (nothing steps there). The chain's is at most the trees': a chain step is
+        a tree step without the build, the mask and the tree walk, and the chain is stepped in rarely, so its
+        few timed steps (first uses of the linear path at a batch size) would otherwise pass their spikes from
+        bucket to bucket, each first timing clipped only against a prior the last one raised (on the H100 its
+        estimate reached 2.5x the same-width tree's at every batch size)."""
+        own = self._nearest_extra(candidate.is_chain, bucket)
+        other = self._nearest_extra(not candidate.is_chain, bucket)
+        if own is None:
+            return 0.0 if other is None else other
+        return min(own, other) if candidate.is_chain and other is not None else own
+
+    def _nearest_extra(self, chain: bool, bucket: int) -> float | None:
+        for kind in KINDS:
+            extra = self._extra[chain, kind]
+            for k in self._nearest[bucket]:
+                if extra[k] is not None:
+                    return extra[k]
+        return None
 
     def _surcharge(self, candidate: Candidate, bucket: int) -> float:
         """What a sampled step of the candidate costs beyond a greedy one: a sampled walk builds the target's
