@@ -35,10 +35,11 @@ per request. Each step takes the candidate with the most expected tokens per sec
   walk's hardly does: on the H100 pooled cells, taught by greedy steps, made auto pick trees 1.5-2x too dear
   for sampled batches): the verify graphs' replays timed at start (`seed_start_costs`, seconds per
   `(width, batch bucket)`), then every step's own wall time, in the cell of its majority kind; a batch's
-  cost is its kinds' cells interpolated by its share of sampled requests, as its acceptance is. A cell
-  never stepped in is its start-up replay plus what its kind's steps (tree or chain, either kind of request:
-  the least, so the plan visits it and measures it) of that bucket cost beyond their replays (draft, build,
-  walk, attention over real contexts).
+  cost is its kinds' cells interpolated by its share of sampled requests, as its acceptance is. A greedy
+  cell never stepped in is its start-up replay plus what its kind's steps (tree or chain) of that bucket
+  cost beyond their replays (draft, build, walk, attention over real contexts); a sampled one is the same
+  cell's greedy estimate plus a sampled walk's surcharge, a fixed part and one per verify token fitted to
+  the cells measured both ways.
 - Budgets larger than the ones stepped in are only learnt by stepping in them, and a cell's cost by its
   own steps: one step in `explore_every` may explore a candidate other than the plan. Exploration is
   priced per batch bucket (`_explore_table`): a step of a candidate loses its time at this batch beyond
