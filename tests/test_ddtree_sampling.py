@@ -321,6 +321,46 @@ def test_chunked_sampled_rows_walk_exactly_as_one_chunk() -> None:
             assert torch.equal(a, b), limit
 
 
+@pytest.mark.parametrize("identity", [True, False])
+def test_a_chunked_walk_checks_the_filters_once_and_copies_the_rows_once(monkeypatch, identity: bool) -> None:
+    """At T > 0 the walk's time was its chunks' launches and host syncs (the H100 profile of payload 0.8.16:
+    the walk phase's GPU time grew by as much as the verify's forward at batch 64): each chunk copied its row
+    indices to the device and checked which rows a filter applies to. Both happen once a walk now; rows at the
+    identity settings (temperature only) skip the check in every chunk, filtered rows still sort. Same
+    coins, same paths, same bonus tokens as one chunk."""
+    g = torch.Generator().manual_seed(3)
+    bs, depth, vocab, budget = 9, 4, 13, 9
+    tree = du.build_ddtree(torch.randn(bs, depth, vocab, generator=g), budget)
+    n = budget + 1
+    logits = torch.randn(bs, n, vocab, generator=g) * 2
+    candidates = tree.full_token_ids(torch.arange(bs))
+    kw = dict(sampled_rows=[0, 1, 3, 4, 6, 7, 8], temperatures=torch.full((bs,), 0.8),
+              top_ks=torch.full((bs,), TOP_K_ALL if identity else 5), top_ps=torch.full((bs,), 1.0), min_ps=None)
+    one = ds.tree_walk(tree, candidates, logits, generator=torch.Generator().manual_seed(5), **kw)
+    calls = {"nonzero": 0, "tensor": 0, "sorted": 0}
+    real_nonzero, real_tensor, real_sort = torch.Tensor.nonzero, torch.tensor, ds._sorted_desc
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(torch.Tensor, "nonzero", counted("nonzero", real_nonzero))
+    monkeypatch.setattr(torch, "tensor", counted("tensor", real_tensor))
+    monkeypatch.setattr(ds, "_sorted_desc", counted("sorted", real_sort))
+    chunked = ds.tree_walk(tree, candidates, logits, generator=torch.Generator().manual_seed(5),
+                           max_elements=2 * n * vocab, **kw)  # 4 chunks
+    monkeypatch.undo()
+    for a, b in zip(one, chunked, strict=True):
+        assert torch.equal(a, b)
+    assert calls["tensor"] == 1, calls
+    if identity:
+        assert calls == {"nonzero": 0, "tensor": 1, "sorted": 0}, calls
+    else:
+        assert calls["sorted"] == 4 and calls["nonzero"] >= 4, calls
+
+
 # ---------------------------------------------------------------------------------- the leftover case
 LEFTOVER_LOGITS = [3.076284170150757, 2.934630870819092, 3.190234422683716, -3.0557808876037598,
                    2.031259298324585, -0.40391242504119873, -2.572941541671753, 1.6462199687957764]

@@ -85,6 +85,7 @@ def target_probs(
     *,
     rule: str = "pytorch",
     max_elements: int = 1 << 24,
+    filtered: bool = True,
 ) -> torch.Tensor:
     """float32 ``[rows, vocab]``: the distribution plain SGLang samples a request's token from.
 
@@ -95,7 +96,8 @@ def target_probs(
     either: only the filtered rows are (on a 152k vocabulary the sort of every row of a batch-64
     verify cost 21-27 ms of GPU time a step on the H200, as much as the 8B target's forward).
     Rows are processed ``max_elements`` entries at a time, so the sorting scratch is bounded whatever
-    the row count.
+    the row count. ``filtered=False``: the caller knows every row is at the identity settings (no host
+    sync to find the filtered ones).
     """
     if rule not in SAMPLING_RULES:
         raise ValueError(f"unknown sampling rule {rule!r}; one of {SAMPLING_RULES}")
@@ -109,6 +111,8 @@ def target_probs(
         sl = slice(lo, lo + step)
         probs = torch.softmax(logits[sl].float() / temperatures[sl].float().view(-1, 1), dim=-1)
         out[sl] = probs
+        if not filtered:
+            continue
         k, p, m = top_ks[sl].to(torch.int64), top_ps[sl].float(), min_ps[sl]
         # One host sync per chunk, outside any graph: the walk that calls this copies its result back anyway.
         rows_f = ((k < TOP_K_ALL) | (p != 1.0) | (m > 0)).nonzero().view(-1)
@@ -295,39 +299,48 @@ def tree_walk(
     final_coins = torch.rand((k,), device=device, generator=generator)
     kernel = _kernel() if (use_kernel and logits.is_cuda) else None
     walk = (lambda *args: _kernel_walk(kernel, *args)) if kernel is not None else sample_tree_walk
+    # What every chunk needs, gathered once: a chunk is then a slice of it (the walk's time at T > 0 was its
+    # chunks' launches and host syncs: a row-index copy and a filtered-rows check each, at 6 requests a
+    # chunk on a 152k vocabulary).
+    idx = torch.tensor(sampled_rows, dtype=torch.int64, device=device)
+    params = [None if t is None else t.index_select(0, idx).repeat_interleave(n)
+              for t in (temperatures, top_ks, top_ps, min_ps)]
+    temps, ks, ps, mps = params
+    flags = (ks.to(torch.int64) < TOP_K_ALL) | (ps.float() != 1.0)
+    filtered = bool((flags if mps is None else flags | (mps.float() > 0)).any())  # the walk's one host sync here
+    trees, cands = _tree_rows(tree, idx), candidates.index_select(0, idx)
     per_chunk = max(1, max_elements // (n * vocab))
+    outs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     for lo in range(0, k, per_chunk):
-        rows = sampled_rows[lo : lo + per_chunk]
-        idx = torch.tensor(rows, dtype=torch.int64, device=device)
+        hi = min(k, lo + per_chunk)
+        tokens = slice(lo * n, hi * n)
         probs = target_probs(
-            logits.index_select(0, idx).reshape(-1, vocab),
-            temperatures.index_select(0, idx).repeat_interleave(n),
-            top_ks.index_select(0, idx).repeat_interleave(n),
-            top_ps.index_select(0, idx).repeat_interleave(n),
-            None if min_ps is None else min_ps.index_select(0, idx).repeat_interleave(n),
-            rule=rule, max_elements=max_elements,
-        ).view(len(rows), n, vocab)
-        acc_s, len_s, bonus_s = walk(
-            _tree_rows(tree, idx), candidates.index_select(0, idx), probs,
-            coins[lo : lo + len(rows)], final_coins[lo : lo + len(rows)],
-        )
+            logits.index_select(0, idx[lo:hi]).reshape(-1, vocab), temps[tokens], ks[tokens], ps[tokens],
+            None if mps is None else mps[tokens], rule=rule, max_elements=max_elements, filtered=filtered,
+        ).view(hi - lo, n, vocab)
+        outs.append(walk(_tree_slice(trees, lo, hi), cands[lo:hi], probs, coins[lo:hi], final_coins[lo:hi]))
         del probs
-        accepted = accepted.index_copy(0, idx, acc_s)
-        lengths = lengths.index_copy(0, idx, len_s)
-        bonus = bonus.index_copy(0, idx, bonus_s)
-    return accepted, lengths, bonus
+    acc_s, len_s, bonus_s = (torch.cat(parts) for parts in zip(*outs, strict=True))
+    return accepted.index_copy(0, idx, acc_s), lengths.index_copy(0, idx, len_s), bonus.index_copy(0, idx, bonus_s)
 
 
 def _tree_rows(tree, idx: torch.Tensor):
     """The same DDTree restricted to the requests ``idx`` (retrive_index renumbered)."""
+    return _renumbered(tree, lambda value: value.index_select(0, idx))
+
+
+def _tree_slice(tree, lo: int, hi: int):
+    """Requests ``lo:hi`` of a DDTree (views; retrive_index renumbered)."""
+    return _renumbered(tree, lambda value: value[lo:hi])
+
+
+def _renumbered(tree, rows):
     import dataclasses
 
-    n = tree.parents.shape[1]
-    fields = {}
-    for f in dataclasses.fields(tree):
-        value = getattr(tree, f.name)
-        fields[f.name] = value.index_select(0, idx) if isinstance(value, torch.Tensor) else value
-    fields["retrive_index"] = torch.arange(len(idx) * n, dtype=torch.int64, device=idx.device).view(-1, n)
+    fields = {f.name: getattr(tree, f.name) for f in dataclasses.fields(tree)}
+    fields = {name: rows(value) if isinstance(value, torch.Tensor) else value for name, value in fields.items()}
+    batch, n = fields["parents"].shape
+    fields["retrive_index"] = torch.arange(batch * n, dtype=torch.int64, device=fields["parents"].device).view(-1, n)
     return type(tree)(**fields)
 
 
