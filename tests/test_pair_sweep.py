@@ -159,3 +159,17 @@ def test_auto_bench_goals_pair_each_server_with_its_own_waves_dflash(tmp_path):
     ok = _auto_bench("compare", str(tmp_path / "w1.json"), str(tmp_path / "w2.json"), "--dflash", "s_dflash",
                      "--auto", "s_auto", "--fixed", "s_full16")
     assert ok.returncode == 0, ok.stdout
+
+
+def test_auto_bench_judges_no_goal_without_dflash_and_pairs_auto_with_its_waves_fixed(tmp_path):
+    """A diagnostic wave of auto and a fixed budget alone (the H100's card holds two shells) has no DFLASH to
+    judge the goals by: it says so, and gives auto against the fixed budget of its wave, instead of "missed"."""
+    cell = lambda tok: [{"tok_s": t, "accept": 2.0, "ms_per_step": 1.0, "outputs": None} for t in tok]  # noqa: E731
+    wave = {"batches": [1], "temps": [0], "servers": {"s_auto": {"results": {"t0": {"1": cell([90, 110])}}},
+                                                     "s_full16": {"results": {"t0": {"1": cell([100, 100])}}}}}
+    (tmp_path / "w.json").write_text(json.dumps(wave))
+    c = _auto_bench("compare", str(tmp_path / "w.json"), "--dflash", "s_dflash", "--auto", "s_auto",
+                    "--fixed", "s_full16")
+    assert c.returncode == 0, c.stdout + c.stderr
+    assert "t0 bs 1: no s_dflash measured, goals not judged; auto x s_full16 1.00 [0.90, 1.10]" in c.stdout, c.stdout
+    assert "missed" not in c.stdout

@@ -172,6 +172,14 @@ def cmd_compare(a: argparse.Namespace) -> int:
         lines.append("")
         for bs in map(str, batches):
             got = med.get(a.auto, {}).get(bs)
+            if got is None and a.dflash not in home and a.auto in home:
+                # A diagnostic wave without DFLASH: nothing to judge the goals by; auto against each fixed
+                # budget of its wave instead.
+                beside = [f"x {t} {statistics.median(rr):.2f} [{min(rr):.2f}, {max(rr):.2f}]" for t in a.fixed
+                          if t in home and (rr := paired(home[a.auto], a.auto, t, key, bs))]
+                lines.append(f"- {key} bs {bs}: no {a.dflash} measured, goals not judged; auto "
+                             + ("; ".join(beside) or "alone"))
+                continue
             if got is None:
                 lines.append(f"- {key} bs {bs}: auto not measured: **missed**")
                 rc = 1
