@@ -302,15 +302,20 @@ def test_the_torch_walk_is_the_kernel_rule() -> None:
             assert torch.equal(a, b), seed
 
 
+def _walk_case(seed: int, bs: int, depth: int = 4, vocab: int = 13, budget: int = 9):
+    """A random tree of `budget` nodes per request, the target's logits at its nodes and its candidates."""
+    g = torch.Generator().manual_seed(seed)
+    tree = du.build_ddtree(torch.randn(bs, depth, vocab, generator=g), budget)
+    logits = torch.randn(bs, budget + 1, vocab, generator=g) * 2
+    return tree, logits, tree.full_token_ids(torch.arange(bs))
+
+
 def test_chunked_sampled_rows_walk_exactly_as_one_chunk() -> None:
     """Bounding the distributions' memory (max_elements) changes nothing but the peak: same coins,
     same paths, same bonus tokens."""
-    g = torch.Generator().manual_seed(11)
-    bs, depth, vocab, budget = 7, 4, 13, 9
-    tree = du.build_ddtree(torch.randn(bs, depth, vocab, generator=g), budget)
-    n = budget + 1
-    logits = torch.randn(bs, n, vocab, generator=g) * 2
-    candidates = tree.full_token_ids(torch.arange(bs))
+    bs = 7
+    tree, logits, candidates = _walk_case(11, bs)
+    _, n, vocab = logits.shape
     kw = dict(sampled_rows=[0, 2, 3, 5, 6], temperatures=torch.full((bs,), 0.9), top_ks=torch.full((bs,), 5),
               top_ps=torch.full((bs,), 0.9), min_ps=None)
     one = ds.tree_walk(tree, candidates, logits, generator=torch.Generator().manual_seed(5), **kw)
@@ -328,12 +333,9 @@ def test_a_chunked_walk_checks_the_filters_once_and_copies_the_rows_once(monkeyp
     indices to the device and checked which rows a filter applies to. Both happen once a walk now; rows at the
     identity settings (temperature only) skip the check in every chunk, filtered rows still sort. Same
     coins, same paths, same bonus tokens as one chunk."""
-    g = torch.Generator().manual_seed(3)
-    bs, depth, vocab, budget = 9, 4, 13, 9
-    tree = du.build_ddtree(torch.randn(bs, depth, vocab, generator=g), budget)
-    n = budget + 1
-    logits = torch.randn(bs, n, vocab, generator=g) * 2
-    candidates = tree.full_token_ids(torch.arange(bs))
+    bs = 9
+    tree, logits, candidates = _walk_case(3, bs)
+    _, n, vocab = logits.shape
     kw = dict(sampled_rows=[0, 1, 3, 4, 6, 7, 8], temperatures=torch.full((bs,), 0.8),
               top_ks=torch.full((bs,), TOP_K_ALL if identity else 5), top_ps=torch.full((bs,), 1.0), min_ps=None)
     one = ds.tree_walk(tree, candidates, logits, generator=torch.Generator().manual_seed(5), **kw)
