@@ -267,9 +267,12 @@ class AutoBudget:
         # none is measured; recomputed by `_replan`, which every change of the costs ends with.
         self._extra: dict[tuple[bool, int], list[float | None]] = {
             (chain, kind): [None] * nk for chain in (True, False) for kind in KINDS}
-        # Per kind (chain, tree) and bucket: the sampled surcharge, (seconds, seconds per verify token) (`_surcharge`).
-        self._sampled_surcharge: dict[bool, list[tuple[float, float] | None]] = {True: [None] * nk, False: [None] * nk}
-        self._nearest = [sorted(range(nk), key=lambda j, k=k: abs(j - k)) for k in range(nk)]  # buckets by distance
+        # Per kind (chain, tree) and bucket, what `_overhead` and `_surcharge` read (a refresh's priors ask for them
+        # thousands of times; built by `_measure_extra`): the overhead, and the sampled surcharge's (seconds,
+        # seconds per verify token), None where none is measured.
+        self._overheads: dict[bool, list[float]] = {True: [0.0] * nk, False: [0.0] * nk}
+        self._surcharges: dict[bool, list[tuple[float, float] | None]] = {True: [None] * nk, False: [None] * nk}
+        self._by_distance = [sorted(range(nk), key=lambda j, k=k: abs(j - k)) for k in range(nk)]
         self.chosen: dict[str, int] = {c.name: 0 for c in self.candidates}  # by choose()
         self.verified: dict[str, int] = {}  # budgets steps really verified (memory may shrink a choice)
         self.explore_steps = 0
@@ -595,18 +598,15 @@ class AutoBudget:
         few timed steps (first uses of the linear path at a batch size) would otherwise pass their spikes from
         bucket to bucket, each first timing clipped only against a prior the last one raised (on the H100 its
         estimate reached 2.5x the same-width tree's at every batch size)."""
-        own = self._nearest_extra(candidate.is_chain, bucket)
-        other = self._nearest_extra(not candidate.is_chain, bucket)
-        if own is None:
-            return 0.0 if other is None else other
-        return min(own, other) if candidate.is_chain and other is not None else own
+        return self._overheads[candidate.is_chain][bucket]
 
-    def _nearest_extra(self, chain: bool, bucket: int) -> float | None:
-        for kind in KINDS:
-            extra = self._extra[chain, kind]
-            for k in self._nearest[bucket]:
-                if extra[k] is not None:
-                    return extra[k]
+    def _nearest(self, table: dict, bucket: int, keys: Sequence[Any]) -> Any:
+        """The first entry not None of `table[key]` in the buckets nearest `bucket`, for each of `keys` in turn."""
+        for key in keys:
+            row = table[key]
+            for k in self._by_distance[bucket]:
+                if row[k] is not None:
+                    return row[k]
         return None
 
     def _surcharge(self, candidate: Candidate, bucket: int) -> float:
@@ -615,13 +615,8 @@ class AutoBudget:
         bucket's batch size), fitted to the cells of its kind (chain, or tree) measured both ways in the nearest
         bucket that has any (`_measure_extra`); else the other kind's; else 0 (optimistic: the plan visits the
         cell and measures it)."""
-        tokens = candidate.width * self.buckets[bucket]
-        for chain in (candidate.is_chain, not candidate.is_chain):
-            fits = self._sampled_surcharge[chain]
-            for k in self._nearest[bucket]:
-                if (fit := fits[k]) is not None:
-                    return fit[0] + fit[1] * tokens
-        return 0.0
+        fit = self._surcharges[candidate.is_chain][bucket]
+        return 0.0 if fit is None else fit[0] + fit[1] * candidate.width * self.buckets[bucket]
 
     def _measure_extra(self) -> None:
         """Per candidate kind, kind of request and bucket, the least that its measured cells cost beyond their
@@ -648,12 +643,22 @@ class AutoBudget:
                     around = [here[m] for m in (measured[j - 1] if j else None,
                                                 measured[j + 1] if j + 1 < len(measured) else None) if m is not None]
                     out[k] = min([here[k], *(COST_SPIKE * x for x in around)])
+        for chain in (True, False):
+            for k in range(len(self.buckets)):
+                own = self._nearest(self._extra, k, [(chain, kind) for kind in KINDS])
+                other = self._nearest(self._extra, k, [(not chain, kind) for kind in KINDS])
+                self._overheads[chain][k] = (other or 0.0) if own is None else (
+                    min(own, other) if chain and other is not None else own)
+        fits: dict[bool, list[tuple[float, float] | None]] = {}
         for chain, kind in kinds:
-            for k, bs in enumerate(self.buckets):
-                points = [(float(c.width * bs), max(0.0, sampled - greedy)) for c in kind
-                          if (sampled := trusted(SAMPLED, c, k)) is not None
-                          and (greedy := trusted(GREEDY, c, k) or self._prior(c, k, GREEDY)) is not None]
-                self._sampled_surcharge[chain][k] = _fixed_and_per_token(points)
+            fits[chain] = [_fixed_and_per_token(
+                [(float(c.width * bs), max(0.0, sampled - greedy)) for c in kind
+                 if (sampled := trusted(SAMPLED, c, k)) is not None
+                 and (greedy := trusted(GREEDY, c, k) or self._prior(c, k, GREEDY)) is not None])
+                for k, bs in enumerate(self.buckets)]
+        for chain in (True, False):
+            for k in range(len(self.buckets)):
+                self._surcharges[chain][k] = self._nearest(fits, k, [chain, not chain])
 
     def _trusted_cost(self, kind: int, candidate: Candidate, bucket: int) -> float | None:
         i = self._index[candidate]
