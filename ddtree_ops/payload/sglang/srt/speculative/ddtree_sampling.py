@@ -301,26 +301,29 @@ def tree_walk(
     walk = (lambda *args: _kernel_walk(kernel, *args)) if kernel is not None else sample_tree_walk
     # What every chunk needs, gathered once: a chunk is then a slice of it (the walk's time at T > 0 was its
     # chunks' launches and host syncs: a row-index copy and a filtered-rows check each, at 6 requests a
-    # chunk on a 152k vocabulary).
+    # chunk on a 152k vocabulary). One chunk checks its own rows' filters, as before, and is not sliced.
     idx = torch.tensor(sampled_rows, dtype=torch.int64, device=device)
     params = [None if t is None else t.index_select(0, idx).repeat_interleave(n)
               for t in (temperatures, top_ks, top_ps, min_ps)]
     temps, ks, ps, mps = params
-    flags = (ks.to(torch.int64) < TOP_K_ALL) | (ps.float() != 1.0)
-    filtered = bool((flags if mps is None else flags | (mps.float() > 0)).any())  # the walk's one host sync here
-    trees, cands = _tree_rows(tree, idx), candidates.index_select(0, idx)
     per_chunk = max(1, max_elements // (n * vocab))
+    chunks = [(lo, min(k, lo + per_chunk)) for lo in range(0, k, per_chunk)]
+    filtered = True
+    if len(chunks) > 1:
+        flags = (ks.to(torch.int64) < TOP_K_ALL) | (ps.float() != 1.0)
+        filtered = bool((flags if mps is None else flags | (mps.float() > 0)).any())  # the walk's one host sync here
+    trees, cands = _tree_rows(tree, idx), candidates.index_select(0, idx)
     outs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    for lo in range(0, k, per_chunk):
-        hi = min(k, lo + per_chunk)
+    for lo, hi in chunks:
         tokens = slice(lo * n, hi * n)
         probs = target_probs(
             logits.index_select(0, idx[lo:hi]).reshape(-1, vocab), temps[tokens], ks[tokens], ps[tokens],
             None if mps is None else mps[tokens], rule=rule, max_elements=max_elements, filtered=filtered,
         ).view(hi - lo, n, vocab)
-        outs.append(walk(_tree_slice(trees, lo, hi), cands[lo:hi], probs, coins[lo:hi], final_coins[lo:hi]))
+        rows = trees if len(chunks) == 1 else _tree_slice(trees, lo, hi)
+        outs.append(walk(rows, cands[lo:hi], probs, coins[lo:hi], final_coins[lo:hi]))
         del probs
-    acc_s, len_s, bonus_s = (torch.cat(parts) for parts in zip(*outs, strict=True))
+    acc_s, len_s, bonus_s = outs[0] if len(outs) == 1 else (torch.cat(parts) for parts in zip(*outs, strict=True))
     return accepted.index_copy(0, idx, acc_s), lengths.index_copy(0, idx, len_s), bonus.index_copy(0, idx, bonus_s)
 
 
