@@ -13,9 +13,10 @@ for each batch size.
   per sampled request and verify token (the H100 diagnostic of payload 0.8.16: full 16's walk at T 0.8 took
   2.7 / 3.05 / 5.1 / 18.8 ms at batch 1 / 4 / 16 / 64, auto's 63-tree 4.2 ms at batch 1).
 - Acceptance (extra tokens per request-step, call 3's curve): chain 0.45, 15: 1.02, 31: 1.16, 63: 1.34,
-  127: 1.34; sampled requests (a guess: less, and less gain from width) 0.40, 0.85, 0.93, 1.0, 1.0. Each request's walk draws one uniform and every budget's accepted length is the geometric
-  quantile of it (capped at the block's 15), so a larger tree accepts at least what a smaller one did, as
-  the walks are nested; `ease` scales every budget's mean alike (moving traffic).
+  127: 1.34; sampled requests (a guess: less, and less gain from width) 0.40, 0.85, 0.93, 1.0, 1.0. Each
+  request's walk draws one uniform and every budget's accepted length is the geometric quantile of it (capped
+  at the block's 15), so a larger tree accepts at least what a smaller one did, as the walks are nested;
+  `ease` scales every budget's mean alike (moving traffic).
 
 The oracle's best candidate per batch size is computed from the same true costs and acceptance; `run`
 reports, per batch bucket, auto's expected tokens per second (true means, the picks auto made) against the

@@ -263,13 +263,9 @@ class AutoBudget:
         self._rounds = [0] * nk
         self._last_explored = [[0] * nc for _ in range(nk)]
         self._untimed = [[[UNTIMED_FIRST_STEPS] * nk for _ in range(nc)] for _ in KINDS]
-        # Per kind (chain, tree) and bucket: the least its measured cells cost beyond their replays, None where
-        # none is measured; recomputed by `_replan`, which every change of the costs ends with.
-        self._extra: dict[tuple[bool, int], list[float | None]] = {
-            (chain, kind): [None] * nk for chain in (True, False) for kind in KINDS}
         # Per kind (chain, tree) and bucket, what `_overhead` and `_surcharge` read (a refresh's priors ask for them
-        # thousands of times; built by `_measure_extra`): the overhead, and the sampled surcharge's (seconds,
-        # seconds per verify token), None where none is measured.
+        # thousands of times; built by `_measure_extra`, which every re-plan starts with): the overhead, and the
+        # sampled surcharge's (seconds, seconds per verify token), None where none is measured.
         self._overheads: dict[bool, list[float]] = {True: [0.0] * nk, False: [0.0] * nk}
         self._surcharges: dict[bool, list[tuple[float, float] | None]] = {True: [None] * nk, False: [None] * nk}
         self._by_distance = [sorted(range(nk), key=lambda j, k=k: abs(j - k)) for k in range(nk)]
@@ -567,12 +563,8 @@ class AutoBudget:
         own steps while trusted, else that prior) plus the sampled walk's surcharge at its width
         (`_surcharge`)."""
         if kind == SAMPLED:
-            i = self._index[candidate]
-            if self.cost_weight[GREEDY][i][bucket] >= MIN_COST_WEIGHT:
-                greedy = self.cost[GREEDY][i][bucket]
-            elif (greedy := self._prior(candidate, bucket, GREEDY)) is None:
-                return None
-            return greedy + self._surcharge(candidate, bucket)
+            greedy = self._greedy_estimate(candidate, bucket)
+            return None if greedy is None else greedy + self._surcharge(candidate, bucket)
         replay = self._start_replay(candidate.width, bucket)
         return None if replay is None else replay + self._overhead(candidate, bucket)
 
@@ -628,6 +620,9 @@ class AutoBudget:
         the overheads just measured give)."""
         trusted = self._trusted_cost
         kinds = ((True, [self.chain]), (False, self.trees))
+        # Per (candidate kind, kind of request) and bucket: the least its measured cells cost beyond their
+        # replays, None where none is measured.
+        extras: dict[tuple[bool, int], list[float | None]] = {}
         for chain, kind in kinds:
             for request in KINDS:
                 here: list[float | None] = []
@@ -636,17 +631,15 @@ class AutoBudget:
                              and (replay := self._start_replay(c.width, k)) is not None]
                     here.append(max(0.0, min(extra)) if extra else None)
                 measured = [k for k, x in enumerate(here) if x is not None]
-                out = self._extra[chain, request]
-                for k in range(len(self.buckets)):
-                    out[k] = None
+                out = extras[chain, request] = [None] * len(self.buckets)
                 for j, k in enumerate(measured):
                     around = [here[m] for m in (measured[j - 1] if j else None,
                                                 measured[j + 1] if j + 1 < len(measured) else None) if m is not None]
                     out[k] = min([here[k], *(COST_SPIKE * x for x in around)])
         for chain in (True, False):
             for k in range(len(self.buckets)):
-                own = self._nearest(self._extra, k, [(chain, kind) for kind in KINDS])
-                other = self._nearest(self._extra, k, [(not chain, kind) for kind in KINDS])
+                own = self._nearest(extras, k, [(chain, kind) for kind in KINDS])
+                other = self._nearest(extras, k, [(not chain, kind) for kind in KINDS])
                 self._overheads[chain][k] = (other or 0.0) if own is None else (
                     min(own, other) if chain and other is not None else own)
         fits: dict[bool, list[tuple[float, float] | None]] = {}
@@ -654,11 +647,16 @@ class AutoBudget:
             fits[chain] = [_fixed_and_per_token(
                 [(float(c.width * bs), max(0.0, sampled - greedy)) for c in kind
                  if (sampled := trusted(SAMPLED, c, k)) is not None
-                 and (greedy := trusted(GREEDY, c, k) or self._prior(c, k, GREEDY)) is not None])
+                 and (greedy := self._greedy_estimate(c, k)) is not None])
                 for k, bs in enumerate(self.buckets)]
         for chain in (True, False):
             for k in range(len(self.buckets)):
                 self._surcharges[chain][k] = self._nearest(fits, k, [chain, not chain])
+
+    def _greedy_estimate(self, candidate: Candidate, bucket: int) -> float | None:
+        """A greedy step's cost: its own trusted steps, else its prior."""
+        trusted = self._trusted_cost(GREEDY, candidate, bucket)
+        return self._prior(candidate, bucket, GREEDY) if trusted is None else trusted
 
     def _trusted_cost(self, kind: int, candidate: Candidate, bucket: int) -> float | None:
         i = self._index[candidate]
