@@ -327,46 +327,117 @@ def test_chunked_sampled_rows_walk_exactly_as_one_chunk() -> None:
 
 
 @pytest.mark.parametrize("identity", [True, False])
-def test_a_chunked_walk_checks_the_filters_once_and_copies_the_rows_once(monkeypatch, identity: bool) -> None:
-    """At T > 0 the walk's time was its chunks' launches and host syncs (the H100 profile of payload 0.8.16:
-    the walk phase's GPU time grew by as much as the verify's forward at batch 64): each chunk copied its row
-    indices to the device and checked which rows a filter applies to. Both happen once a walk now; rows at the
-    identity settings (temperature only) skip the check in every chunk, filtered rows still sort; a walk of
-    one chunk does what it did before (the check up front was an extra sync there: slower at batch 1-4 on the
-    H100). Same coins, same paths, same bonus tokens as one chunk."""
+def test_a_walk_makes_no_distribution_for_identity_rows_and_checks_filters_once(monkeypatch, identity: bool) -> None:
+    """At T > 0 the walk's time was its launches and host syncs (the H100 profile of payload 0.8.16: the walk
+    phase's GPU time grew by as much as the verify's forward at batch 64). Rows at the identity settings
+    (temperature only) make no distribution per node and sort nothing, however many chunks the memory bound
+    would cut; with the host's word for which rows those are (`unfiltered`), not even the one device check.
+    Filtered rows still make and sort theirs, a chunk at a time, with the row indices copied once."""
     bs = 9
     tree, logits, candidates = _walk_case(3, bs)
     _, n, vocab = logits.shape
-    kw = dict(sampled_rows=[0, 1, 3, 4, 6, 7, 8], temperatures=torch.full((bs,), 0.8),
+    rows = [0, 1, 3, 4, 6, 7, 8]
+    kw = dict(sampled_rows=rows, temperatures=torch.full((bs,), 0.8),
               top_ks=torch.full((bs,), TOP_K_ALL if identity else 5), top_ps=torch.full((bs,), 1.0), min_ps=None)
     one = ds.tree_walk(tree, candidates, logits, generator=torch.Generator().manual_seed(5), **kw)
-    calls = {"nonzero": 0, "tensor": 0, "sorted": 0}
-    real_nonzero, real_tensor, real_sort = torch.Tensor.nonzero, torch.tensor, ds._sorted_desc
+    calls = {"nonzero": 0, "tensor": 0, "sorted": 0, "tolist": 0, "target_probs": 0}
+    real = {"nonzero": torch.Tensor.nonzero, "tensor": torch.tensor, "sorted": ds._sorted_desc,
+            "tolist": torch.Tensor.tolist, "target_probs": ds.target_probs}
 
-    def counted(name, fn):
+    def counted(name):
         def wrapper(*args, **kwargs):
             calls[name] += 1
-            return fn(*args, **kwargs)
+            return real[name](*args, **kwargs)
         return wrapper
 
-    monkeypatch.setattr(torch.Tensor, "nonzero", counted("nonzero", real_nonzero))
-    monkeypatch.setattr(torch, "tensor", counted("tensor", real_tensor))
-    monkeypatch.setattr(ds, "_sorted_desc", counted("sorted", real_sort))
+    for owner, name in ((torch.Tensor, "nonzero"), (torch, "tensor"), (ds, "_sorted_desc"), (torch.Tensor, "tolist"),
+                        (ds, "target_probs")):
+        monkeypatch.setattr(owner, name, counted(name.strip("_").replace("desc", "").strip("_") if name == "_sorted_desc"
+                                                 else name))
     chunked = ds.tree_walk(tree, candidates, logits, generator=torch.Generator().manual_seed(5),
                            max_elements=2 * n * vocab, **kw)  # 4 chunks
     four = dict(calls)
-    calls.update(nonzero=0, tensor=0, sorted=0)
-    ds.tree_walk(tree, candidates, logits, generator=torch.Generator().manual_seed(5), **kw)  # 1 chunk
+    calls.update(dict.fromkeys(calls, 0))
+    hinted = ds.tree_walk(tree, candidates, logits, generator=torch.Generator().manual_seed(5),
+                          unfiltered=rows if identity else [], **kw)
     monkeypatch.undo()
-    for a, b in zip(one, chunked, strict=True):
-        assert torch.equal(a, b)
-    # One chunk checks its own rows' filters, as it always did: no extra sync where a walk has a single chunk.
-    assert calls == {"nonzero": 1, "tensor": 1, "sorted": 0 if identity else 1}, calls
-    assert four["tensor"] == 1, four
+    for a, b, c in zip(one, chunked, hinted, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
     if identity:
-        assert four == {"nonzero": 0, "tensor": 1, "sorted": 0}, four
+        assert four == {"nonzero": 0, "tensor": 1, "sorted": 0, "tolist": 1, "target_probs": 0}, four
+        assert calls == {"nonzero": 0, "tensor": 1, "sorted": 0, "tolist": 0, "target_probs": 0}, calls
     else:
-        assert four["sorted"] == 4 and four["nonzero"] >= 4, four
+        assert four == {"nonzero": 4, "tensor": 1, "sorted": 4, "tolist": 1, "target_probs": 4}, four
+        assert calls == {"nonzero": 1, "tensor": 1, "sorted": 1, "tolist": 0, "target_probs": 1}, calls
+
+
+def _walk_by_distributions(tree, candidates, logits, sampled, params, seed):
+    """0.8.17's walk, the oracle of the identity rows' path: every sampled row's distribution at every node
+    (target_probs), walked by sample_tree_walk with tree_walk's coins; greedy rows on the argmax."""
+    bs, n, vocab = logits.shape
+    accepted, lengths, bonus = du.follow_verified_tree(tree, logits.argmax(-1))
+    g = torch.Generator().manual_seed(seed)
+    coins, final = torch.rand((len(sampled), n), generator=g), torch.rand((len(sampled),), generator=g)
+    idx = torch.tensor(sampled)
+    temps, ks, ps, mps = (t[idx].repeat_interleave(n) for t in params)
+    probs = ds.target_probs(logits[idx].reshape(-1, vocab), temps, ks, ps, mps).view(len(sampled), n, vocab)
+    got = ds.sample_tree_walk(ds._tree_rows(tree, idx), candidates[idx], probs, coins, final)
+    return tuple(t.index_copy(0, idx, s) for t, s in zip((accepted, lengths, bonus), got, strict=True))
+
+
+def test_identity_rows_walk_as_the_distributions_would() -> None:
+    """The identity rows' path (log-sum-exp per node, the children's probabilities, one distribution for the
+    bonus) takes the same paths and bonus tokens as walking every node's distribution with the same coins, in
+    batches that mix greedy, identity and filtered rows, at one chunk and at many."""
+    rng = random.Random(4)
+    checked = 0
+    for case in range(60):
+        bs, vocab, budget = rng.choice([1, 3, 8]), rng.choice([7, 50, 300]), rng.choice([3, 9, 30])
+        tree, logits, _ = _walk_case(case, bs, depth=rng.choice([2, 4, 6]), vocab=vocab, budget=budget)
+        candidates = tree.full_token_ids(torch.arange(bs) % vocab)
+        n = logits.shape[1]
+        kinds = [rng.choice(["greedy", "identity", "identity", "filtered"]) for _ in range(bs)]
+        sampled = [i for i, kind in enumerate(kinds) if kind != "greedy"]
+        if not sampled:
+            continue
+        temps = torch.tensor([rng.choice([0.3, 0.8, 1.0, 1.7]) for _ in range(bs)])
+        ks = torch.tensor([TOP_K_ALL if kind != "filtered" else rng.choice([2, 5]) for kind in kinds])
+        ps = torch.tensor([1.0 if kind != "filtered" else rng.choice([1.0, 0.9]) for kind in kinds])
+        mps = torch.zeros(bs)
+        want = _walk_by_distributions(tree, candidates, logits, sampled, (temps, ks, ps, mps), case)
+        for limit in (1 << 24, n * vocab + 1):
+            # SGLang's temperatures are [bs, 1]
+            got = ds.tree_walk(tree, candidates, logits, sampled_rows=sampled,
+                               temperatures=temps.view(-1, 1) if case % 2 else temps, top_ks=ks,
+                               top_ps=ps, min_ps=mps, generator=torch.Generator().manual_seed(case),
+                               max_elements=limit)
+            for a, b in zip(want, got, strict=True):
+                assert torch.equal(a, b), (case, limit, kinds)
+        checked += 1
+    assert checked > 40
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_identity_rows_sample_exactly_the_target(seed: int) -> None:
+    """The identity rows' path by its law: 30 000 walks of one tree (tree_walk, temperature only) emit
+    (first, second) token pairs by plain sampling's exact law at that temperature; a walk whose coins lean
+    towards the drafted children (coin_scale 0.6) is rejected by the same test."""
+    tree, probs, candidates = _random_case(seed)
+    temperature = [0.5, 0.8, 1.0, 1.6][seed]
+    logits = torch.log(probs) * temperature  # softmax(logits / T) is probs
+    bs = 30_000
+    big = _repeat_tree(tree, bs)
+    kw = dict(sampled_rows=list(range(bs)), temperatures=torch.full((bs,), temperature),
+              top_ks=torch.full((bs,), TOP_K_ALL), top_ps=torch.ones(bs), unfiltered=list(range(bs)))
+    for scale, should_reject in ((1.0, False), (0.6, True)):
+        nodes, lengths, bonus = ds.tree_walk(big, candidates.expand(bs, -1), logits.expand(bs, -1, -1),
+                                             generator=torch.Generator().manual_seed(seed), coin_scale=scale, **kw)
+        samples = []
+        for i in range(bs):
+            length = int(lengths[i])
+            emitted = [int(candidates[0, int(nodes[i, j])]) for j in range(1, length + 1)] + [int(bonus[i])]
+            samples.append((emitted[0], emitted[1] if len(emitted) > 1 else -1))
+        assert chi_square_rejects(samples, exact_law(tree, probs)) == should_reject, (seed, scale)
 
 
 # ---------------------------------------------------------------------------------- the leftover case

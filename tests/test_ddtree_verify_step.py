@@ -137,8 +137,55 @@ for case in range(cases):
     want = t.vs._commit_slots_torch(want_acc, loc.cpu(), commits, n)
     got = vk.commit_slots_triton(got_acc, loc, commits, n)
     assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want)), case
+# the sampled walk of identity rows: its descent and the log-sum-exp per node
+ds = t.load_payload_module("ddtree_sampling")
+for case in range(cases):
+    bs = rng.choice([1, 3, 33])
+    tree = t.random_case(rng, bs=bs, budgets=(1, 4, 12) if bs > 3 else (1, 12, 64, 256))[0]
+    n = tree.parents.shape[1]
+    g = torch.Generator().manual_seed(case)
+    # children's probabilities large enough that walks go deep; some children hold their parent's whole mass
+    q = torch.rand((bs, n), generator=g) * rng.choice([0.6, 1.0 / max(1, n - 1)])
+    q[torch.rand((bs, n), generator=g) < 0.1] = 1.0
+    coins = torch.rand((bs, n), generator=g)
+    want = ds.walk_node_probs(tree, q, coins)
+    if device != "cpu":
+        tree = type(tree)(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(tree).items()})
+    got = vk.sampled_walk_triton(tree, q.to(device), coins.to(device))
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want)), case
+    x = torch.randn((5, rng.choice([7, 4096, 9000])), generator=g) * 5
+    x[2, : x.shape[1] // 2] = float("-inf")
+    rows, temps = torch.tensor([4, 2, 2, 0]), torch.tensor([0.5, 1.0, 2.0, 0.8])
+    lse = vk.row_logsumexp_triton(x.to(device), rows.to(device), temps.to(device)).cpu()
+    assert torch.allclose(lse, torch.logsumexp(x[rows] / temps[:, None], -1), rtol=1e-5, atol=1e-5), case
+# tree_walk takes the kernels for identity rows here, and walks as the torch path does
+tree, _, _, _, _ = t.random_case(rng, bs=5, budgets=(30,))
+bs, n = tree.parents.shape
+vocab = 40
+logits = torch.randn((bs, n, vocab), generator=torch.Generator().manual_seed(3)) * 2
+cand = torch.cat([torch.zeros((bs, 1), dtype=torch.int64), tree.token_ids], 1)
+kw = dict(sampled_rows=[0, 2, 3, 4], temperatures=torch.full((bs,), 0.8), top_ks=torch.full((bs,), 1 << 30),
+          top_ps=torch.ones(bs), unfiltered=[0, 2, 3, 4])
+def walk(): return ds.tree_walk(tree.__class__(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(tree).items()}),
+                                cand.to(device), logits.to(device), generator=None if device != "cpu" else torch.Generator().manual_seed(1),
+                                **{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()})
+sibling_vs = ds._sibling("ddtree_verify_step")
+assert ds._fused_kernels(logits.to(device)) is not None
+if device == "cpu":
+    fused = walk()
+    sibling_vs._KERNELS_OFF.append("test: the torch path")
+    plain = walk()
+    sibling_vs._KERNELS_OFF.clear()
+    assert all(torch.equal(a, b) for a, b in zip(fused, plain)), (fused, plain)
 assert t.vs.self_test(torch.device(device), 12, 3, t.du.build_ddtree, t.du.follow_verified_tree,
-                      t.du.shrink_tree, smaller=(7, 3, 1, 0)) is None
+                      t.du.shrink_tree, smaller=(7, 3, 1, 0), walk=ds.walk_node_probs) is None
+# a wrong sampled walk kernel is caught at start
+real_sampled = vk.sampled_walk_triton
+vk.sampled_walk_triton = lambda tree, q, c: (lambda a, l, x: (a, l, torch.where(l > 1, x + 1, x)))(*real_sampled(tree, q, c))
+why = t.vs.self_test(torch.device(device), 12, 3, t.du.build_ddtree, t.du.follow_verified_tree, walk=ds.walk_node_probs)
+assert why is not None and "sampled walk differs" in why, why
+vk.sampled_walk_triton = real_sampled
+t.vs._KERNELS_OFF.clear()
 assert t.vs.kernels_in_use(torch.device(device))
 # the dispatch takes the kernels here (a GPU, or the interpreter)
 tree, cand, target, prefix, loc = t.random_case(rng, bs=2)

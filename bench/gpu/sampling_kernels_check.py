@@ -9,6 +9,11 @@ Usage: sampling_kernels_check.py walk | renorm [TIMEOUT_S]
      largest coin; at that coin the raw kernel emits vocab - 1 (no mass), the payload the last child;
      and 200 000 walks with uniform coins through the real kernel follow the target (two-sample test
      against torch.multinomial on the same distribution);
+   - identity: rows at the identity settings (temperature only) take `tree_walk`'s own path (a log-sum-exp per
+     node, Triton's walk over the children's probabilities, one distribution for the bonus): with the same
+     coins it must walk as sgl_kernel does over every node's distribution (mismatches counted: only float32
+     rounding at a coin's edge may differ), and 200 000 walks of one tree must emit the root's distribution
+     (two-sample test against torch.multinomial);
    - filters: `target_probs` against plain's own samplers on the GPU, per --sampling-backend rule:
      SGLang's top_k_top_p_min_p_sampling_from_probs_torch and flashinfer's joint top_k_top_p sampling,
      100 000 draws a row on rows with ties at the boundaries (every draw inside the support, and a
@@ -218,6 +223,63 @@ def _chi2_sf(stat: float, df: int) -> float:
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
+def identity_check() -> dict:
+    import torch
+    from sglang.srt.speculative import ddtree_sampling as ds
+    from sglang.srt.speculative.ddtree_utils import build_ddtree
+
+    kernel = ds._kernel()
+    kernels = ds._fused_kernels(torch.empty(0, device="cuda"))
+    if kernel is None or kernels is None:
+        return {"check": "identity", "ok": False, "error": "sgl_kernel walk or the payload's Triton kernels missing"}
+    g = torch.Generator(device="cuda").manual_seed(8)
+    mismatches, total = 0, 0
+    for bs, budget, vocab, temp in [(64, 15, 151936, 0.8), (16, 64, 151936, 1.0), (128, 15, 4096, 0.5),
+                                    (8, 256, 32000, 1.3)]:
+        draft = torch.randn(bs, 15, vocab, device="cuda", generator=g) * 4
+        tree = build_ddtree(draft, budget)
+        n = budget + 1
+        logits = draft.new_zeros(bs, n, vocab)
+        logits[:, :, :] = torch.randn(bs, n, vocab, device="cuda", generator=g) * 3
+        cand = tree.full_token_ids(torch.randint(0, vocab, (bs,), device="cuda", generator=g))
+        rows = list(range(bs))
+        temps = torch.full((bs,), temp, device="cuda")
+        kw = dict(sampled_rows=rows, temperatures=temps, top_ks=torch.full((bs,), ds.TOP_K_ALL, device="cuda"),
+                  top_ps=torch.ones(bs, device="cuda"))
+        seed = 100 + bs
+        got = ds.tree_walk(tree, cand, logits, unfiltered=rows, generator=torch.Generator(device="cuda").manual_seed(seed), **kw)
+        coin_gen = torch.Generator(device="cuda").manual_seed(seed)
+        coins, final = torch.rand((bs, n), device="cuda", generator=coin_gen), torch.rand((bs,), device="cuda", generator=coin_gen)
+        probs = torch.softmax(logits / temp, -1)
+        want = ds._kernel_walk(kernel, tree, cand, probs, coins, final)
+        same = (got[0] == want[0]).all(1) & (got[1] == want[1]) & (got[2] == want[2])
+        mismatches += int((~same).sum())
+        total += bs
+    # the law: one tree of peaked draft logits walked 200 000 times; the first emitted token against
+    # multinomial draws from the root's distribution
+    vocab, budget, reps = 64, 12, 200_000
+    tree1 = build_ddtree(torch.randn(1, 4, vocab, device="cuda", generator=g) * 3, budget)
+    logits1 = torch.randn(1, budget + 1, vocab, device="cuda", generator=g) * 1.5
+    big = ds._tree_rows(tree1, torch.zeros(reps, dtype=torch.int64, device="cuda"))
+    cand1 = tree1.full_token_ids(torch.zeros(1, dtype=torch.int64, device="cuda")).expand(reps, -1)
+    ones = torch.ones(reps, device="cuda")
+    nodes, lengths, bonus = ds.tree_walk(big, cand1, logits1.expand(reps, -1, -1), sampled_rows=list(range(reps)),
+                                         unfiltered=list(range(reps)), temperatures=ones * 0.8,
+                                         top_ks=torch.full((reps,), ds.TOP_K_ALL, device="cuda"), top_ps=ones,
+                                         generator=torch.Generator(device="cuda").manual_seed(9))
+    first = torch.where(lengths > 0, cand1.gather(1, nodes[:, 1:2].clamp(min=0)).view(-1), bonus)
+    draws = torch.multinomial(torch.softmax(logits1[0, 0] / 0.8, -1), reps, replacement=True, generator=g)
+    ca, cb = torch.bincount(first, minlength=vocab).tolist(), torch.bincount(draws, minlength=vocab).tolist()
+    stat, df = 0.0, -1
+    for a, b in zip(ca, cb, strict=True):
+        if a + b >= 10:
+            e = (a + b) / 2
+            stat, df = stat + (a - e) ** 2 / e + (b - e) ** 2 / e, df + 1
+    law = {"two_sample_chi2": round(stat, 1), "df": df, "p": _chi2_sf(stat, df), "walks": reps}
+    ok = mismatches <= max(1, total // 1000) and law["p"] > 1e-4
+    return {"check": "identity", "ok": ok, "rows": total, "mismatches_vs_sgl_kernel": mismatches, "law": law}
+
+
 def filters_check() -> dict:
     import torch
     from flashinfer.sampling import top_k_top_p_sampling_from_probs
@@ -263,7 +325,7 @@ def main() -> int:
         renorm_check(float(sys.argv[2]) if len(sys.argv) > 2 else 20.0)
         return 0
     ok = True
-    for check in (walk_check, leftover_check, filters_check):
+    for check in (walk_check, leftover_check, identity_check, filters_check):
         try:
             r = check()
         except Exception as e:  # noqa: BLE001 - reported, the proof call goes on

@@ -44,8 +44,8 @@ class FakeAllocator:
 
 
 class FakeReq:
-    def __init__(self, prompt: list[int], max_new: int, top_k: int = 1) -> None:
-        self.sampling_params = SimpleNamespace(top_k=top_k)
+    def __init__(self, prompt: list[int], max_new: int, top_k: int = 1, top_p: float = 1.0) -> None:
+        self.sampling_params = SimpleNamespace(top_k=top_k, top_p=top_p, min_p=0.0)
         self.origin_input_ids = prompt
         self.output_ids: list[int] = []
         self.max_new = max_new
@@ -99,7 +99,8 @@ def main() -> int:
         # Every other trial samples some requests at a temperature so low that the target's peaked
         # node logits are one-hot: the sampled walk must then emit exactly the greedy walk.
         sampled = [trial % 2 == 1 and i % 2 == 0 for i in range(bs)]
-        reqs = [FakeReq(histories[i][:-1], max_new, top_k=(1 << 30) if sampled[i] else 1) for i in range(bs)]
+        reqs = [FakeReq(histories[i][:-1], max_new, top_k=(1 << 30) if sampled[i] else 1,
+                        top_p=0.95 if sampled[i] else 1.0) for i in range(bs)]
         sampling_info = SimpleNamespace(
             temperatures=torch.tensor([0.01 if x else 1.0 for x in sampled]),
             top_ks=torch.tensor([(1 << 30) if x else 1 for x in sampled]),

@@ -347,7 +347,8 @@ def sampling(bs: int) -> tuple[Sampling, list]:
     info = Sampling(temperatures=torch.ones((bs, 1)), top_ks=torch.tensor(top_k), top_ps=torch.ones(bs),
                     min_ps=torch.zeros(bs), need_min_p_sampling=False, has_custom_logit_processor=False,
                     penalizer_orchestrator=None, grammar_mask=None, logit_bias=bias, acc_linear_penalties=None)
-    return info, [SimpleNamespace(sampling_params=SimpleNamespace(top_k=k), output_ids=[1, 2]) for k in top_k]
+    return info, [SimpleNamespace(sampling_params=SimpleNamespace(top_k=k, top_p=1.0, min_p=0.0), output_ids=[1, 2])
+                  for k in top_k]
 
 
 def one_hot_target(position: int, token: int) -> torch.Tensor:

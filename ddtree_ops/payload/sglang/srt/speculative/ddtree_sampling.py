@@ -85,7 +85,6 @@ def target_probs(
     *,
     rule: str = "pytorch",
     max_elements: int = 1 << 24,
-    filtered: bool = True,
 ) -> torch.Tensor:
     """float32 ``[rows, vocab]``: the distribution plain SGLang samples a request's token from.
 
@@ -96,8 +95,7 @@ def target_probs(
     either: only the filtered rows are (on a 152k vocabulary the sort of every row of a batch-64
     verify cost 21-27 ms of GPU time a step on the H200, as much as the 8B target's forward).
     Rows are processed ``max_elements`` entries at a time, so the sorting scratch is bounded whatever
-    the row count. ``filtered=False``: the caller knows every row is at the identity settings (no host
-    sync to find the filtered ones).
+    the row count.
     """
     if rule not in SAMPLING_RULES:
         raise ValueError(f"unknown sampling rule {rule!r}; one of {SAMPLING_RULES}")
@@ -111,8 +109,6 @@ def target_probs(
         sl = slice(lo, lo + step)
         probs = torch.softmax(logits[sl].float() / temperatures[sl].float().view(-1, 1), dim=-1)
         out[sl] = probs
-        if not filtered:
-            continue
         k, p, m = top_ks[sl].to(torch.int64), top_ps[sl].float(), min_ps[sl]
         # One host sync per chunk, outside any graph: the walk that calls this copies its result back anyway.
         rows_f = ((k < TOP_K_ALL) | (p != 1.0) | (m > 0)).nonzero().view(-1)
@@ -141,10 +137,20 @@ def sample_tree_walk(
     ``final_coins`` float32 ``[bs]`` the coin of the bonus draw.
     Returns ``(accepted_nodes, accept_lengths, bonus_tokens)`` as ``follow_verified_tree`` does.
     """
+    rows = torch.arange(candidates.shape[0], device=candidates.device)
+    node_probs = probs[rows[:, None], tree.parents.clamp(min=0), candidates]
+    accepted, lengths, last = walk_node_probs(tree, node_probs, coins)
+    return accepted, lengths, _draw_bonus(tree, candidates, probs[rows, last], last, final_coins)
+
+
+def walk_node_probs(tree, node_probs: torch.Tensor, coins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The walk's descent alone: ``node_probs`` float32 ``[bs, n]``, node ``i``'s token's probability under
+    its parent's distribution (the root's is never read). Returns ``(accepted_nodes, accept_lengths,
+    last_node)``; the bonus is drawn from the last node's distribution (``_draw_bonus``). Plain torch: the
+    reference of ``ddtree_verify_kernels.sampled_walk_triton``."""
     bs, n = tree.parents.shape
     depth = int(tree.max_depth)
-    device = candidates.device
-    rows = torch.arange(bs, device=device)
+    device = node_probs.device
     valid = tree.valid
     cur = torch.zeros(bs, dtype=torch.int64, device=device)
     done = torch.zeros(bs, dtype=torch.bool, device=device)
@@ -152,9 +158,8 @@ def sample_tree_walk(
     accepted[:, 0] = 0
     accept_lengths = torch.zeros(bs, dtype=torch.int64, device=device)
     for level in range(1, depth + 1):
-        q_cur = probs[rows, cur]  # [bs, vocab]
         child = valid & (tree.parents == cur[:, None]) & ~done[:, None]
-        q_child = torch.where(child, q_cur.gather(1, candidates), torch.zeros((), device=device))
+        q_child = torch.where(child, node_probs, torch.zeros((), device=device))
         coin = coins.gather(1, cur[:, None])
         # The kernel's rule: accumulate the children's mass in node order, take the first child
         # whose running sum reaches the coin (or that holds all the mass).
@@ -165,17 +170,20 @@ def sample_tree_walk(
         accepted[:, level] = torch.where(moved, nxt, -1)
         accept_lengths += moved.to(torch.int64)
         done |= ~moved
-    # Bonus: the last node's distribution without its children's tokens (all of them were rejected).
-    residual, total = _residual(tree, candidates, probs, cur)
+    return accepted, accept_lengths, cur
+
+
+def _draw_bonus(tree, candidates: torch.Tensor, q: torch.Tensor, last: torch.Tensor, final_coins: torch.Tensor) -> torch.Tensor:
+    """The bonus token: drawn from ``q`` (``[bs, vocab]``, the last node's distribution) without its
+    children's tokens (all of them were rejected), by the final coin."""
+    residual, total = _residual(tree, candidates, q, last)
     cum = torch.cumsum(residual, dim=-1)
     drawn = torch.argmax((cum > (final_coins * total)[:, None]).to(torch.int8), dim=1)
-    return accepted, accept_lengths, _leftover_bonus(tree, candidates, probs, cur, total, drawn)
+    return _leftover_bonus(tree, candidates, q, last, total, drawn)
 
 
-def _residual(tree, candidates: torch.Tensor, probs: torch.Tensor, cur: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The distribution at node ``cur`` without its children's tokens, and its total mass."""
-    rows = torch.arange(cur.shape[0], device=cur.device)
-    q = probs[rows, cur]
+def _residual(tree, candidates: torch.Tensor, q: torch.Tensor, cur: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` (node ``cur``'s distribution, ``[bs, vocab]``) without its children's tokens, and its total mass."""
     child = tree.valid & (tree.parents == cur[:, None])
     drop = torch.zeros(q.shape, dtype=torch.int32, device=q.device)
     drop.scatter_add_(1, candidates, child.to(torch.int32))
@@ -183,35 +191,44 @@ def _residual(tree, candidates: torch.Tensor, probs: torch.Tensor, cur: torch.Te
     return residual, residual.sum(-1)
 
 
-def _leftover_bonus(tree, candidates, probs, cur, total, drawn) -> torch.Tensor:
+def _leftover_bonus(tree, candidates, q, cur, total, drawn) -> torch.Tensor:
     """The bonus token, with the leftover case resolved: when the children of the last node cover all
-    of its distribution (``total`` 0), the walk stopped there only because float32 rounding left the
+    of its distribution ``q`` (``total`` 0), the walk stopped there only because float32 rounding left the
     coin above the children's summed mass (exactly 1); that coin falls in the last child's share, so
     that child's token is the sample (sgl_kernel's draw from the empty residual returns vocab - 1)."""
     rows = torch.arange(cur.shape[0], device=cur.device)
-    q = probs[rows, cur]
     child = tree.valid & (tree.parents == cur[:, None]) & (q.gather(1, candidates) > 0)
     last = (child.to(torch.int64) * torch.arange(child.shape[1], device=cur.device)).argmax(1)
     return torch.where(total > 0, drawn, candidates[rows, last])
 
 
 def _utils():
-    """ddtree_utils beside this file (a package import on hosts; by path in tests and benchmarks)."""
-    if __package__:
-        from . import ddtree_utils
+    """ddtree_utils beside this file."""
+    return _sibling("ddtree_utils")
 
-        return ddtree_utils
+
+def _fused_kernels(t: torch.Tensor):
+    """`ddtree_verify_kernels` where the verify step uses its kernels for `t` (ddtree_verify_step), else None."""
+    return _sibling("ddtree_verify_step")._fused(t)
+
+
+def _sibling(name: str):
+    """A payload module beside this file (a package import on hosts; by path in tests and benchmarks)."""
+    if __package__:
+        import importlib
+
+        return importlib.import_module(f"{__package__}.{name}")
     import importlib.util
     import sys
     from pathlib import Path
 
-    name = "ddtree_utils_for_" + __name__
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("ddtree_utils.py"))
+    key = f"{name}_for_{__name__}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
         module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # before exec: its dataclasses look their module up
+        sys.modules[key] = module  # before exec: its dataclasses look their module up
         spec.loader.exec_module(module)
-    return sys.modules[name]
+    return sys.modules[key]
 
 
 def _kernel():
@@ -252,8 +269,9 @@ def _kernel_walk(kernel, tree, candidates, probs, coins, final_coins):
     accepted = torch.where(on_path, local, -1)
     drawn = predicts.to(torch.int64)[flat.gather(1, lengths[:, None]).view(-1)]
     last = accepted.gather(1, lengths[:, None]).view(-1)
-    _, total = _residual(tree, candidates, probs, last)
-    return accepted, lengths, _leftover_bonus(tree, candidates, probs, last, total, drawn)
+    q = probs[torch.arange(bs, device=device), last]
+    _, total = _residual(tree, candidates, q, last)
+    return accepted, lengths, _leftover_bonus(tree, candidates, q, last, total, drawn)
 
 
 def sampled_rows(reqs: list) -> list[int]:
@@ -262,12 +280,25 @@ def sampled_rows(reqs: list) -> list[int]:
     return [i for i, req in enumerate(reqs) if int(req.sampling_params.top_k) > 1]
 
 
+def unfiltered_rows(reqs: list, rows: list[int]) -> list[int]:
+    """Of ``rows``, the requests sampled at the identity settings (top_k all, top_p 1, min_p 0: plain samples the
+    whole softmax), from the host's sampling params the batch's tensors are made of. A row left out here takes the
+    filtered path, which finds its own filters on the device: leaving one out is never wrong, only slower."""
+    out = []
+    for i in rows:
+        params = reqs[i].sampling_params
+        if int(params.top_k) >= TOP_K_ALL and float(params.top_p) == 1.0 and float(params.min_p or 0.0) <= 0.0:
+            out.append(i)
+    return out
+
+
 def tree_walk(
     tree,
     candidates: torch.Tensor,
     logits: torch.Tensor,
     *,
     sampled_rows: list[int],
+    unfiltered: list[int] | None = None,
     temperatures: torch.Tensor | None = None,
     top_ks: torch.Tensor | None = None,
     top_ps: torch.Tensor | None = None,
@@ -282,49 +313,142 @@ def tree_walk(
 
     ``logits`` float ``[bs, n, vocab]`` (after penalties and biases); sampling parameters are per
     request (``[bs]``), read only for the sampled rows; ``rule``: the server's --sampling-backend
-    (``target_probs``). ``coin_scale`` < 1 biases the walk towards drafted children (a deliberate
-    fault, to show a distribution test's power). Memory (``walk_bytes``): the distributions of one
-    chunk of requests (``[requests * n, vocab]`` float32 and the kernel's zero draft copy), a chunk
-    holding ``max_elements`` entries or one request, plus ``target_probs``' sorting scratch.
+    (``target_probs``). ``unfiltered``: the sampled rows at the identity settings (``unfiltered_rows``, host
+    data); None: found on the device (one host sync). Those rows need no distribution per node: each node's
+    row is read once for its log-sum-exp, the walk reads its children's probabilities, and only the last
+    node's distribution is made, for the bonus (``_unfiltered_walk``). The filtered rows' distributions are
+    made per node, a chunk of requests at a time (``_filtered_walk``). ``coin_scale`` < 1 biases the walk
+    towards drafted children (a deliberate fault, to show a distribution test's power). Memory
+    (``walk_bytes``): the distributions of one chunk of requests (``[requests * n, vocab]`` float32 and the
+    kernel's zero draft copy), a chunk holding ``max_elements`` entries or one request, plus
+    ``target_probs``' sorting scratch.
     Returns ``(accepted_nodes, accept_lengths, bonus_tokens)`` (see ``follow_verified_tree``).
     """
     bs, n, vocab = logits.shape
-    accepted, lengths, bonus = _utils().follow_verified_tree(tree, torch.argmax(logits, dim=-1))
-    if not sampled_rows:
-        return accepted, lengths, bonus
     device = logits.device
     k = len(sampled_rows)
-    # Every coin up front, so the draw does not depend on how the rows are chunked below.
+    if k < bs:
+        accepted, lengths, bonus = _greedy_walk(tree, candidates, torch.argmax(logits, dim=-1))
+    else:  # every row is sampled: no argmax, no greedy walk (on a GPU its launches were most of a small walk's time)
+        accepted = torch.full((bs, int(tree.max_depth) + 1), -1, dtype=torch.int64, device=device)
+        lengths = torch.zeros((bs,), dtype=torch.int64, device=device)
+        bonus = torch.zeros((bs,), dtype=torch.int64, device=device)
+    if not sampled_rows:
+        return accepted, lengths, bonus
+    # Every coin up front, so the draw does not depend on how the rows are split and chunked below.
     coins = torch.rand((k, n), device=device, generator=generator) * coin_scale
     final_coins = torch.rand((k,), device=device, generator=generator)
+    every = torch.tensor(sampled_rows, dtype=torch.int64, device=device)
+    if unfiltered is None:
+        flags = (top_ks.index_select(0, every).to(torch.int64) < TOP_K_ALL) | (top_ps.index_select(0, every).float() != 1.0)
+        if min_ps is not None:
+            flags |= min_ps.index_select(0, every).float() > 0
+        unfiltered = [row for row, f in zip(sampled_rows, flags.tolist(), strict=True) if not f]
+    plain = set(unfiltered)
+    for kind, walk_rows in ((True, _unfiltered_walk), (False, _filtered_walk)):
+        at = [j for j, row in enumerate(sampled_rows) if (row in plain) == kind]
+        if not at:
+            continue
+        if len(at) == k:
+            idx, row_coins, row_final = every, coins, final_coins
+        else:
+            idx = every[at]
+            row_coins, row_final = coins[at], final_coins[at]
+        params = (temperatures, top_ks, top_ps, min_ps)
+        if len(at) == bs and sampled_rows == list(range(bs)):  # every row, in order: nothing to gather or scatter
+            return walk_rows(tree, candidates, logits, idx, params, row_coins, row_final,
+                             use_kernel=use_kernel, rule=rule, max_elements=max_elements)
+        params = [None if t is None else t.index_select(0, idx) for t in params]
+        acc_s, len_s, bonus_s = walk_rows(
+            _tree_rows(tree, idx), candidates.index_select(0, idx), logits, idx, params, row_coins, row_final,
+            use_kernel=use_kernel, rule=rule, max_elements=max_elements,
+        )
+        accepted = accepted.index_copy(0, idx, acc_s)
+        lengths = lengths.index_copy(0, idx, len_s)
+        bonus = bonus.index_copy(0, idx, bonus_s)
+    return accepted, lengths, bonus
+
+
+def _greedy_walk(tree, candidates: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """follow_verified_tree's (accepted, lengths, bonus), by the verify step's one-launch kernel where it serves."""
+    kernels = _fused_kernels(target)
+    if kernels is None:
+        return _utils().follow_verified_tree(tree, target)
+    depth = int(tree.max_depth)
+    accepted, packed = kernels.greedy_walk_triton(tree, candidates, target)
+    return accepted, packed[:, depth], packed[:, depth + 1]
+
+
+def _unfiltered_walk(trees, cands, logits, idx, params, coins, final_coins, *, max_elements: int, **_):
+    """Requests ``idx`` at the identity settings: plain's probability of token t at a node is
+    ``exp(logit / T - logsumexp(logits / T))`` (its softmax, to float32 rounding), so a node's row is read once
+    for its log-sum-exp, the walk takes its children's probabilities from those, and only the last node's
+    distribution is made, for the bonus."""
+    bs, n, vocab = logits.shape
+    k = idx.shape[0]
+    flat = logits.reshape(bs * n, vocab)
+    temps = params[0].float().view(-1)  # SGLang's are [bs, 1]
+    kernels = _fused_kernels(logits)
+    node_rows = (idx[:, None] * n + torch.arange(n, device=idx.device)).view(-1)
+    if kernels is not None:
+        lse = kernels.row_logsumexp_triton(flat, node_rows, temps.repeat_interleave(n)).view(k, n)
+    else:
+        lse = _row_logsumexp(flat, node_rows, temps.repeat_interleave(n), max_elements).view(k, n)
+    parents = trees.parents.clamp(min=0)
+    at_parent = flat.view(-1)[((idx[:, None] * n + parents) * vocab + cands).view(-1)].view(k, n).float()
+    node_probs = torch.exp(at_parent / temps[:, None] - lse.gather(1, parents))
+    if kernels is not None:
+        accepted, lengths, last = kernels.sampled_walk_triton(trees, node_probs, coins)
+    else:
+        accepted, lengths, last = walk_node_probs(trees, node_probs, coins)
+    last_lse = lse.gather(1, last[:, None])
+    per_chunk = max(1, max_elements // vocab)
+    bonus = [
+        _draw_bonus(
+            _tree_slice(trees, lo, lo + per_chunk), cands[lo:lo + per_chunk],
+            torch.exp(flat.index_select(0, idx[lo:lo + per_chunk] * n + last[lo:lo + per_chunk]).float()
+                      / temps[lo:lo + per_chunk, None] - last_lse[lo:lo + per_chunk]),
+            last[lo:lo + per_chunk], final_coins[lo:lo + per_chunk],
+        )
+        for lo in range(0, k, per_chunk)
+    ]
+    return accepted, lengths, bonus[0] if len(bonus) == 1 else torch.cat(bonus)
+
+
+def _row_logsumexp(x: torch.Tensor, rows: torch.Tensor, temperatures: torch.Tensor, max_elements: int) -> torch.Tensor:
+    """float32 ``logsumexp(x[rows] / temperatures)`` per row, ``max_elements`` entries at a time (the reference of
+    ``ddtree_verify_kernels.row_logsumexp_triton``)."""
+    step = max(1, max_elements // x.shape[1])
+    return torch.cat([
+        torch.logsumexp(x.index_select(0, rows[lo:lo + step]).float() / temperatures[lo:lo + step, None], dim=-1)
+        for lo in range(0, rows.shape[0], step)
+    ])
+
+
+def _filtered_walk(trees, cands, logits, idx, params, coins, final_coins, *, use_kernel: bool, rule: str,
+                   max_elements: int):
+    """Requests ``idx`` with filters (or not known to have none): the target distribution at every node
+    (``target_probs``), walked in chunks of requests, by sgl_kernel's walk where it is importable."""
+    bs, n, vocab = logits.shape
+    k = idx.shape[0]
     kernel = _kernel() if (use_kernel and logits.is_cuda) else None
     walk = (lambda *args: _kernel_walk(kernel, *args)) if kernel is not None else sample_tree_walk
     # What every chunk needs, gathered once: a chunk is then a slice of it (the walk's time at T > 0 was its
-    # chunks' launches and host syncs: a row-index copy and a filtered-rows check each, at 6 requests a
-    # chunk on a 152k vocabulary). One chunk checks its own rows' filters, as before, and is not sliced.
-    idx = torch.tensor(sampled_rows, dtype=torch.int64, device=device)
-    params = [None if t is None else t.index_select(0, idx).repeat_interleave(n)
-              for t in (temperatures, top_ks, top_ps, min_ps)]
-    temps, ks, ps, mps = params
+    # chunks' launches and host syncs, at 6 requests a chunk on a 152k vocabulary).
+    temps, ks, ps, mps = [None if t is None else t.repeat_interleave(n) for t in params]
     per_chunk = max(1, max_elements // (n * vocab))
     chunks = [(lo, min(k, lo + per_chunk)) for lo in range(0, k, per_chunk)]
-    filtered = True
-    if len(chunks) > 1:
-        flags = (ks.to(torch.int64) < TOP_K_ALL) | (ps.float() != 1.0)
-        filtered = bool((flags if mps is None else flags | (mps.float() > 0)).any())  # the walk's one host sync here
-    trees, cands = _tree_rows(tree, idx), candidates.index_select(0, idx)
     outs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     for lo, hi in chunks:
         tokens = slice(lo * n, hi * n)
         probs = target_probs(
             logits.index_select(0, idx[lo:hi]).reshape(-1, vocab), temps[tokens], ks[tokens], ps[tokens],
-            None if mps is None else mps[tokens], rule=rule, max_elements=max_elements, filtered=filtered,
+            None if mps is None else mps[tokens], rule=rule, max_elements=max_elements,
         ).view(hi - lo, n, vocab)
         rows = trees if len(chunks) == 1 else _tree_slice(trees, lo, hi)
         outs.append(walk(rows, cands[lo:hi], probs, coins[lo:hi], final_coins[lo:hi]))
         del probs
-    acc_s, len_s, bonus_s = outs[0] if len(outs) == 1 else (torch.cat(parts) for parts in zip(*outs, strict=True))
-    return accepted.index_copy(0, idx, acc_s), lengths.index_copy(0, idx, len_s), bonus.index_copy(0, idx, bonus_s)
+    return outs[0] if len(outs) == 1 else tuple(torch.cat(parts) for parts in zip(*outs, strict=True))
 
 
 def _tree_rows(tree, idx: torch.Tensor):

@@ -59,10 +59,10 @@ from sglang.srt.speculative import ddtree_v2_penalties as _penalties
 from sglang.srt.speculative import ddtree_v2_seams as _seams
 from sglang.srt.speculative.ddtree_commit import commit_tree
 from sglang.srt.speculative.ddtree_ranks import lm_head_refusal, vocab_logits
-from sglang.srt.speculative.ddtree_sampling import sampled_rows, tree_walk
-from sglang.srt.speculative.ddtree_utils import DDTree, build_ddtree
+from sglang.srt.speculative.ddtree_sampling import sampled_rows, tree_walk, unfiltered_rows, walk_node_probs
+from sglang.srt.speculative.ddtree_utils import DDTree, build_ddtree, follow_verified_tree
 from sglang.srt.speculative.ddtree_v2_shadow import is_decode
-from sglang.srt.speculative.ddtree_verify_step import tree_custom_mask_bounded
+from sglang.srt.speculative.ddtree_verify_step import self_test, tree_custom_mask_bounded
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
 
@@ -260,6 +260,12 @@ class DDTreeStepV2:
             self.target_worker.model_runner.model)
         if refusal:
             raise DDTreeV2Refused(refusal)
+        # The sampled walk's kernels (ddtree_verify_kernels, through ddtree_sampling) are checked against the torch
+        # path here, as v1 checks them at start: one this GPU or Triton gets wrong leaves the torch path.
+        error = self_test(torch.device(self.target_worker.model_runner.device), self.tree_budget,
+                          self.block_size - 1, build_ddtree, follow_verified_tree, walk=walk_node_probs)
+        if error:
+            logger.warning("DDTree v2: verify kernels off (%s); the sampled walk runs on torch ops", error)
         super().init_cuda_graphs(*args, **kwargs)
 
     def _maybe_build_draft_sampler(self) -> None:
@@ -408,6 +414,7 @@ class DDTreeStepV2:
         sampled = sampled_rows(batch.reqs) if info is not None else []
         accepted, accept_lens, bonus = tree_walk(
             tree, candidates, logits.view(bs, n, -1), sampled_rows=sampled, rule=self.sampling_rule,
+            unfiltered=unfiltered_rows(batch.reqs, sampled),
             temperatures=None if info is None else info.temperatures,
             top_ks=None if info is None else info.top_ks, top_ps=None if info is None else info.top_ps,
             min_ps=info.min_ps if info is not None and info.need_min_p_sampling else None,

@@ -11,7 +11,10 @@ kernel here replaces one such sequence by one launch:
     accepted nodes and the packed row the host copies (path tokens, accept length, bonus);
   - `commit_slots_triton`: from the accepted path and the host's commit lengths, the KV slots to keep
     (path order), the slots to free (row-major, as the torch reference frees them) and the verify
-    rows whose hidden states feed the draft.
+    rows whose hidden states feed the draft;
+  - `row_logsumexp_triton` and `sampled_walk_triton`: a sampled walk of requests at the identity settings
+    (`ddtree_sampling.tree_walk`) reads each verified node's row once for its log-sum-exp and walks the
+    children's probabilities, instead of a float32 distribution per node and a chunked walk over them.
 """
 
 from __future__ import annotations
@@ -175,3 +178,92 @@ def commit_slots_triton(
             N=n, D1=d1, D1_BLOCK=triton.next_power_of_2(d1), N_BLOCK=triton.next_power_of_2(n),
         )
     return kept[:kept_total].to(out_cache_loc.dtype), rows[:kept_total], freed[:freed_total].to(out_cache_loc.dtype)
+
+
+@triton.jit
+def _row_lse_kernel(
+    x_ptr,  # [rows, V] logits, any float dtype, rows `stride` apart
+    rows_ptr,  # i64 [R]: the rows to reduce
+    temps_ptr,  # f32 [R]
+    out_ptr,  # f32 [R] out: logsumexp(x[row] / temperature)
+    V,
+    stride,
+    BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0)
+    base = x_ptr + tl.load(rows_ptr + r) * stride
+    temp = tl.load(temps_ptr + r)
+    # A finite start: a block of -inf logits (a logit bias or grammar ban) then adds exp(-inf) = 0, never a NaN.
+    m = tl.max(tl.full((BLOCK,), -1e30, tl.float32), axis=0)
+    s = m * 0.0
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / temp
+        new_m = tl.maximum(m, tl.max(x, axis=0))
+        s = s * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), axis=0)
+        m = new_m
+    tl.store(out_ptr + r, m + tl.log(s))
+
+
+def row_logsumexp_triton(x: torch.Tensor, rows: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """Same contract as `ddtree_sampling._row_logsumexp`: float32 `logsumexp(x[rows] / temperatures)` per row."""
+    out = torch.empty((rows.shape[0],), dtype=torch.float32, device=x.device)
+    if rows.shape[0]:
+        _row_lse_kernel[(rows.shape[0],)](
+            x, rows.to(torch.int64).contiguous(), temperatures.to(torch.float32).contiguous(), out,
+            x.shape[1], x.stride(0), BLOCK=4096,
+        )
+    return out
+
+
+@triton.jit
+def _sampled_walk_kernel(
+    q_ptr,  # f32 [B, N]: node i's token's probability under its parent's distribution
+    coins_ptr,  # f32 [B, N]: one coin per node, used at the node it belongs to
+    parents_ptr,  # i64 [B, N]
+    num_nodes_ptr,  # i64 [B]
+    accepted_ptr,  # i64 [B, D + 1] out: nodes by depth, -1 pad
+    lengths_ptr,  # i64 [B] out
+    last_ptr,  # i64 [B] out: the node the walk stopped at
+    N: tl.constexpr,
+    D: tl.constexpr,
+    N_BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    offs = tl.arange(0, N_BLOCK)
+    in_row = offs < N
+    valid = in_row & (offs < tl.load(num_nodes_ptr + b))
+    parent = tl.load(parents_ptr + b * N + offs, mask=in_row, other=-1)
+    q = tl.load(q_ptr + b * N + offs, mask=in_row, other=0.0)
+    cur = tl.program_id(0) * 0  # int32 scalar 0: the root
+    length = cur
+    tl.store(accepted_ptr + b * (D + 1), cur.to(tl.int64))
+    for d in range(D):
+        # Once no child was taken, cur stays and its coin is the one that took none: no later round moves.
+        child = valid & (parent == cur)
+        q_child = tl.where(child, q, 0.0)
+        ok = child & ((tl.load(coins_ptr + b * N + cur) <= tl.cumsum(q_child, axis=0)) | (q_child >= 1.0))
+        nxt = tl.min(tl.where(ok, offs, N_BLOCK), axis=0)
+        found = nxt < N_BLOCK
+        cur = tl.where(found, nxt, cur)
+        length += found.to(tl.int32)
+        tl.store(accepted_ptr + b * (D + 1) + d + 1, tl.where(found, nxt, -1).to(tl.int64))
+    tl.store(lengths_ptr + b, length.to(tl.int64))
+    tl.store(last_ptr + b, cur.to(tl.int64))
+
+
+def sampled_walk_triton(tree, node_probs: torch.Tensor, coins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same contract as `ddtree_sampling.walk_node_probs`: (accepted [bs, D + 1], lengths [bs], last node [bs])."""
+    bs, n = tree.parents.shape
+    depth = int(tree.max_depth)
+    device = node_probs.device
+    accepted = torch.empty((bs, depth + 1), dtype=torch.int64, device=device)
+    lengths = torch.empty((bs,), dtype=torch.int64, device=device)
+    last = torch.empty((bs,), dtype=torch.int64, device=device)
+    if bs:
+        _sampled_walk_kernel[(bs,)](
+            node_probs.to(torch.float32).contiguous(), coins.to(torch.float32).contiguous(),
+            tree.parents.contiguous(), tree.num_nodes.contiguous(), accepted, lengths, last,
+            N=n, D=depth, N_BLOCK=triton.next_power_of_2(n),
+        )
+    return accepted, lengths, last

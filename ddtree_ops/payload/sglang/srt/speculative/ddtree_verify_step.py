@@ -145,13 +145,15 @@ def _commit_slots_torch(
 
 def self_test(
     device: torch.device, budget: int, depth: int, build: Any, follow: Any, shrink: Any = None,
-    smaller: tuple[int, ...] = (), pad_widths: tuple[int, ...] = (),
+    smaller: tuple[int, ...] = (), pad_widths: tuple[int, ...] = (), walk: Any = None,
 ) -> str | None:
     """Run each kernel beside its torch function on random trees of this budget and depth on `device`,
     and on the first `b` nodes of them for every `b` in `smaller` (`shrink` is
     `ddtree_utils.shrink_tree`), at their own width and padded to the full one (and to each of
     `pad_widths` that holds them: auto's smaller verify graphs), as shrunk and padded steps verify them:
-    every width a step can take is compiled here, at start, not mid-serving.
+    every width a step can take is compiled here, at start, not mid-serving. `walk` is
+    `ddtree_sampling.walk_node_probs`, the sampled walk's reference (its kernel and the log-sum-exp's are
+    checked where it is given).
     None: they agree, or there are no kernels to test. Otherwise why not, and every later call takes
     the torch path: a server with a kernel this GPU or Triton gets wrong is slower, never wrong."""
     if _fused(torch.empty(0, device=device)) is None:
@@ -166,6 +168,9 @@ def self_test(
                        if b + 1 < w < budget + 1]
             for tree, b in shapes:
                 _check_kernels_on(kernels, tree, b + 1, follow, g, f"batch {bs}, {b + 1} of {tree.parents.shape[1]} slots")
+            if walk is not None:  # a flat draft's tree is wide, a peaked one's deep: both
+                for tree in (full, build(torch.randn((bs, depth, 64), generator=g).to(device) * 4, budget)):
+                    _check_sampled_kernels_on(kernels, tree, walk, g, f"batch {bs}, depth {int(tree.max_depth)}")
     except Exception as e:  # noqa: BLE001 - any failure (compile, launch, mismatch) turns the kernels off
         _KERNELS_OFF.append(f"{type(e).__name__}: {e}")
         return _KERNELS_OFF[-1]
@@ -197,6 +202,24 @@ def _check_kernels_on(kernels: Any, tree: Any, kv_width: int, follow: Any, g: to
     for name, (got, want) in pairs.items():
         if not torch.equal(got, want):
             raise AssertionError(f"{name} differs from the torch path at {where}")
+
+
+def _check_sampled_kernels_on(kernels: Any, tree: Any, walk: Any, g: torch.Generator, where: str) -> None:
+    bs, n = tree.parents.shape
+    device = tree.parents.device
+    # children's probabilities large enough that walks go deep, some holding a node's whole mass
+    q = torch.rand((bs, n), generator=g) * 0.6
+    q[torch.rand((bs, n), generator=g) < 0.1] = 1.0
+    q, coins = q.to(device), torch.rand((bs, n), generator=g).to(device)
+    got, want = kernels.sampled_walk_triton(tree, q, coins), walk(tree, q, coins)
+    if not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)):
+        raise AssertionError(f"sampled walk differs from the torch path at {where}")
+    x = (torch.randn((3, 5000), generator=g) * 4).to(device)
+    x[1, :4100] = float("-inf")  # a first block banned whole
+    rows, temps = torch.tensor([2, 0, 1], device=device), torch.tensor([0.7, 1.0, 1.3], device=device)
+    want_lse = torch.logsumexp(x[rows] / temps[:, None], dim=-1)
+    if not torch.allclose(kernels.row_logsumexp_triton(x, rows, temps), want_lse, rtol=1e-5, atol=1e-5):
+        raise AssertionError(f"row log-sum-exp differs from the torch path at {where}")
 
 
 def kernels_in_use(device: torch.device) -> bool:

@@ -63,7 +63,14 @@ from sglang.srt.speculative.ddtree_metrics import AutoMetrics
 from sglang.srt.speculative.ddtree_penalties import NOTHING_REQUIRED, order_of, penalise_and_bias
 from sglang.srt.speculative.ddtree_profile import StepProfile
 from sglang.srt.speculative.ddtree_ranks import agree_all, agree_min, agree_sum, lm_head_refusal, vocab_logits
-from sglang.srt.speculative.ddtree_sampling import sampled_rows, target_probs, tree_walk, walk_bytes
+from sglang.srt.speculative.ddtree_sampling import (
+    sampled_rows,
+    target_probs,
+    tree_walk,
+    unfiltered_rows,
+    walk_bytes,
+    walk_node_probs,
+)
 from sglang.srt.speculative.ddtree_stats import DDTreeStats
 from sglang.srt.speculative.ddtree_step_budget import (
     StepLimits,
@@ -401,7 +408,8 @@ class DDTreeController:
         device = worker.model_runner.device
         pad_widths = tuple(self._verify_ladder.widths) if self._verify_ladder is not None else ()
         error = self_test(torch.device(device), self.budget, self.depth, build_ddtree, follow_verified_tree,
-                          shrink_tree, smaller=(*budget_ladder(self.budget)[1:], 0), pad_widths=pad_widths)
+                          shrink_tree, smaller=(*budget_ladder(self.budget)[1:], 0), pad_widths=pad_widths,
+                          walk=walk_node_probs)
         if error and self.tp_rank == 0:
             logger.warning("DDTree: verify kernels off (%s); the verify step runs on torch ops", error)
         return kernels_in_use(torch.device(device))
@@ -889,6 +897,7 @@ class DDTreeVerifyInput(DFlashVerifyInput):
                 candidates,
                 logits.view(bs, n, -1),
                 sampled_rows=sampled,
+                unfiltered=unfiltered_rows(batch.reqs, sampled),
                 rule=sampling_rule(),
                 temperatures=info.temperatures,
                 top_ks=info.top_ks,
