@@ -21,10 +21,15 @@ summarize() {
   local fixed_p=() fixed_s=() b gpu
   gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1); gpu=${gpu:-unknown GPU}
   for b in ${AUTO_FIXED:-16 32 64 128}; do fixed_p+=(p_full$b); fixed_s+=(s_full$b); done
-  { "${ABENCH[@]}" compare $(ls "$OUT"/auto_p_*.json 2>/dev/null) --plain p_plain --dflash p_dflash --auto p_auto \
-      --fixed "${fixed_p[@]}" --title "trained pair (hidden 256), $gpu $(date -u +%F)"
-    "${ABENCH[@]}" compare $(ls "$OUT"/auto_s_*.json 2>/dev/null) --plain s_plain --dflash s_dflash --auto s_auto \
-      --fixed "${fixed_s[@]}" --cost-realistic --title "real-size shell of the pair (36 x 4096), $gpu $(date -u +%F)"
+  # a set this call did not measure (AUTO_SETS) has no files and no summary
+  { if ls "$OUT"/auto_p_*.json > /dev/null 2>&1; then
+      "${ABENCH[@]}" compare "$OUT"/auto_p_*.json --plain p_plain --dflash p_dflash --auto p_auto \
+        --fixed "${fixed_p[@]}" --title "trained pair (hidden 256), $gpu $(date -u +%F)"
+    fi
+    if ls "$OUT"/auto_s_*.json > /dev/null 2>&1; then
+      "${ABENCH[@]}" compare "$OUT"/auto_s_*.json --plain s_plain --dflash s_dflash --auto s_auto \
+        --fixed "${fixed_s[@]}" --cost-realistic --title "real-size shell of the pair (36 x 4096), $gpu $(date -u +%F)"
+    fi
   } 2>&1 | tee "$OUT/summary.txt"
 }
 at_deadline() { ts "watchdog: summary and packing at the deadline"; summarize; pack; }
