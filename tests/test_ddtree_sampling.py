@@ -371,6 +371,22 @@ def test_a_walk_makes_no_distribution_for_identity_rows_and_checks_filters_once(
         assert calls == {"nonzero": 1, "tensor": 1, "sorted": 1, "tolist": 0, "target_probs": 1}, calls
 
 
+def test_unfiltered_rows_are_the_sampled_requests_plain_samples_unfiltered() -> None:
+    """The host's word for the identity path: top_k all, top_p exactly 1 and no min-p; any filter, or a value the
+    host cannot read as exactly the identity, leaves the request on the filtered path (never wrong, only slower)."""
+    from types import SimpleNamespace
+
+    def req(top_k: int, top_p: float, min_p: float | None):
+        return SimpleNamespace(sampling_params=SimpleNamespace(top_k=top_k, top_p=top_p, min_p=min_p))
+
+    reqs = [req(TOP_K_ALL, 1.0, 0.0), req(20, 1.0, 0.0), req(TOP_K_ALL, 0.95, 0.0), req(TOP_K_ALL, 1.0, 0.05),
+            req(TOP_K_ALL, 0.99999999, 0.0), req(TOP_K_ALL, 1.0, None), req(1, 1.0, 0.0)]
+    assert ds.unfiltered_rows(reqs, [0, 1, 2, 3, 4, 5]) == [0, 5]
+    assert ds.unfiltered_rows(reqs, [1, 2]) == []
+    # the rows asked about only: a greedy request (top_k 1) is never a sampled row
+    assert ds.unfiltered_rows(reqs, [5, 0]) == [5, 0]
+
+
 def _walk_by_distributions(tree, candidates, logits, sampled, params, seed):
     """0.8.17's walk, the oracle of the identity rows' path: every sampled row's distribution at every node
     (target_probs), walked by sample_tree_walk with tree_walk's coins; greedy rows on the argmax."""
