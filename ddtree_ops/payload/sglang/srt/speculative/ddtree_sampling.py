@@ -402,17 +402,16 @@ def _unfiltered_walk(trees, cands, logits, idx, params, coins, final_coins, *, m
     else:
         accepted, lengths, last = walk_node_probs(trees, node_probs, coins)
     last_lse = lse.gather(1, last[:, None])
+
+    def bonus(lo: int, hi: int, rows) -> torch.Tensor:  # the last nodes' distributions of requests lo:hi
+        q = torch.exp(flat.index_select(0, idx[lo:hi] * n + last[lo:hi]).float() / temps[lo:hi, None] - last_lse[lo:hi])
+        return _draw_bonus(rows, cands[lo:hi], q, last[lo:hi], final_coins[lo:hi])
+
     per_chunk = max(1, max_elements // vocab)
-    bonus = [
-        _draw_bonus(
-            _tree_slice(trees, lo, lo + per_chunk), cands[lo:lo + per_chunk],
-            torch.exp(flat.index_select(0, idx[lo:lo + per_chunk] * n + last[lo:lo + per_chunk]).float()
-                      / temps[lo:lo + per_chunk, None] - last_lse[lo:lo + per_chunk]),
-            last[lo:lo + per_chunk], final_coins[lo:lo + per_chunk],
-        )
-        for lo in range(0, k, per_chunk)
-    ]
-    return accepted, lengths, bonus[0] if len(bonus) == 1 else torch.cat(bonus)
+    if k <= per_chunk:
+        return accepted, lengths, bonus(0, k, trees)
+    return accepted, lengths, torch.cat([bonus(lo, lo + per_chunk, _tree_slice(trees, lo, lo + per_chunk))
+                                         for lo in range(0, k, per_chunk)])
 
 
 def _row_logsumexp(x: torch.Tensor, rows: torch.Tensor, temperatures: torch.Tensor, max_elements: int) -> torch.Tensor:
