@@ -6,7 +6,7 @@ step's walk phase runs it, sgl_kernel's walk included when the carried site has 
     source bench/gpu/device_env.sh; mkdir -p /tmp/site && tar -C /tmp/site -xJf .gpu/site312.tar.xz
     PYTHONPATH=/tmp/site python3 bench/gpu/walk_bench.py [--module DIR ...] [--batches 1,4,16,64]
 
-`--module DIR` (repeatable) times the `ddtree_sampling.py` in DIR (with its `ddtree_utils.py` beside it) instead of
+`--module DIR` (repeatable) also times the `ddtree_sampling.py` in DIR (with its `ddtree_utils.py` beside it) after
 the payload's, e.g. a previous payload's (`git show REV:ddtree_ops/payload/sglang/srt/speculative/ddtree_sampling.py`)
 for a before / after on the same inputs. Per module, settings (temperature only; top_k 20 / top_p 0.95) and batch:
 the median GPU ms of one walk over `--repeats` walks (CUDA events), and the host ms to issue it. One JSON line each.
