@@ -3,17 +3,19 @@
 batch 1 .. 64, in paired passes, and auto's greedy outputs against plain's.
 
   run --servers TAG=PORT[:PID] ... --prompts heldout_prompts.json --out F [--reference TAG] [--batches 1,2,..]
-      [--temps 0,0.8] [--passes N] [--max-new N] [--warmup N] [--wait S]
+      [--temps 0,0.8] [--passes N] [--max-new N] [--min-tokens N] [--warmup N] [--wait S]
       Every server is measured at every (temperature, batch): `batch` held-out prompts sent together, `max-new`
-      tokens each (ignore_eos), after `warmup` batches of that size (first uses: graphs, kernels; auto
-      has a graph per candidate). A pass measures each (temperature, batch)
+      tokens each (ignore_eos), then the next `batch` prompts, until `min-tokens` are generated (`measure`:
+      small batches need several rounds for their accept length to settle), after `warmup` batches of that
+      size (first uses: graphs, kernels; auto has a graph per candidate). A pass measures each (temperature, batch)
       on every server back to back, in an order rotated per pass, so a server's figure and DFLASH's come from
       the same minutes (paired). --reference (plain): first, greedy outputs with plain's top-5 logprobs for the
       largest batch's prompts, so `compare` can class every divergence by plain's margin. Greedy outputs of
       the first pass are kept for that; /server_info's DDTree state (auto's plan, steps by budget, costs) last.
   compare F [F ...] --dflash TAG --auto TAG [--plain TAG] [--fixed TAG ...] [--cost-realistic] [--title S]
       The table (tokens/s and x DFLASH, median over the passes' paired ratios, and the passes' spread), the
-      goals (auto >= DFLASH within the twin spread at every batch, >= the best fixed budget - 5 %, >= 1.3x
+      goals (auto >= DFLASH within the twin spread at every batch, >= every fixed budget - 5 % (paired in the
+      same wave where one served both, `against_fixed`), >= 1.3x
       DFLASH at batch 1 on a cost-realistic target) and the identity counts (same / tie / fault by plain's
       top-2 margin, production_mix.classify). Exit 1 on a fault or a missed goal.
 """
@@ -41,14 +43,25 @@ def batch(base: str, prompts: list[list[int]], temperature: float, max_new: int,
                                               max_new=max_new), prompts))
 
 
-def measure(base: str, prompts: list[list[int]], temperature: float, max_new: int) -> dict:
-    t0 = time.perf_counter()
-    res = batch(base, prompts, temperature, max_new)
+def measure(base: str, prompts: list[list[int]], bs: int, temperature: float, max_new: int,
+            min_tokens: int = 0) -> dict:
+    """Rounds of `bs` prompts sent together, the next round the next `bs` of `prompts` (cycling), until
+    `min_tokens` are generated: at batch 1 one round is one request of `max_new` tokens, whose accept length
+    (a geometric-like mean over a few dozen steps) moves its tokens/s by 15-20 % from prompt to prompt and,
+    sampled, from draw to draw (the H200's T 0.8 batch-1 ratios of one server spread 1.42-2.33x over two
+    passes), far wider than the 5 % the goals judge."""
+    rounds, t0 = [], time.perf_counter()
+    while not rounds or sum(r["tokens"] for res in rounds for r in res) < min_tokens:
+        start = len(rounds) * bs
+        rounds.append(batch(base, [prompts[(start + j) % len(prompts)] for j in range(bs)], temperature, max_new))
     wall = time.perf_counter() - t0
+    res = [r for rnd in rounds for r in rnd]
     tokens = sum(r["tokens"] for r in res)
     verify = [r["verify_ct"] or r["tokens"] for r in res]
-    return {"wall_s": round(wall, 4), "tokens": tokens, "tok_s": round(tokens / wall, 2),
-            "accept": round(tokens / max(1, sum(verify)), 4), "ms_per_step": round(1e3 * wall / max(verify), 4),
+    steps = sum(max(r["verify_ct"] or r["tokens"] for r in rnd) for rnd in rounds)
+    return {"wall_s": round(wall, 4), "tokens": tokens, "rounds": len(rounds), "tok_s": round(tokens / wall, 2),
+            "accept": round(tokens / max(1, sum(verify)), 4), "ms_per_step": round(1e3 * wall / max(1, steps), 4),
+            # in prompt order: output i continues prompts[i % len(prompts)]
             "outputs": [r["output_ids"] for r in res] if temperature == 0 else None}
 
 
@@ -91,7 +104,7 @@ def cmd_run(a: argparse.Namespace) -> int:
                 for tag in order:
                     if tag in profiled:  # drop the phases of the steps before this measurement
                         ddtree_state(alive[tag])
-                    r = measure(alive[tag], chosen[:bs], temp, a.max_new)
+                    r = measure(alive[tag], chosen, bs, temp, a.max_new, a.min_tokens)
                     if p > 0:
                         r["outputs"] = None
                     if tag in profiled:  # SGLANG_DDTREE_PROFILE=1: this measurement's per-phase medians
@@ -123,12 +136,28 @@ def identity(reference: list[dict] | None, res: dict, tag: str) -> dict:
         return row
     for bs, runs in res["servers"][tag]["results"].get("t0", {}).items():
         for i, out in enumerate(runs[0].get("outputs") or []):
-            kind, detail = classify(reference[i], {"output_ids": out})
+            kind, detail = classify(reference[i % len(reference)], {"output_ids": out})
             kind = "fault" if kind == "upstream" else kind
             row[kind] += 1
             if kind != "same":
                 row["details"].append({"bs": bs, "prompt": i, "kind": kind, **detail})
     return row
+
+
+def against_fixed(waves: list[dict], a: argparse.Namespace, key: str, bs: str, auto_x: float,
+                  med: dict[str, dict[str, float]]) -> dict[str, tuple[float, str]]:
+    """Auto's tokens/s over each fixed budget's: paired pass by pass in a wave that served both (the same
+    minutes: DFLASH of another wave drifted by up to 14 % on the H200 between calls, more than the 5 % judged),
+    else through each one's DFLASH of its own wave."""
+    out: dict[str, tuple[float, str]] = {}
+    for tag in a.fixed:
+        direct = [r for res in waves if a.auto in res["servers"] and tag in res["servers"]
+                  for r in [paired(res, a.auto, tag, key, bs)] if r]
+        if direct:
+            out[tag] = (statistics.median(direct[0]), "same wave")
+        elif bs in med.get(tag, {}):
+            out[tag] = (auto_x / med[tag][bs], f"x {a.dflash} of each wave")
+    return out
 
 
 def cmd_compare(a: argparse.Namespace) -> int:
@@ -185,10 +214,12 @@ def cmd_compare(a: argparse.Namespace) -> int:
                 rc = 1
                 continue
             goals = [("auto >= DFLASH (within the passes' spread)", got >= 1.0 - spread[a.auto][bs])]
-            fixed = {t: med[t][bs] for t in a.fixed if bs in med.get(t, {})}
-            if fixed:
-                best = max(fixed, key=fixed.get)
-                goals.append((f"auto >= best fixed ({best} {fixed[best]:.2f}x) - 5 %", got >= fixed[best] * (1 - AUTO_MARGIN)))
+            vs_fixed = against_fixed(waves, a, key, bs, got, med)
+            if vs_fixed:
+                worst = min(vs_fixed, key=lambda t: vs_fixed[t][0])
+                ratio, how = vs_fixed[worst]
+                goals.append((f"auto >= best fixed - 5 % (closest: {worst}, auto at {ratio:.2f}x of it, {how})",
+                              ratio >= 1 - AUTO_MARGIN))
             if a.cost_realistic and bs == "1":
                 goals.append((f"auto >= {BS1_GOAL}x DFLASH at batch 1", got >= BS1_GOAL))
             for name, ok in goals:
@@ -249,6 +280,8 @@ def main() -> int:
     r.add_argument("--max-new", type=int, default=64)
     r.add_argument("--warmup", type=int, default=1, help="warm-up batches per (temperature, batch size)")
     r.add_argument("--wait", type=float, default=300)
+    r.add_argument("--min-tokens", type=int, default=0,
+                   help="repeat a batch size over the next prompts until this many tokens are generated")
     r.add_argument("--profiled", nargs="*", default=[],
                    help="servers started with SGLANG_DDTREE_PROFILE=1: each measurement keeps its per-phase step times")
     c = sub.add_parser("compare")
