@@ -304,7 +304,8 @@ def test_tree_verify_bookkeeping_and_worker_guards(patched):
 
 def test_tp_ranks_agree_on_every_step_shape(patched):
     """Issue 23: two gloo ranks with different free device memory (80 and 6 GiB) size their verify
-    steps alike and shape 300 random steps identically; without the agreement they differ."""
+    steps alike and shape 300 random steps identically; without the agreement they differ. A verify-kernel
+    check that passed on one rank only leaves both on the torch path."""
     site, _, _ = patched
     env_extra = {"OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(SCRIPTS / "ddtree_ranks_agree.py")], capture_output=True, text=True,
@@ -317,6 +318,8 @@ def test_tp_ranks_agree_on_every_step_shape(patched):
     agreed, control = result["agreed"], result["control"]
     assert agreed["limits"][0] == agreed["limits"][1] and agreed["differing_steps"] == 0
     assert control["limits"][0] != control["limits"][1] and control["differing_steps"] > 0
+    # the verify kernels' check failed on rank 1 only: rank 0 turns its own off, no rank walks on them
+    assert result["kernels"]["rank 1 failed"][0] == {"every": False, "turned_off": ["off on another TP rank"]}
 
 
 def test_hybrid_patches_in_sglangs_own_code(patched):

@@ -3,7 +3,9 @@ DDTreeController each, with deliberately different free device memory (80 GiB an
 the same 300 random verify steps (batch size, committed lengths, free KV slots; on and off the verify
 graphs). Every decision must be identical on both ranks. The control run skips the agreement
 (`agree_min` returns the rank's own value) and must disagree somewhere, which shows the check has
-power. Prints one JSON line from rank 0; exit 0 only if both hold.
+power. Then the verify kernels' start-up check passing on one rank only (`agree_verify_kernels`, as v1's
+controller and the v2 tree step call it): both ranks must end without them, the one that passed having turned
+its own off. Prints one JSON line from rank 0; exit 0 only if all hold.
 """
 
 from __future__ import annotations
@@ -81,9 +83,21 @@ def _rank(rank: int, init: str, out_path: str) -> None:
             "shrunk": [b["shrunk"] for b in both],
             "differing_steps": sum(a != b for a, b in zip(both[0]["shapes"], both[1]["shapes"], strict=True)),
         }
+    import sglang.srt.speculative.ddtree_ranks as dr
+    import sglang.srt.speculative.ddtree_verify_step as vs
+
+    for name, passed in (("both passed", True), ("rank 1 failed", rank == 0)):
+        before = len(vs._KERNELS_OFF)
+        every = dr.agree_verify_kernels(passed, dist.group.WORLD)
+        both = [None, None]
+        dist.all_gather_object(both, {"every": every, "turned_off": vs._KERNELS_OFF[before:]})
+        result.setdefault("kernels", {})[name] = both
     if rank == 0:
-        a, c = result["agreed"], result["control"]
-        result["ok"] = a["identical"] and a["shrunk"][0] > 0 and not c["identical"] and c["differing_steps"] > 0
+        a, c, k = result["agreed"], result["control"], result["kernels"]
+        off = {"every": False, "turned_off": ["off on another TP rank"]}
+        result["ok"] = (a["identical"] and a["shrunk"][0] > 0 and not c["identical"] and c["differing_steps"] > 0
+                        and k["both passed"] == [{"every": True, "turned_off": []}] * 2
+                        and k["rank 1 failed"] == [off, {"every": False, "turned_off": []}])
         with open(out_path, "w") as f:
             json.dump(result, f)
     # Neither rank tears gloo down while the other may still be receiving, and neither runs the interpreter's

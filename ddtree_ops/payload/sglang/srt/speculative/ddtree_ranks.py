@@ -1,5 +1,6 @@
 """What the tensor-parallel ranks of a DDTree server agree on (installed as
-`sglang/srt/speculative/ddtree_ranks.py` by the ddtree-ops payload; imports only torch).
+`sglang/srt/speculative/ddtree_ranks.py` by the ddtree-ops payload; imports only torch, and its sibling
+`ddtree_verify_step` where a rank turns its verify kernels off).
 
 Every rank of a TP group runs the same verify step, and its collectives (the draft logits' gather, the
 target forward's all-reduces, graph or eager) must match. A step's shape is decided on each rank from
@@ -34,6 +35,19 @@ def agree_min(values: list[int], group: Any) -> list[int]:
 def agree_all(flag: bool, group: Any) -> bool:
     """True only if `flag` is True on every rank of `group`."""
     return bool(agree_min([int(bool(flag))], group)[0])
+
+
+def agree_verify_kernels(in_use: bool, group: Any) -> bool:
+    """Whether the verify step's Triton kernels run on every rank of `group` (each rank passes whether its own
+    passed their start-up check); where one rank's do not, the others turn theirs off: kernels and torch walk a
+    sampled tree alike but for float32 rounding at a coin's edge, and ranks on different paths could commit
+    different tokens for one request. A collective: every rank calls it."""
+    every = agree_all(in_use, group)
+    if in_use and not every:
+        from sglang.srt.speculative.ddtree_verify_step import turn_kernels_off
+
+        turn_kernels_off("off on another TP rank")
+    return every
 
 
 def agree_sum(values: list[float], group: Any) -> list[float]:

@@ -58,11 +58,11 @@ from sglang.srt.speculative import ddtree_v2_args as _v2args
 from sglang.srt.speculative import ddtree_v2_penalties as _penalties
 from sglang.srt.speculative import ddtree_v2_seams as _seams
 from sglang.srt.speculative.ddtree_commit import commit_tree
-from sglang.srt.speculative.ddtree_ranks import lm_head_refusal, vocab_logits
+from sglang.srt.speculative.ddtree_ranks import agree_verify_kernels, lm_head_refusal, vocab_logits
 from sglang.srt.speculative.ddtree_sampling import sampled_rows, tree_walk, unfiltered_rows, walk_node_probs
 from sglang.srt.speculative.ddtree_utils import DDTree, build_ddtree, follow_verified_tree
 from sglang.srt.speculative.ddtree_v2_shadow import is_decode
-from sglang.srt.speculative.ddtree_verify_step import self_test, tree_custom_mask_bounded
+from sglang.srt.speculative.ddtree_verify_step import kernels_in_use, self_test, tree_custom_mask_bounded
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
 
@@ -245,6 +245,7 @@ class DDTreeStepV2:
         self.tree_topk_cap = server_args.speculative_ddtree_topk_cap
         self.tree_keep_chain = bool(server_args.speculative_ddtree_keep_chain)
         self.sampling_rule = _args.sampling_rule(server_args)
+        self.tree_tp_size = int(getattr(server_args, "tp_size", None) or 1)
         self.ddtree_stats = _stats.DDTreeStats()  # `/server_info` ddtree (`ddtree_internal_state`)
         unproven = _v2args.base_version() not in _v2args.PROVEN_TREE_BASES
         logger.info("DDTree v2 tree worker%s: block %d, budget %d, verify width %d",
@@ -262,10 +263,12 @@ class DDTreeStepV2:
             raise DDTreeV2Refused(refusal)
         # The sampled walk's kernels (ddtree_verify_kernels, through ddtree_sampling) are checked against the torch
         # path here, as v1 checks them at start: one this GPU or Triton gets wrong leaves the torch path.
-        error = self_test(torch.device(self.target_worker.model_runner.device), self.tree_budget,
-                          self.block_size - 1, build_ddtree, follow_verified_tree, walk=walk_node_probs)
+        device = torch.device(self.target_worker.model_runner.device)
+        error = self_test(device, self.tree_budget, self.block_size - 1, build_ddtree, follow_verified_tree,
+                          walk=walk_node_probs)
         if error:
             logger.warning("DDTree v2: verify kernels off (%s); the sampled walk runs on torch ops", error)
+        agree_verify_kernels(kernels_in_use(device), get_tp_group().cpu_group if self.tree_tp_size > 1 else None)
         super().init_cuda_graphs(*args, **kwargs)
 
     def _maybe_build_draft_sampler(self) -> None:

@@ -62,7 +62,14 @@ from sglang.srt.speculative.ddtree_hybrid import HybridTree, hf_config_dict, run
 from sglang.srt.speculative.ddtree_metrics import AutoMetrics
 from sglang.srt.speculative.ddtree_penalties import NOTHING_REQUIRED, order_of, penalise_and_bias
 from sglang.srt.speculative.ddtree_profile import StepProfile
-from sglang.srt.speculative.ddtree_ranks import agree_all, agree_min, agree_sum, lm_head_refusal, vocab_logits
+from sglang.srt.speculative.ddtree_ranks import (
+    agree_all,
+    agree_min,
+    agree_sum,
+    agree_verify_kernels,
+    lm_head_refusal,
+    vocab_logits,
+)
 from sglang.srt.speculative.ddtree_sampling import (
     sampled_rows,
     target_probs,
@@ -96,7 +103,6 @@ from sglang.srt.speculative.ddtree_verify_step import (
     pack_walk,
     self_test,
     tree_custom_mask,
-    turn_kernels_off,
 )
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.spec_utils import assign_req_to_token_pool_func
@@ -311,11 +317,8 @@ class DDTreeController:
         )
         self._warm_up_build(worker)
         self._build_graphs = self._capture_build_graphs(worker, graph_runner)
-        self.verify_kernels = mode == "full" and self._check_verify_kernels(worker)
-        if mode == "full" and not agree_all(self.verify_kernels, tp_cpu_group(worker)):
-            # Same results either way, but one path on every rank: nothing per rank decides a step.
-            turn_kernels_off("off on another TP rank")
-            self.verify_kernels = False
+        self.verify_kernels = mode == "full" and agree_verify_kernels(self._check_verify_kernels(worker),
+                                                                       tp_cpu_group(worker))
         if mode == "full" and self.budget_auto:
             self.auto = AutoBudget(
                 auto_candidates(self.budget, self.block_size),
