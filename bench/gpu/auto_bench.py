@@ -47,9 +47,9 @@ def measure(base: str, prompts: list[list[int]], bs: int, temperature: float, ma
             min_tokens: int = 0) -> dict:
     """Rounds of `bs` prompts sent together, the next round the next `bs` of `prompts` (cycling), until
     `min_tokens` are generated: at batch 1 one round is one request of `max_new` tokens, whose accept length
-    (a geometric-like mean over a few dozen steps) moves its tokens/s by 15-20 % from prompt to prompt and,
-    sampled, from draw to draw (the H200's T 0.8 batch-1 ratios of one server spread 1.42-2.33x over two
-    passes), far wider than the 5 % the goals judge."""
+    (a mean over a few dozen steps) varies from prompt to prompt and, sampled, from draw to draw (on the H200
+    one server's T 0.8 batch-1 ratio was 1.42x and 2.33x DFLASH in its two passes), far more than the 5 % the
+    goals judge."""
     rounds, t0 = [], time.perf_counter()
     while not rounds or sum(r["tokens"] for res in rounds for r in res) < min_tokens:
         start = len(rounds) * bs
