@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -217,3 +218,41 @@ def test_auto_bench_repeats_small_batches_over_the_next_prompts_until_min_tokens
                     "--auto", "s_auto")
     # prompt i has length 60 + i: the even ones (0, 2 of batch 1's rounds; 0, 2 of batch 4) diverge as ties
     assert "s_auto: same 3, tie 4, fault 0" in c.stdout, c.stdout
+
+
+def test_auto_bench_records_which_candidates_auto_took_in_each_measurement(tmp_path, prompts):
+    """Auto's /server_info counts its steps by candidate: each measurement keeps the difference, so a figure says
+    which budgets made it (the H200's batch-1 losses could not be read without them)."""
+    taken: dict[str, int] = {}
+    lock = threading.Lock()
+
+    class AutoHandler(JSONHandler):
+        def do_GET(self):
+            with lock:
+                state = {"steps": 0, "auto": {"chosen": dict(taken)}}
+            self.send_json({} if self.path == "/health" else {"internal_states": [{"ddtree": state}]})
+
+        def do_POST(self):
+            req = self.read_json()
+            n = req["sampling_params"]["max_new_tokens"]
+            with lock:  # greedy requests take budget 63 twice a request, sampled ones 127 once and the chain once
+                for name in (("63", "63") if req["sampling_params"]["temperature"] == 0 else ("127", "chain")):
+                    taken[name] = taken.get(name, 0) + 1
+            self.send_json({"output_ids": [10] * n, "meta_info": {"completion_tokens": n, "spec_verify_ct": 2}})
+
+    servers = {"s_dflash": _server(None, 0.0625, 2), "s_auto": serve(AutoHandler)}
+    try:
+        specs = [f"{t}={s.server_address[1]}" for t, s in servers.items()]
+        r = _auto_bench("run", "--servers", *specs, "--prompts", str(prompts), "--out", str(tmp_path / "w.json"),
+                        "--batches", "1,4", "--temps", "0,0.8", "--passes", "2", "--max-new", "8", "--wait", "10")
+    finally:
+        for s in servers.values():
+            s.shutdown()
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads((tmp_path / "w.json").read_text())["servers"]
+    assert res["s_auto"]["results"]["t0"]["4"][1]["chosen"] == {"63": 8}  # 4 requests; warm-up not counted
+    assert res["s_auto"]["results"]["t0.8"]["1"][0]["chosen"] == {"127": 1, "chain": 1}
+    assert "chosen" not in res["s_dflash"]["results"]["t0"]["1"][0]  # no auto state: nothing recorded
+    c = _auto_bench("compare", str(tmp_path / "w.json"), "--dflash", "s_dflash", "--auto", "s_auto")
+    assert "- t0 auto's steps by candidate, over the passes: bs 1 63 4; bs 4 63 16" in c.stdout, c.stdout
+    assert "- t0.8 auto's steps by candidate, over the passes: bs 1 127 2 chain 2; bs 4 127 8 chain 8" in c.stdout

@@ -11,13 +11,15 @@ batch 1 .. 64, in paired passes, and auto's greedy outputs against plain's.
       on every server back to back, in an order rotated per pass, so a server's figure and DFLASH's come from
       the same minutes (paired). --reference (plain): first, greedy outputs with plain's top-5 logprobs for the
       largest batch's prompts, so `compare` can class every divergence by plain's margin. Greedy outputs of
-      the first pass are kept for that; /server_info's DDTree state (auto's plan, steps by budget, costs) last.
+      the first pass are kept for that; /server_info's DDTree state (auto's plan, steps by budget, costs) last,
+      and for auto's servers each measurement's own steps by candidate (`picks`).
   compare F [F ...] --dflash TAG --auto TAG [--plain TAG] [--fixed TAG ...] [--cost-realistic] [--title S]
       The table (tokens/s and x DFLASH, median over the passes' paired ratios, and the passes' spread), the
       goals (auto >= DFLASH within the twin spread at every batch, >= every fixed budget - 5 % (paired in the
       same wave where one served both, `against_fixed`), >= 1.3x
       DFLASH at batch 1 on a cost-realistic target) and the identity counts (same / tie / fault by plain's
-      top-2 margin, production_mix.classify). Exit 1 on a fault or a missed goal.
+      top-2 margin, production_mix.classify), and auto's steps by candidate at each batch size. Exit 1 on a fault
+      or a missed goal.
 """
 from __future__ import annotations
 
@@ -97,21 +99,26 @@ def cmd_run(a: argparse.Namespace) -> int:
     print("[auto] warm-up done", flush=True)
     tags = list(alive)
     profiled = set(a.profiled or ()) & set(alive)
+    # auto's own servers: which candidates each measurement's steps took (its /server_info counts, before and after)
+    auto_tags = {tag for tag, base in alive.items() if ddtree_state(base).get("auto")}
     for p in range(a.passes):
         order = tags[p % len(tags):] + tags[:p % len(tags)]
         for temp in temps:
             for bs in batches:
                 for tag in order:
-                    if tag in profiled:  # drop the phases of the steps before this measurement
-                        ddtree_state(alive[tag])
+                    # profiled: drops the phases of the steps before this measurement
+                    before = ddtree_state(alive[tag]) if tag in profiled | auto_tags else {}
                     r = measure(alive[tag], chosen, bs, temp, a.max_new, a.min_tokens)
                     if p > 0:
                         r["outputs"] = None
+                    after = ddtree_state(alive[tag]) if tag in profiled | auto_tags else {}
                     if tag in profiled:  # SGLANG_DDTREE_PROFILE=1: this measurement's per-phase medians
-                        r["profile"] = (ddtree_state(alive[tag]) or {}).get("profile")
+                        r["profile"] = after.get("profile")
+                    if tag in auto_tags:
+                        r["chosen"] = picks(before, after)
                     res["servers"][tag]["results"].setdefault(f"t{temp:g}", {}).setdefault(str(bs), []).append(r)
                     print(f"[auto] pass {p} T {temp:g} bs {bs} {tag}: {r['tok_s']} tok/s accept {r['accept']} "
-                          f"{r['ms_per_step']} ms/step", flush=True)
+                          f"{r['ms_per_step']} ms/step" + (f" picks {r['chosen']}" if "chosen" in r else ""), flush=True)
     for tag, base in alive.items():
         try:
             res["servers"][tag]["ddtree"] = ddtree_state(base)
@@ -121,7 +128,22 @@ def cmd_run(a: argparse.Namespace) -> int:
     return 0
 
 
+def picks(before: dict, after: dict) -> dict[str, int]:
+    """Auto's steps by candidate between two /server_info reads (`auto.chosen`), the candidates it took."""
+    was, now = ((state.get("auto") or {}).get("chosen") or {} for state in (before, after))
+    return {name: n - was.get(name, 0) for name, n in now.items() if n > was.get(name, 0)}
+
+
 # ------------------------------------------------------------------ compare
+def summed_picks(runs: list[dict]) -> dict[str, int]:
+    """Auto's steps by candidate over a cell's measurements (`run` records them as `chosen`)."""
+    total: dict[str, int] = {}
+    for r in runs:
+        for name, n in (r.get("chosen") or {}).items():
+            total[name] = total.get(name, 0) + n
+    return total
+
+
 def paired(mine_res: dict, tag: str, ref: str, key: str, bs: str) -> list[float]:
     """`tag`'s tokens/s over DFLASH's, pass by pass, within the file (the call's wave) that measured `tag`."""
     mine = mine_res["servers"][tag]["results"].get(key, {}).get(bs, [])
@@ -225,6 +247,11 @@ def cmd_compare(a: argparse.Namespace) -> int:
             for name, ok in goals:
                 lines.append(f"- {key} bs {bs}: {name}: {got:.3f}x: {'met' if ok else '**missed**'}")
                 rc |= 0 if ok else 1
+        if a.auto in home:
+            lines.append(f"- {key} auto's steps by candidate, over the passes: " + "; ".join(
+                f"bs {bs} " + " ".join(f"{c} {n}" for c, n in sorted(steps.items(), key=lambda kv: -kv[1]))
+                for bs in map(str, batches)
+                if (steps := summed_picks(home[a.auto]["servers"][a.auto]["results"].get(key, {}).get(bs, [])))))
         lines.append("")
     for tag in tags:
         if tag in (a.plain, a.dflash):
