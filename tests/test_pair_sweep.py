@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -256,3 +257,44 @@ def test_auto_bench_records_which_candidates_auto_took_in_each_measurement(tmp_p
     c = _auto_bench("compare", str(tmp_path / "w.json"), "--dflash", "s_dflash", "--auto", "s_auto")
     assert "- t0 auto's steps by candidate, over the passes: bs 1 63 4; bs 4 63 16" in c.stdout, c.stdout
     assert "- t0.8 auto's steps by candidate, over the passes: bs 1 127 2 chain 2; bs 4 127 8 chain 8" in c.stdout
+
+
+def test_auto_bench_killed_at_its_deadline_leaves_what_it_measured(tmp_path, prompts):
+    """auto_phases.sh cuts a wave's client at the deadline (`timeout`): the H200's last wave lost 70 measurements
+    that way. Each measurement now rewrites the file whole, marked incomplete until the end."""
+    posts, release = [], threading.Event()
+
+    class StallingHandler(JSONHandler):
+        def do_GET(self):
+            self.send_json({} if self.path == "/health" else {"internal_states": [{"ddtree": {"steps": 0}}]})
+
+        def do_POST(self):
+            n = self.read_json()["sampling_params"]["max_new_tokens"]
+            posts.append(n)
+            if len(posts) >= 3:  # warm-up, pass 0, then pass 1 never returns: the deadline comes
+                release.wait(60)
+            self.send_json({"output_ids": [10] * n, "meta_info": {"completion_tokens": n, "spec_verify_ct": 2}})
+
+    servers = {"s_dflash": _server(None, 0.0625, 2), "s_auto": serve(StallingHandler)}
+    out = tmp_path / "w.json"
+    specs = [f"{t}={s.server_address[1]}" for t, s in servers.items()]
+    proc = subprocess.Popen([sys.executable, str(GPU / "auto_bench.py"), "run", "--servers", *specs, "--prompts",
+                             str(prompts), "--out", str(out), "--batches", "1", "--temps", "0", "--passes", "2",
+                             "--max-new", "8", "--wait", "10"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while len(posts) < 3 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert len(posts) == 3, proc.stderr.read() if proc.poll() is not None else posts
+        proc.terminate()  # what `timeout` sends
+        proc.wait(30)
+    finally:
+        release.set()
+        for s in servers.values():
+            s.shutdown()
+    res = json.loads(out.read_text())
+    assert res["complete"] is False and not (tmp_path / "w.json.tmp").exists()
+    assert [len(res["servers"][t]["results"]["t0"]["1"]) for t in ("s_dflash", "s_auto")] == [1, 1]
+    c = _auto_bench("compare", str(out), "--dflash", "s_dflash", "--auto", "s_auto")
+    assert f"(cut before the end, some cells short of their passes: {out})" in c.stdout, c.stdout
+    assert "t0 bs 1: auto >= DFLASH (within the passes' spread)" in c.stdout  # judged on the pass it has

@@ -77,7 +77,8 @@ def cmd_run(a: argparse.Namespace) -> int:
         prompts = [p["input_ids"] for p in json.load(f)["prompts"]]
     batches = [int(x) for x in a.batches.split(",")]
     temps = [float(x) for x in a.temps.split(",")]
-    res: dict = {"batches": batches, "temps": temps, "passes": a.passes, "max_new": a.max_new, "servers": {}}
+    res: dict = {"batches": batches, "temps": temps, "passes": a.passes, "max_new": a.max_new, "servers": {},
+                 "complete": False}
     alive = {}
     for tag, (base, pid) in servers.items():
         ready = wait_healthy(base, a.wait, pid)
@@ -119,11 +120,13 @@ def cmd_run(a: argparse.Namespace) -> int:
                     res["servers"][tag]["results"].setdefault(f"t{temp:g}", {}).setdefault(str(bs), []).append(r)
                     print(f"[auto] pass {p} T {temp:g} bs {bs} {tag}: {r['tok_s']} tok/s accept {r['accept']} "
                           f"{r['ms_per_step']} ms/step" + (f" picks {r['chosen']}" if "chosen" in r else ""), flush=True)
+                    _write(a.out, res)  # a wave cut at its deadline keeps what it measured
     for tag, base in alive.items():
         try:
             res["servers"][tag]["ddtree"] = ddtree_state(base)
         except requests.RequestException as e:
             res["servers"][tag]["ddtree"] = {"error": str(e)}
+    res["complete"] = True
     _write(a.out, res)
     return 0
 
@@ -197,7 +200,10 @@ def cmd_compare(a: argparse.Namespace) -> int:
     tags = [t for t in [a.plain, a.dflash, *a.fixed, a.auto] if t and t in home]
     batches = waves[0]["batches"] if waves else []
     rc = 0
-    lines = [f"# {a.title}", "", f"files: {', '.join(a.files)}", ""]
+    # a file without "complete" predates the flag and was written whole
+    cut = [path for path, res in zip(a.files, waves, strict=True) if res.get("complete") is False]
+    lines = [f"# {a.title}", "", f"files: {', '.join(a.files)}"
+             + (f" (cut before the end, some cells short of their passes: {', '.join(cut)})" if cut else ""), ""]
     for key in [f"t{t:g}" for t in (waves[0]["temps"] if waves else [])]:
         lines += [f"## {key}: tokens/s (x {a.dflash} of the same wave: median of the paired passes [min, max]; accept)",
                   "", "| server | " + " | ".join(f"bs {b}" for b in batches) + " |", "|---|" + "---|" * len(batches)]

@@ -262,8 +262,11 @@ def idle_kv_tokens(base: str) -> int | None:
 
 
 def _write(path: str, obj: object) -> None:
-    with open(path, "w") as f:
+    """Whole or not at all: a client killed at its deadline (`timeout`) leaves the last complete file."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
         json.dump(obj, f)
+    os.replace(tmp, path)
 
 
 def _read(path: str) -> dict:
