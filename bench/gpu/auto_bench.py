@@ -253,11 +253,11 @@ def cmd_compare(a: argparse.Namespace) -> int:
             for name, ok in goals:
                 lines.append(f"- {key} bs {bs}: {name}: {got:.3f}x: {'met' if ok else '**missed**'}")
                 rc |= 0 if ok else 1
-        if a.auto in home:
-            lines.append(f"- {key} auto's steps by candidate, over the passes: " + "; ".join(
-                f"bs {bs} " + " ".join(f"{c} {n}" for c, n in sorted(steps.items(), key=lambda kv: -kv[1]))
-                for bs in map(str, batches)
-                if (steps := summed_picks(home[a.auto]["servers"][a.auto]["results"].get(key, {}).get(bs, [])))))
+        by_batch = [f"bs {bs} " + " ".join(f"{c} {n}" for c, n in sorted(steps.items(), key=lambda kv: -kv[1]))
+                    for bs in map(str, batches) if a.auto in home
+                    and (steps := summed_picks(home[a.auto]["servers"][a.auto]["results"].get(key, {}).get(bs, [])))]
+        if by_batch:  # files from before `run` recorded them have none
+            lines.append(f"- {key} auto's steps by candidate, over the passes: " + "; ".join(by_batch))
         lines.append("")
     for tag in tags:
         if tag in (a.plain, a.dflash):
