@@ -77,13 +77,15 @@ def capture_verify_ladder(
     *,
     set_capture_width: Callable[[int | None], None],
     set_backend_width: Callable[[int], None],
-    free_memory: Callable[[], int | None],
+    reserved_memory: Callable[[], int | None],
 ) -> VerifyGraphLadder | None:
     """Capture a graph set for each of `widths` narrower than the existing one; None without graphs.
 
     `set_capture_width` is `ddtree_args.set_capture_width`; `set_backend_width` sets the attention
     backend's verify width (the capture's metadata is built at it). A failed capture raises: the caller
-    keeps the one set SGLang captured (padding, as a fixed budget does)."""
+    keeps the one set SGLang captured (padding, as a fixed budget does). `reserved_memory` is this process's
+    (the caching allocator's, graph pools included): the device's free memory also moves with the other
+    servers of the GPU (the small pair's ladder read as 24.88 GiB while its neighbours loaded)."""
     existing = getattr(model_runner, "graph_runner", None)
     if existing is None or not hasattr(existing, "graphs") or not str(model_runner.device).startswith("cuda"):
         return None
@@ -92,7 +94,7 @@ def capture_verify_ladder(
     replay = time_verify_graphs(existing)  # before another capture changes the backend's buffers
     runners = {full: existing}
     backend = existing.attn_backend
-    before = free_memory()
+    before = reserved_memory()
     init_state = backend.init_cuda_graph_state
     backend.init_cuda_graph_state = lambda *_args, **_kwargs: None
     try:
@@ -107,6 +109,6 @@ def capture_verify_ladder(
         set_capture_width(None)
         set_backend_width(full)
         model_runner.graph_runner = existing
-    after = free_memory()
-    used = 0 if before is None or after is None else max(0, before - after)
+    after = reserved_memory()
+    used = 0 if before is None or after is None else max(0, after - before)
     return VerifyGraphLadder(model_runner, runners, replay, used, time.perf_counter() - started)

@@ -371,7 +371,7 @@ class DDTreeController:
         try:
             ladder = capture_verify_ladder(
                 runner, widths, set_capture_width=set_capture_width, set_backend_width=self.set_verify_width,
-                free_memory=lambda: free_device_memory(runner.device),
+                reserved_memory=lambda: torch.cuda.memory_reserved(runner.device),
             )
         except Exception as e:  # noqa: BLE001 - any capture failure keeps the widest set alone
             error = f"{type(e).__name__}: {e}"
