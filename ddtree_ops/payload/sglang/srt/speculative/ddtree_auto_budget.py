@@ -39,7 +39,7 @@ per request. Each step takes the candidate with the most expected tokens per sec
   cell never stepped in is its start-up replay plus what its kind's steps (tree or chain) of that bucket
   cost beyond their replays (draft, build, walk, attention over real contexts); a sampled one is the same
   cell's greedy estimate plus a sampled walk's surcharge, a fixed part and one per verify token fitted to
-  the cells measured both ways.
+  the cells measured both ways (one width measured: no more than its own, `_fixed_and_per_token`).
 - Budgets larger than the ones stepped in are only learnt by stepping in them, and a cell's cost by its
   own steps: one step in `explore_every` may explore a candidate other than the plan. Exploration is
   priced per batch bucket (`_explore_table`): a step of a candidate loses its time at this batch beyond
@@ -267,7 +267,7 @@ class AutoBudget:
         # thousands of times; built by `_measure_extra`, which every re-plan starts with): the overhead, and the
         # sampled surcharge's (seconds, seconds per verify token), None where none is measured.
         self._overheads: dict[bool, list[float]] = {True: [0.0] * nk, False: [0.0] * nk}
-        self._surcharges: dict[bool, list[tuple[float, float] | None]] = {True: [None] * nk, False: [None] * nk}
+        self._surcharges: dict[bool, list[tuple[float, float, float] | None]] = {True: [None] * nk, False: [None] * nk}
         self._by_distance = [sorted(range(nk), key=lambda j, k=k: abs(j - k)) for k in range(nk)]
         self.chosen: dict[str, int] = {c.name: 0 for c in self.candidates}  # by choose()
         self.verified: dict[str, int] = {}  # budgets steps really verified (memory may shrink a choice)
@@ -608,7 +608,10 @@ class AutoBudget:
         bucket that has any (`_measure_extra`); else the other kind's; else 0 (optimistic: the plan visits the
         cell and measures it)."""
         fit = self._surcharges[candidate.is_chain][bucket]
-        return 0.0 if fit is None else fit[0] + fit[1] * candidate.width * self.buckets[bucket]
+        if fit is None:
+            return 0.0
+        fixed, per_token, widest = fit
+        return fixed + per_token * min(candidate.width * self.buckets[bucket], widest)
 
     def _measure_extra(self) -> None:
         """Per candidate kind, kind of request and bucket, the least that its measured cells cost beyond their
@@ -642,13 +645,26 @@ class AutoBudget:
                 other = self._nearest(extras, k, [(not chain, kind) for kind in KINDS])
                 self._overheads[chain][k] = (other or 0.0) if own is None else (
                     min(own, other) if chain and other is not None else own)
-        fits: dict[bool, list[tuple[float, float] | None]] = {}
+        fits: dict[bool, list[tuple[float, float, float] | None]] = {}
         for chain, kind in kinds:
             fits[chain] = [_fixed_and_per_token(
                 [(float(c.width * bs), max(0.0, sampled - greedy)) for c in kind
                  if (sampled := trusted(SAMPLED, c, k)) is not None
                  and (greedy := self._greedy_estimate(c, k)) is not None])
                 for k, bs in enumerate(self.buckets)]
+        # A bucket with one token count measured takes its per-token part from the nearest bucket whose cells
+        # told the two parts apart (the sampled walk's cost per verify token is the walk's, not the batch's),
+        # its fixed part from its own cell.
+        lines = {chain: [None if f is None or math.isfinite(f[2]) else f[1] for f in fits[chain]]
+                 for chain in (True, False)}
+        for chain in (True, False):
+            for k, fit in enumerate(fits[chain]):
+                if fit is None or not math.isfinite(fit[2]):
+                    continue
+                slope = self._nearest(lines, k, [chain, not chain])
+                if slope is not None:
+                    per_token = min(slope, fit[1])
+                    fits[chain][k] = (fit[2] * (fit[1] - per_token), per_token, math.inf)
         for chain in (True, False):
             for k in range(len(self.buckets)):
                 self._surcharges[chain][k] = self._nearest(fits, k, [chain, not chain])
@@ -839,25 +855,31 @@ def _narrowest_best(scored: list[tuple[float, Candidate]]) -> Candidate:
     return min((c for s, c in scored if s >= best * (1 - 1e-3)), key=lambda c: (c.width, c.budget))
 
 
-def _fixed_and_per_token(points: list[tuple[float, float]]) -> tuple[float, float] | None:
-    """`(a, b)` with `surcharge = a + b * tokens` through `(tokens, surcharge)` points, neither negative: a
-    least-squares line where the points have two token counts; else all of it per token (a narrow cell's
-    figure prices a wider one high, which its own steps then correct; one wide cell's a narrower one low,
-    which the plan visits)."""
+def _fixed_and_per_token(points: list[tuple[float, float]]) -> tuple[float, float, float] | None:
+    """`(a, b, x)` with `surcharge = a + b * min(tokens, x)` through `(tokens, surcharge)` points, none negative.
+    Where the points have two token counts, a least-squares line (`x` infinite). Where they have one, the
+    per-token part cannot be told from the fixed one: all of it per token up to that count, none beyond (`x`
+    the count), so a narrower cell is priced lower and a wider one no higher: optimistic both ways, so the plan
+    visits the cell and its own steps correct the price, where a price too high would never be (`_measure_extra`
+    takes the per-token part from a bucket that told the two apart, where one has). Extrapolated
+    instead, one width-16 cell's surcharge at batch 2 (5.6 ms, most of it the sampled walk's fixed cost, read as
+    0.18 ms per token) priced the 127-tree's sampled step at 46 ms on the launch-bound pair (H100, payload
+    0.8.20: its steps took 7-10 ms); auto served T 0.8 batches of 4-16 with the 15-tree while full 128 ran
+    1.3-1.45x its speed."""
     if not points:
         return None
     xs = {x for x, _ in points}
     if len(xs) < 2:
         x = next(iter(xs))
-        return 0.0, sum(y for _, y in points) / len(points) / max(x, 1.0)
+        return 0.0, sum(y for _, y in points) / len(points) / max(x, 1.0), x
     n = len(points)
     mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
     slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
     slope = max(0.0, slope)
     fixed = my - slope * mx
     if fixed < 0.0:  # through the origin instead
-        return 0.0, sum(x * y for x, y in points) / sum(x * x for x, _ in points)
-    return fixed, slope
+        return 0.0, sum(x * y for x, y in points) / sum(x * x for x, _ in points), math.inf
+    return fixed, slope, math.inf
 
 
 def _mixed(per_kind: Sequence[float], share: float) -> float:
