@@ -98,6 +98,28 @@ def test_acceptance_by_budget_is_what_the_smaller_trees_accept(seed: int) -> Non
     assert [got[0][-1], got[1][-1]] == by_kind(chain_by_request)
 
 
+def test_the_workers_shared_observation_glue() -> None:
+    """What v1's controller and the v2 tree step both feed auto with: the walk's acceptance with the sampled rows
+    given by index (`acceptance_by_kind`), and a step's observation from it (`tree_observation`) or from a linear
+    step's accepted drafts (`chain_observation`)."""
+    g = torch.Generator().manual_seed(3)
+    tree = du.build_ddtree(torch.randn(3, 3, 12, generator=g) * 3, 7)
+    accepted, _, _ = du.follow_verified_tree(tree, torch.randint(0, 12, tree.parents.shape, generator=g))
+    budgets = torch.tensor([3, 7])
+    mask = torch.tensor([False, True, False])
+    got = du.acceptance_by_kind(tree, accepted, budgets, [1])
+    assert torch.equal(got, du.acceptance_by_budget(tree, accepted, budgets, mask))
+    assert torch.equal(du.acceptance_by_kind(tree, accepted, budgets, []),
+                       du.acceptance_by_budget(tree, accepted, budgets, None))
+    obs = ab.tree_observation([[1.0, 2.0, 0.5], [3.0, 4.0, 1.5]], budget=7, width=8, batch_size=3, sampled=1,
+                              seconds=0.25)
+    assert obs == ab.StepObservation(budget=7, width=8, batch_size=3, seconds=0.25, accepted=[1.0, 2.0], chain=0.5,
+                                     requests=2, sampled_accepted=[3.0, 4.0], sampled_chain=1.5, sampled_requests=1)
+    chain = ab.chain_observation([2, 0, 3], {2}, width=4, seconds=0.5, budgets=2)
+    assert chain == ab.StepObservation(budget=0, width=4, batch_size=3, seconds=0.5, accepted=[0.0, 0.0], chain=2.0,
+                                       requests=2, sampled_accepted=[0.0, 0.0], sampled_chain=3.0, sampled_requests=1)
+
+
 # ----------------------------------------------------------------------------- candidates
 
 

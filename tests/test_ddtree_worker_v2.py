@@ -101,7 +101,8 @@ def test_create_worker_picks_the_tree_worker_only_in_full_mode(base_site: Path, 
 def test_out_of_scope_settings_are_refused_naming_the_flag(observed: dict, base: str) -> None:
     r = observed["refusals"]
     assert r["good"] is None
-    for name, words in {"auto": "--speculative-ddtree-budget auto", "overlap": "--disable-overlap-schedule",
+    assert r["auto"] is None  # served since the twelfth session (test_auto_*)
+    for name, words in {"overlap": "--disable-overlap-schedule",
                         "flashinfer": "--attention-backend triton", "backend unset": "--attention-backend triton",
                         "decode fa3": "--decode-attention-backend fa3", "page": "--page-size 1",
                         "tp": "--tp-size 1", "pp": "--pp-size 1", "window": "--speculative-draft-window-size",
@@ -120,7 +121,6 @@ def test_out_of_scope_settings_are_refused_naming_the_flag(observed: dict, base:
         assert switch in r[case] and "SGLANG_ENABLE_SPLITKV_VERIFY=0" in r[case], (case, r[case])
     assert r["chain-only switches upstream sets"] == (["use_verify_splitkv", "use_verify_shared_kv"]
                                                        if base == "0.5.23" else ["use_verify_splitkv"])
-    assert f"SGLang {base}'s v2 worker" in r["auto"]
     assert r["head bf16"] is None and r["head fp32"] is None
     for case, words in {"head fp8": "stored as torch.float8_e4m3fn", "head int8": "stored as torch.int8",
                         "head vector": "no weight matrix", "head qweight only": "no weight matrix",
@@ -273,6 +273,54 @@ def test_a_logprob_batch_is_refused_on_0517_and_upstreams_on_0523(observed: dict
                        "fallback_steps": 2, "tree_steps": 0}
     else:
         assert got["handed"] == 0 and "return_logprob" in got["error"] and got["fallback_steps"] == 0
+
+
+# --- --speculative-ddtree-budget auto ---------------------------------------------------------------------------
+
+
+def test_auto_tree_picks_emit_plain_greedy_tokens(observed: dict, base: str) -> None:
+    """Auto's tree picks run the tree step at the seams' one width, a smaller budget's tree padded to it, and emit
+    plain greedy decoding's tokens; its chain picks emit the stubbed linear step's."""
+    run = observed["auto"]
+    assert run["started"]  # AutoBudget made by the worker's own init_cuda_graphs
+    trees = [step for step in run["steps"] if not step.get("chain")]
+    assert trees and all(step["greedy"] for step in run["steps"])
+    for step in trees + run["padded"]:
+        _common(step, base)
+        assert step["lens"] == step["walked"], step
+    assert {max(step["nodes"]) for step in trees} >= {8}  # the largest tree, 1 + 7 nodes
+    assert run["smaller"] == 3
+    assert all(max(step["nodes"]) <= 4 for step in run["padded"])  # 1 + 3 real nodes in 8 verify tokens
+    assert all(step["untouched"] for step in run["steps"] if step.get("chain"))  # the stub leaves the rows alone
+
+
+def test_auto_chain_picks_go_through_upstreams_linear_step(observed: dict) -> None:
+    """The chain candidate is upstream's linear DFLASH step: each chain pick called it once and is counted a chain
+    step, not a fallback; the grammar batch's fallback is observed as a chain step too (v1 observes its fallbacks)."""
+    run = observed["auto"]
+    state = run["state"]["ddtree"]
+    chosen, verified = state["auto"]["chosen"], state["auto"]["verified"]
+    chains = sum(bool(step.get("chain")) for step in run["steps"])
+    assert chains >= 1 and chosen["chain"] == chains == len(run["linear_calls"]) == state["chain_steps"]
+    assert state["fallback_steps"] == 1 and state["fallback_reasons"] == {"grammar": 1}
+    assert verified["chain"] == chains + 1
+    assert state["tree_steps"] == len(run["steps"]) - chains + len(run["padded"])
+    assert state["steps"] == len(run["steps"]) + len(run["padded"]) + 1
+    assert verified.get("3", 0) >= len(run["padded"])
+
+
+def test_auto_reports_its_plan_in_the_ddtree_state(observed: dict) -> None:
+    """`/server_info`'s ddtree under auto, through the scheduler: v1's settings (budget auto, its maximum) and auto's
+    own report (candidates, chosen, plan per batch bucket, refreshes), with more than one candidate chosen."""
+    state = observed["auto"]["state"]["ddtree"]
+    assert (state["budget"], state["budget_max"]) == ("auto", 7)
+    auto = state["auto"]
+    assert auto["candidates"] == ["chain", "3", "7"]
+    assert sum(1 for n in auto["chosen"].values() if n) >= 2 and auto["chosen"]["7"] >= 16  # warm-up: the largest
+    assert sorted(auto["plan"], key=int) == ["1", "2", "4", "8", "16"]  # the graph runner's capture_bs
+    assert set(auto["plan"].values()) <= set(auto["candidates"])
+    assert auto["refreshes"] >= 4 and auto["explore_steps"] >= 1
+    assert set(auto["accepted_by_budget"]) == {"chain", "3", "7"}
 
 
 def test_tp2_sharded_draft_logits_build_the_single_device_tree_on_v2(base: str, base_site: Path) -> None:

@@ -332,6 +332,15 @@ def target_next(position: int, token: int) -> int:
     return (3 * token + 5 * position + 1) % po.VOCAB
 
 
+def plain_chain(bonus: int, prefix: int) -> list[int]:
+    """Plain greedy decoding of the stand-in target: the block's tokens after `bonus` at `prefix`."""
+    tokens, tok = [], bonus
+    for d in range(BLOCK):
+        tok = target_next(prefix + d, tok)
+        tokens.append(tok)
+    return tokens
+
+
 class Sampling(SimpleNamespace):
     """A batch's `SamplingBatchInfo`, the fields upstream's verify adjustments and the walk read."""
 
@@ -367,11 +376,12 @@ def assign_cache_locs(req_pool_indices, req_to_token, start_offset, end_offset, 
 
 def run_step(prefix: torch.Tensor, rows: torch.Tensor, req_to_token: torch.Tensor, bonus_in: torch.Tensor,
              draft_hidden: torch.Tensor, target_logits, info, reqs, *, worker: w.DDTreeWorkerV2 | None = None,
-             graph: bool = False) -> tuple:
+             graph: bool = False, dispatch: bool = False) -> tuple:
     """One `_tree_step` on the stand-ins (module docstring), of a fresh worker made without `__init__` or of `worker`
     (its settings and stats kept): the draft returns `draft_hidden` `[bs, block, vocab]` (an identity LM head), the
     target's verify logits at a node are `target_logits(position, token)`, and it says `can_run_cuda_graph=graph`.
-    Returns (the result, what the stand-ins recorded, what was published)."""
+    `dispatch`: the decode batch goes through the worker's `forward_batch_generation` instead (auto may hand it to
+    upstream's step, which the caller stubs). Returns (the result, what the stand-ins recorded, what was published)."""
     bs = len(prefix)
     recorded: dict = {}
 
@@ -432,15 +442,20 @@ def run_step(prefix: torch.Tensor, rows: torch.Tensor, req_to_token: torch.Tenso
     batch = SimpleNamespace(
         seq_lens=prefix.clone(), seq_lens_cpu=prefix.clone().to(torch.int32), seq_lens_sum=int(prefix.sum()),
         req_pool_indices=rows, spec_info=draft_input, out_cache_loc=None, sampling_info=info, reqs=reqs,
-        can_run_decode_cuda_graph=False,
+        can_run_decode_cuda_graph=False, forward_mode=Mode(kind="decode"), is_extend_in_batch=False, has_grammar=False,
+        return_logprob=False,
     )
     recorded["block_slots"] = assign_cache_locs(rows, req_to_token, prefix, prefix + BLOCK, bs, BLOCK, "cpu")
     published: list = []
-    result = worker._tree_step(batch, published.append)
+    if dispatch:
+        result = worker.forward_batch_generation(batch, published.append)
+    else:
+        result = worker._tree_step(batch, published.append)
     return result, recorded, published
 
 
-def decode_step(seed: int, sampled: bool = False, *, worker: w.DDTreeWorkerV2 | None = None, graph: bool = False) -> dict:
+def decode_step(seed: int, sampled: bool = False, *, worker: w.DDTreeWorkerV2 | None = None, graph: bool = False,
+                dispatch: bool = False) -> dict:
     gen = torch.Generator().manual_seed(seed)
     bs, width = 3, 40
     prefix = torch.tensor([5, 9, 2])
@@ -469,7 +484,12 @@ def decode_step(seed: int, sampled: bool = False, *, worker: w.DDTreeWorkerV2 | 
     else:
         info, reqs = None, [None] * bs
     result, recorded, published = run_step(prefix, rows, req_to_token, bonus_in, draft_hidden, one_hot_target,
-                                           info, reqs, worker=worker, graph=graph)
+                                           info, reqs, worker=worker, graph=graph, dispatch=dispatch)
+    if "verify" not in recorded:  # upstream's linear step ran it (auto's chain): its tokens against plain's
+        lens, out = result.accept_lens.tolist(), result.next_token_ids.view(bs, BLOCK).tolist()
+        plain = [plain_chain(int(bonus_in[b]), int(prefix[b])) for b in range(bs)]
+        return {"chain": True, "lens": lens, "greedy": all(out[b][: lens[b]] == plain[b][: lens[b]] for b in range(bs)),
+                "untouched": torch.equal(req_to_token, before)}
 
     # oracles: (1) what the step emits is plain greedy decoding of the stand-in target from each bonus token;
     # (2) its length is how far the tree holds that chain (the tree read back from the tokens, positions and
@@ -527,6 +547,8 @@ def decode_step(seed: int, sampled: bool = False, *, worker: w.DDTreeWorkerV2 | 
         "verify_width": recorded["verify"].draft_token_num,
         "mask_cells": int(recorded["verify"].custom_mask.numel()),
         "kv_plans": kv_plans(recorded, n),
+        # per request the tree's nodes, root included: a padding node sits at depth 0, the root's position
+        "nodes": [1 + sum(pos > int(prefix[b]) for pos in positions[b][1:]) for b in range(bs)],
     }
 
 
@@ -812,6 +834,67 @@ def stats_run() -> dict:
     }
 
 
+# --- --speculative-ddtree-budget auto on the tree step -----------------------------------------------------------
+
+
+AUTO_STEPS = 80
+
+
+def auto_run() -> dict:
+    """A tree worker with `--speculative-ddtree-budget auto` (max 7: candidates chain, 3, 7), made by its `__init__`
+    and started by its own `init_cuda_graphs` (upstream's capture stubbed; the target's graph runner and request pool
+    stand-ins), then `AUTO_STEPS` greedy decode steps through `forward_batch_generation`: auto's tree picks run the
+    tree step (a smaller tree padded to the seams' width), its chain picks upstream's linear step, stubbed as linear
+    DFLASH on the same stand-ins (the draft's argmax chain accepted while the target agrees); three steps more with
+    auto's pick held at budget 3; then upstream's batches (a grammar decode: a fallback auto observes as a chain step)
+    and the report through the scheduler."""
+    worker = tree_worker(speculative_ddtree_budget="auto", speculative_ddtree_budget_max=BUDGET)
+    head = SimpleNamespace(weight=torch.eye(po.VOCAB))
+    graphs = SimpleNamespace(capture_bs=[1, 2, 4, 8, 16], captured_req_width=BUDGET + 1, max_bs=16)
+    target = SimpleNamespace(model=SimpleNamespace(lm_head=head), device="cpu", decode_cuda_graph_runner=graphs,
+                             req_to_token_pool=SimpleNamespace(size=16))
+    backend = TritonAttnBackend.__new__(TritonAttnBackend)
+    worker.__dict__.update(model_runner=SimpleNamespace(attn_backend=backend), device=torch.device("cpu"),
+                           _target_worker=SimpleNamespace(model_runner=target))
+    real_graphs, real_forward = DFlashWorkerV2.init_cuda_graphs, DFlashWorkerV2.forward_batch_generation
+    linear_calls: list[list[int]] = []
+
+    def linear_step(self, batch, on_publish=None, *rest):
+        draft = self._draft_hidden(batch, batch.spec_info)[:, 1:, :].argmax(-1)
+        lens, out = [], []
+        for b in range(len(batch.seq_lens)):
+            plain = plain_chain(int(batch.spec_info.bonus_tokens[b]), int(batch.seq_lens[b]))
+            n = next((d + 1 for d in range(BLOCK - 1) if int(draft[b, d]) != plain[d]), BLOCK)
+            lens.append(n)
+            out.append(plain[:n] + [0] * (BLOCK - n))
+        linear_calls.append(lens)
+        return SimpleNamespace(accept_lens=torch.tensor(lens, dtype=torch.int32), can_run_cuda_graph=False,
+                               next_token_ids=torch.tensor(out).reshape(-1))
+
+    DFlashWorkerV2.init_cuda_graphs = lambda self, *a, **k: None
+    DFlashWorkerV2.forward_batch_generation = linear_step
+    try:
+        worker.init_cuda_graphs()
+        started = worker.ddtree_auto is not None
+        steps = [decode_step(seed, worker=worker, dispatch=True) for seed in range(AUTO_STEPS)]
+        # auto's picks follow this machine's clock; the smaller tree's padded step is made sure of here
+        smaller = next(c for c in worker.ddtree_auto.candidates if 0 < c.budget < BUDGET)
+        with mock.patch.object(worker.ddtree_auto, "choose", lambda *a, **k: smaller):
+            padded = [decode_step(AUTO_STEPS + seed, worker=worker, dispatch=True) for seed in range(3)]
+    finally:
+        DFlashWorkerV2.init_cuda_graphs, DFlashWorkerV2.forward_batch_generation = real_graphs, real_forward
+    linear = upstream_steps(worker)
+    return {
+        "started": started,
+        "steps": steps,
+        "padded": padded,
+        "smaller": smaller.budget,
+        "linear_calls": linear_calls,
+        "fallback_lens": linear,
+        "state": scheduler_state(worker),
+    }
+
+
 def _is_parent(verify, b: int, n: int, prefix, parent: int, child: int) -> bool:
     """From the mask the step sent: `parent` is `child`'s parent iff child sees parent and nothing deeper."""
     p = [int(x) for x in prefix.tolist()]
@@ -834,4 +917,5 @@ if __name__ == "__main__":
         out["stats"] = stats_run()
         out["penalties"] = penalties()
         out["logprob"] = logprob_dispatch()
+        out["auto"] = auto_run()
     print(json.dumps(out))

@@ -76,7 +76,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -207,6 +207,28 @@ class StepObservation:
         """(accepted, chain, requests) per kind, GREEDY then SAMPLED."""
         sampled = self.sampled_accepted or [0.0] * len(self.accepted)
         return [(self.accepted, self.chain, self.requests), (sampled, self.sampled_chain, self.sampled_requests)]
+
+
+def chain_observation(num_correct: Sequence[int], sampled: Collection[int], *, width: int, seconds: float,
+                      budgets: int) -> StepObservation:
+    """A linear (chain) step's observation from each request's accepted drafts (`num_correct`, host) and the
+    indices of its sampled requests: the chain's exact acceptance per kind, nothing for the `budgets` trees."""
+    zeros = [0.0] * budgets
+    n_sampled = len(sampled)
+    chain_sampled = float(sum(k for i, k in enumerate(num_correct) if i in sampled))
+    return StepObservation(budget=0, width=width, batch_size=len(num_correct), seconds=seconds, accepted=zeros,
+                           chain=float(sum(num_correct)) - chain_sampled, requests=len(num_correct) - n_sampled,
+                           sampled_accepted=zeros, sampled_chain=chain_sampled, sampled_requests=n_sampled)
+
+
+def tree_observation(acceptance: Sequence[Sequence[float]], *, budget: int, width: int, batch_size: int,
+                     sampled: int, seconds: float) -> StepObservation:
+    """A tree step's observation from its walk's acceptance by budget (`ddtree_utils.acceptance_by_kind`, read to
+    the host: the greedy row, then the sampled row, each the budgets' entries then the chain's)."""
+    greedy, by_sampled = acceptance
+    return StepObservation(budget=budget, width=width, batch_size=batch_size, seconds=seconds,
+                           accepted=greedy[:-1], chain=greedy[-1], requests=batch_size - sampled,
+                           sampled_accepted=by_sampled[:-1], sampled_chain=by_sampled[-1], sampled_requests=sampled)
 
 
 class AutoBudget:

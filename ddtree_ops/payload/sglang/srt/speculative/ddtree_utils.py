@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -654,6 +655,17 @@ def acceptance_by_budget(tree: DDTree, accepted_nodes: torch.Tensor, budgets: to
             else sampled.to(device=path.device, dtype=torch.int64))
     out = torch.zeros((2, per_request.shape[1]), dtype=torch.float32, device=path.device)
     return out.index_add_(0, kind, per_request)
+
+
+def acceptance_by_kind(tree: DDTree, accepted_nodes: torch.Tensor, budgets: torch.Tensor,
+                       sampled: Sequence[int]) -> torch.Tensor:
+    """``acceptance_by_budget`` with the batch's sampled requests given by their indices (empty: all greedy); the
+    mask is made on the host, no host sync."""
+    mask = None
+    if sampled:
+        mask = torch.zeros(accepted_nodes.shape[0], dtype=torch.bool)
+        mask[list(sampled)] = True
+    return acceptance_by_budget(tree, accepted_nodes, budgets, mask)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ walk's `target_probs` and penalised requests excepted, as on v1):
 1. draft: upstream's block `[bonus, mask x (block - 1)]` through the draft runner (the base's `_draft_hidden`),
    keeping the draft's hidden states (the folded draft sampler is off: `_maybe_build_draft_sampler` -> None);
 2. tree: `build_ddtree` on the target LM head's logits of draft positions 1 .. block - 1 (v1's mapping: draft
-   position d is tree depth d), fixed budget, the server's top-k cap and keep-chain;
+   position d is tree depth d), the configured budget (auto: its largest, shrunk to the pick below), the server's
+   top-k cap and keep-chain;
 3. verify input (`tree_verify_input`, pure): tokens `[bonus, tree tokens]`, positions `prefix + depth`, the tree's
    custom mask in the triton backend's verify layout, and node i's cache slot = the request's reserved row at
    `prefix + i` (the v2 contract; the seams reserve `committed + block + 1 + budget`);
@@ -27,6 +28,17 @@ walk's `target_probs` and penalised requests excepted, as on v1):
 6. draft KV of the committed path from the target's hidden states (upstream's prefix-valid writer with the
    plan's `[bs, block]` slots), next draft input from the bonus tokens, as `DDTreeDraftInputV2` (the seams'
    reservation).
+
+`--speculative-ddtree-budget auto` (`ddtree_auto_budget.AutoBudget`, v1's chooser, candidates and batch buckets):
+each decode step asks `choose(bs, step)` with `step` the stats' step counter (every TP rank counts the same steps).
+The chain is upstream's linear DFLASH step itself (`ddtree_forward` hands the batch on, as for its fallbacks: eager,
+the verify graphs being captured at the tree's width). A tree pick verifies the largest tree's first `budget` nodes
+padded to the one width the seams sized (no verify graph per width on v2: a smaller tree is as correct, not
+cheaper to verify; auto learns that from the steps' own times). After the walk, `acceptance_by_kind` gives what each
+candidate budget's tree would have accepted, greedy and sampled requests apart; the step's observation (its wall
+time to a host read of that, which waits for the step's device work; a linear step's to its `accept_lens`) goes to
+`auto.observe`, and every `refresh_every` steps `auto.refresh` re-plans from accumulators summed over the TP ranks.
+v1's glue for this is the same functions (`chain_observation`, `tree_observation`, `refresh_over_ranks`).
 
 Penalties, from host data: each request's settings from `req.sampling_params` / `req.tokenizer` (stop ids as
 `BatchedMinNewTokensPenalizer` collects them) and its output so far from `req.output_ids`. Without the overlap
@@ -44,6 +56,7 @@ penalty source and the bias removed, so nothing is applied twice.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,10 +70,29 @@ from sglang.srt.speculative import ddtree_stats as _stats
 from sglang.srt.speculative import ddtree_v2_args as _v2args
 from sglang.srt.speculative import ddtree_v2_penalties as _penalties
 from sglang.srt.speculative import ddtree_v2_seams as _seams
+from sglang.srt.speculative.ddtree_auto_budget import (
+    AutoBudget,
+    StepObservation,
+    auto_candidates,
+    chain_observation,
+    tree_observation,
+)
 from sglang.srt.speculative.ddtree_commit import commit_tree
-from sglang.srt.speculative.ddtree_ranks import agree_verify_kernels, lm_head_refusal, vocab_logits
+from sglang.srt.speculative.ddtree_metrics import AutoMetrics
+from sglang.srt.speculative.ddtree_ranks import (
+    agree_verify_kernels,
+    lm_head_refusal,
+    refresh_over_ranks,
+    vocab_logits,
+)
 from sglang.srt.speculative.ddtree_sampling import sampled_rows, tree_walk, unfiltered_rows, walk_node_probs
-from sglang.srt.speculative.ddtree_utils import DDTree, build_ddtree, follow_verified_tree
+from sglang.srt.speculative.ddtree_utils import (
+    DDTree,
+    acceptance_by_kind,
+    build_ddtree,
+    follow_verified_tree,
+    shrink_tree,
+)
 from sglang.srt.speculative.ddtree_v2_shadow import is_decode
 from sglang.srt.speculative.ddtree_verify_step import kernels_in_use, self_test, tree_custom_mask_bounded
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
@@ -82,8 +114,6 @@ class DDTreeV2Refused(_args.DDTreeConfigError):
 def settings_refusal(server_args: Any, full: str) -> str | None:
     """The refusals every base's tree step shares (the flag named), or None; `full` opens the message
     (`--speculative-ddtree-mode full on SGLang <base>'s v2 worker (first version)`)."""
-    if _args.is_auto(getattr(server_args, "speculative_ddtree_budget", None)):
-        return f"{full} takes a fixed {_args.FLAG_BUDGET}; {_args.FLAG_BUDGET} auto is not available on v2 yet."
     if not getattr(server_args, "disable_overlap_schedule", False):
         return f"{full} needs --disable-overlap-schedule: the overlap scheduler is not supported yet."
     for flag in ("attention_backend", "decode_attention_backend", "prefill_attention_backend"):
@@ -219,6 +249,7 @@ class DDTreeStepV2:
     its base needs them `_verify_input_extra`, `_full_verify_logits`, `_draft_kv_cache_loc`, `_result_extra`."""
 
     _ddtree_hybrid: Any = None  # a hybrid target's recurrent layers (0.5.17's ddtree_v2_hybrid.HybridStepV2)
+    ddtree_auto: AutoBudget | None = None  # --speculative-ddtree-budget auto, made by `ddtree_start_auto`
     # a decode batch that asks for logprobs: False refuses it (0.5.17, as upstream refuses them there); True hands it
     # to upstream's linear step, which serves them (0.5.23; the adapter says why)
     LOGPROB_FALLBACK = False
@@ -241,15 +272,21 @@ class DDTreeStepV2:
         """After upstream's `__init__`: the tree's settings, the stats, the start log."""
         if int(self.block_size) != settings.block_size:
             raise DDTreeV2Refused(f"DFLASH block {self.block_size} differs from the seams' {settings.block_size}.")
-        self.tree_budget = settings.verify_width - 1
+        self.tree_budget = settings.verify_width - 1  # auto: its largest candidate
+        self.tree_budget_auto = _args.is_auto(getattr(server_args, "speculative_ddtree_budget", None))
+        self._auto_budgets: torch.Tensor | None = None
+        self._auto_metrics: AutoMetrics | None = None
+        self._auto_enable_metrics = bool(getattr(server_args, "enable_metrics", False))
+        self._step_acceptance: torch.Tensor | None = None  # auto: the tree step's walk by budget (device)
         self.tree_topk_cap = server_args.speculative_ddtree_topk_cap
         self.tree_keep_chain = bool(server_args.speculative_ddtree_keep_chain)
         self.sampling_rule = _args.sampling_rule(server_args)
         self.tree_tp_size = int(getattr(server_args, "tp_size", None) or 1)
         self.ddtree_stats = _stats.DDTreeStats()  # `/server_info` ddtree (`ddtree_internal_state`)
         unproven = _v2args.base_version() not in _v2args.PROVEN_TREE_BASES
-        logger.info("DDTree v2 tree worker%s: block %d, budget %d, verify width %d",
-                    " (UNPROVEN on a GPU, test switch)" if unproven else "", self.block_size, self.tree_budget,
+        logger.info("DDTree v2 tree worker%s: block %d, budget %s, verify width %d",
+                    " (UNPROVEN on a GPU, test switch)" if unproven else "", self.block_size,
+                    f"auto (max {self.tree_budget})" if self.tree_budget_auto else self.tree_budget,
                     settings.verify_width)
         if not _seams.hook_took(_v2args.INTERNAL_STATE_TARGET, _v2args._internal_state):
             logger.warning("DDTree v2: /server_info carries no `ddtree` stats: the hook on %s did not take "
@@ -270,6 +307,31 @@ class DDTreeStepV2:
             logger.warning("DDTree v2: verify kernels off (%s); the sampled walk runs on torch ops", error)
         agree_verify_kernels(kernels_in_use(device), get_tp_group().cpu_group if self.tree_tp_size > 1 else None)
         super().init_cuda_graphs(*args, **kwargs)
+        if self.tree_budget_auto:
+            self.ddtree_start_auto()
+
+    def ddtree_start_auto(self) -> None:
+        """auto's chooser, v1's candidates and batch buckets: the target's verify graphs' batch sizes (the scheduler
+        captured them just before the draft's) and the request pool's size. Every tree candidate verifies at the
+        seams' one width, smaller trees padded to it (no verify graph per width on v2), so a smaller tree costs about
+        what the largest does and accepts no more: until v2 captures a graph per width, auto's choice is in effect
+        the chain or the largest tree, each priced by its own steps' times (no start-up replay timings either)."""
+        runner = self.target_worker.model_runner
+        graphs = getattr(runner, "decode_cuda_graph_runner", None)
+        self.ddtree_auto = AutoBudget(
+            auto_candidates(self.tree_budget, self.block_size),
+            capture_bs=list(getattr(graphs, "capture_bs", None) or [1]),
+            max_running=int(runner.req_to_token_pool.size),
+        )
+        self._auto_budgets = torch.tensor(self.ddtree_auto.budgets, dtype=torch.int64, device=self.device)
+        self._auto_metrics = AutoMetrics.maybe_create(
+            self.ddtree_auto.budgets, enabled=self._auto_enable_metrics, tp_rank=self._tp_rank())
+        logger.info("DDTree v2 auto: candidates %s; every tree verifies at width %d on v2 (smaller trees padded; "
+                    "the chain is upstream's linear step)", [c.name for c in self.ddtree_auto.candidates],
+                    self.tree_budget + 1)
+
+    def _tp_rank(self) -> int:
+        return int(get_tp_group().rank_in_group) if self.tree_tp_size > 1 else 0
 
     def _maybe_build_draft_sampler(self) -> None:
         return None  # the tree needs the draft's hidden states, not the folded argmax
@@ -297,15 +359,34 @@ class DDTreeStepV2:
                 reason = "logprob"
             else:
                 reason = self._base_fallback_reason(batch)
+        auto, started, step = self.ddtree_auto, time.perf_counter(), self.ddtree_stats.steps
         if not decode or reason is not None:
             result = upstream()
             if decode:  # upstream's linear step: a fallback, as v1 counts its linear steps in full mode
                 self._record_linear_step(result, reason)
+                if auto is not None:  # a chain step all the same (v1 observes its fallbacks too)
+                    self._observe_chain(batch, result, started, step)
             return result
         if getattr(batch, "return_logprob", False):
             raise ValueError("DFLASH speculative decoding does not support return_logprob yet.")
         self._validate_phase1_sampling_support(batch)
-        return self._tree_step(batch, on_publish)
+        if auto is None:
+            return self._tree_step(batch, on_publish)
+        sampled = self._sampled_rows(batch)
+        pick = auto.choose(len(batch.seq_lens), step, sampled=len(sampled))
+        if pick.is_chain:  # the chain candidate is upstream's linear DFLASH step itself
+            result = upstream()
+            self._record_chain_step(result)
+            self._observe_chain(batch, result, started, step)
+            return result
+        result = self._tree_step(batch, on_publish, budget=pick.budget)
+        # the host read waits for the step's device work, so the time below is the step's, as v1's is
+        acceptance = self._step_acceptance.tolist()
+        self._step_acceptance = None
+        self._observe(tree_observation(acceptance, budget=pick.budget, width=self.tree_budget + 1,
+                                       batch_size=len(batch.seq_lens), sampled=len(sampled),
+                                       seconds=time.perf_counter() - started), step)
+        return result
 
     # ------------------------------------------------------------------ base hooks (defaults: 0.5.17's shapes)
     def _base_fallback_reason(self, batch: Any) -> str | None:
@@ -368,15 +449,19 @@ class DDTreeStepV2:
         )
 
     # ------------------------------------------------------------------ the step
-    def _build_tree(self, draft_hidden: torch.Tensor) -> DDTree:
+    def _build_tree(self, draft_hidden: torch.Tensor, budget: int) -> DDTree:
+        """The configured (auto: the largest) budget's tree; a smaller `budget` keeps its first nodes padded to that
+        width (`shrink_tree`), the one verify width the seams sized: nodes are best-first whatever the budget, so
+        that prefix is the tree auto's acceptance-by-budget measured for it."""
         lm_head = self.target_worker.model_runner.model.lm_head
         # SGLang's ParallelLMHead is sharded over the TP group (one shard at TP 1); a plain head is the vocabulary
         sharded = hasattr(lm_head, "shard_indices")
         vocab = int(lm_head.org_vocab_size) if sharded else int(lm_head.weight.shape[0])
         logits = draft_tree_logits(draft_hidden, lm_head, vocab, get_tp_group() if sharded else None)
-        return build_ddtree(logits, self.tree_budget, self.tree_topk_cap, self.tree_keep_chain)
+        tree = build_ddtree(logits, self.tree_budget, self.tree_topk_cap, self.tree_keep_chain)
+        return tree if budget >= self.tree_budget else shrink_tree(tree, budget, pad=True)
 
-    def _tree_step(self, batch: Any, on_publish: Any) -> Any:
+    def _tree_step(self, batch: Any, on_publish: Any, budget: int | None = None) -> Any:
         draft_input = batch.spec_info
         if batch.seq_lens.is_cuda:  # upstream's: seq_lens may come from another stream
             batch.seq_lens.record_stream(torch.get_device_module(self.device).current_stream())
@@ -384,7 +469,8 @@ class DDTreeStepV2:
         prefix_lens = batch.seq_lens
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
 
-        tree = self._build_tree(self._draft_hidden(batch, draft_input))
+        tree = self._build_tree(self._draft_hidden(batch, draft_input),
+                                self.tree_budget if budget is None else int(budget))
         n = tree.parents.shape[1]
         bounds, prefix_bound = host_prefix_bounds(batch.seq_lens_cpu, self._host_reserved_cpu(draft_input), n)
         if bounds is None:
@@ -414,7 +500,7 @@ class DDTreeStepV2:
         candidates = verify.tokens.view(bs, n)
         adjusted = adjust_tree_verify_logits(logits, batch, tree, candidates)
 
-        sampled = sampled_rows(batch.reqs) if info is not None else []
+        sampled = self._sampled_rows(batch)
         accepted, accept_lens, bonus = tree_walk(
             tree, candidates, logits.view(bs, n, -1), sampled_rows=sampled, rule=self.sampling_rule,
             unfiltered=unfiltered_rows(batch.reqs, sampled),
@@ -422,6 +508,8 @@ class DDTreeStepV2:
             top_ks=None if info is None else info.top_ks, top_ps=None if info is None else info.top_ps,
             min_ps=info.min_ps if info is not None and info.need_min_p_sampling else None,
         )
+        if self.ddtree_auto is not None:  # what each candidate budget's tree would have accepted (read by the caller)
+            self._step_acceptance = acceptance_by_kind(tree, accepted, self._auto_budgets, sampled)
         commit = commit_tree(tree, accepted, accept_lens, bonus, req_to_token, batch.req_pool_indices,
                              prefix_lens, block)
         commit_lens = commit.commit_lens.to(torch.int32)
@@ -469,6 +557,11 @@ class DDTreeStepV2:
         stats.graph_steps += bool(graph)
         stats.add_accepted_depths(commit_lens - 1, int(self.block_size) - 1)
 
+    def _record_chain_step(self, result: Any) -> None:
+        """auto's chain pick, upstream's linear step: counted as v1 counts it, a chain step, not a fallback."""
+        self.ddtree_stats.add_linear_step(result, int(self.block_size))
+        self.ddtree_stats.chain_steps += 1
+
     def _record_linear_step(self, result: Any, reason: str) -> None:
         """Upstream's linear DFLASH step on a decode batch (v1 counts its linear steps the same way)."""
         stats = self.ddtree_stats
@@ -476,18 +569,44 @@ class DDTreeStepV2:
         stats.fallback_steps += 1
         stats.fallback_reasons[reason] += 1
 
+    # ------------------------------------------------------------------ auto
+    @staticmethod
+    def _sampled_rows(batch: Any) -> list[int]:
+        return sampled_rows(batch.reqs) if getattr(batch, "sampling_info", None) is not None else []
+
+    def _observe_chain(self, batch: Any, result: Any, started: float, step: int) -> None:
+        """A linear step's observation: each request's accepted drafts from upstream's `accept_lens` (a host read
+        that waits for the step, as the tree step's does)."""
+        num_correct = [max(0, int(n) - 1) for n in result.accept_lens.tolist()]
+        self._observe(chain_observation(num_correct, set(self._sampled_rows(batch)), width=int(self.block_size),
+                                        seconds=time.perf_counter() - started,
+                                        budgets=len(self.ddtree_auto.budgets)), step)
+
+    def _observe(self, obs: StepObservation, step: int) -> None:
+        """Step `step`'s observation into auto, and its refresh when due, summed over the TP ranks."""
+        auto = self.ddtree_auto
+        auto.observe(obs)
+        if self._auto_metrics is not None:
+            self._auto_metrics.observe_step(obs.budget)
+        if auto.due(step):
+            refresh_over_ranks(auto, get_tp_group().cpu_group if self.tree_tp_size > 1 else None)
+            if self._auto_metrics is not None:
+                self._auto_metrics.publish(auto.as_dict())
+
     def ddtree_internal_state(self) -> dict[str, Any]:
         """`/server_info` → internal_states[0]["ddtree"] (`ddtree_v2_args`' hook on the scheduler's
         `get_internal_state`): v1's keys and settings names; what v2 does not have is None / empty."""
         runner = getattr(self.target_worker.model_runner, "decode_cuda_graph_runner", None)
         return _stats.internal_state(
-            _stats.settings(mode="full", budget=self.tree_budget, budget_auto=False, topk_cap=self.tree_topk_cap,
-                            keep_chain=self.tree_keep_chain),
+            _stats.settings(mode="full", budget=self.tree_budget, budget_auto=self.tree_budget_auto,
+                            topk_cap=self.tree_topk_cap, keep_chain=self.tree_keep_chain),
             self.ddtree_stats,
-            auto=None,
+            # auto: candidates, plan per batch bucket, steps by budget, acceptance by budget, step costs
+            auto=None if self.ddtree_auto is None else self.ddtree_auto.as_dict(),
             verify_graph_width=getattr(runner, "captured_req_width", None),
             verify_graph_max_bs=getattr(runner, "max_bs", None),
             build_graph_bs=None,
+            # every step builds the largest tree (auto's smaller picks are its prefix)
             build_budgets=[self.tree_budget],
             verify_kernels=False,
             hybrid=None if self._ddtree_hybrid is None else self._ddtree_hybrid.as_dict(),

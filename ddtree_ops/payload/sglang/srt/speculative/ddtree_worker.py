@@ -54,8 +54,9 @@ from sglang.srt.speculative.ddtree_args import (
 )
 from sglang.srt.speculative.ddtree_auto_budget import (
     AutoBudget,
-    StepObservation,
     auto_candidates,
+    chain_observation,
+    tree_observation,
     verify_widths,
 )
 from sglang.srt.speculative.ddtree_hybrid import HybridTree, hf_config_dict, runtime_refusal
@@ -65,9 +66,9 @@ from sglang.srt.speculative.ddtree_profile import StepProfile
 from sglang.srt.speculative.ddtree_ranks import (
     agree_all,
     agree_min,
-    agree_sum,
     agree_verify_kernels,
     lm_head_refusal,
+    refresh_over_ranks,
     vocab_logits,
 )
 from sglang.srt.speculative.ddtree_sampling import (
@@ -89,7 +90,7 @@ from sglang.srt.speculative.ddtree_step_budget import (
 )
 from sglang.srt.speculative.ddtree_utils import (
     DDTreeRefused,
-    acceptance_by_budget,
+    acceptance_by_kind,
     build_ddtree,
     follow_verified_tree,
     full_mode_refusal,
@@ -752,38 +753,24 @@ class DDTreeController:
         """auto: what each candidate budget's tree would have accepted on this step, greedy and sampled
         requests apart (device; read once the step's own host copy has synchronised)."""
         if self.auto is not None:
-            mask = None
-            if sampled:
-                mask = torch.zeros(accepted_nodes.shape[0], dtype=torch.bool)
-                mask[sampled] = True
-            self._step_acceptance = acceptance_by_budget(tree, accepted_nodes, self._auto_budgets, mask)
+            self._step_acceptance = acceptance_by_kind(tree, accepted_nodes, self._auto_budgets, sampled)
 
     def _observe_step(self, num_correct: list[int], sampled: set[int], *, linear: bool) -> None:
         auto = self.auto
         step = self.stats.steps
         seconds = 0.0 if self._step_started is None else time.perf_counter() - self._step_started
-        n_sampled = len(sampled)
-        n_greedy = len(num_correct) - n_sampled
         if linear or self._step_acceptance is None:
-            zeros = [0.0] * len(auto.budgets)
-            chain_sampled = float(sum(k for i, k in enumerate(num_correct) if i in sampled))
-            obs = StepObservation(budget=0, width=self.block_size, batch_size=len(num_correct), seconds=seconds,
-                                  accepted=zeros, chain=float(sum(num_correct)) - chain_sampled, requests=n_greedy,
-                                  sampled_accepted=zeros, sampled_chain=chain_sampled, sampled_requests=n_sampled)
+            obs = chain_observation(num_correct, sampled, width=self.block_size, seconds=seconds,
+                                    budgets=len(auto.budgets))
         else:
-            greedy, by_sampled = self._step_acceptance.tolist()
-            obs = StepObservation(budget=self._shape.budget, width=self._shape.width, batch_size=len(num_correct),
-                                  seconds=seconds, accepted=greedy[:-1], chain=greedy[-1], requests=n_greedy,
-                                  sampled_accepted=by_sampled[:-1], sampled_chain=by_sampled[-1],
-                                  sampled_requests=n_sampled)
+            obs = tree_observation(self._step_acceptance.tolist(), budget=self._shape.budget, width=self._shape.width,
+                                   batch_size=len(num_correct), sampled=len(sampled), seconds=seconds)
         self._step_acceptance = None
         auto.observe(obs)
         if self._auto_metrics is not None:
             self._auto_metrics.observe_step(obs.budget)
         if auto.due(step):
-            group = tp_cpu_group(self.worker)
-            world = 1 if group is None else int(torch.distributed.get_world_size(group))
-            auto.refresh(reduce=lambda v: agree_sum(v, group), world=world)
+            refresh_over_ranks(auto, tp_cpu_group(self.worker))
             if self._auto_metrics is not None:
                 self._auto_metrics.publish(auto.as_dict())
 
