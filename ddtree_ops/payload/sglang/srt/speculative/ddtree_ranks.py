@@ -60,12 +60,12 @@ def agree_sum(values: list[float], group: Any) -> list[float]:
     return [float(v) for v in t.tolist()]
 
 
-
 def refresh_over_ranks(auto: Any, group: Any) -> None:
     """`AutoBudget.refresh` with its accumulators summed over the ranks of `group` (None: one rank), so every
     rank re-plans from the same numbers and picks the same budget for the same step."""
     world = 1 if group is None else int(dist.get_world_size(group))
     auto.refresh(reduce=lambda v: agree_sum(v, group), world=world)
+
 
 FLOAT_HEAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
