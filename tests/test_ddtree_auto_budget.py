@@ -368,7 +368,8 @@ def test_sampled_batches_are_priced_by_their_own_walks_on_the_shell(seed: int) -
     detail = {b: (round(c.ratio(), 3), c.best_fixed()[0].name) for b, c in sorted(cells.items())}
     sampled = {b: c for b, c in cells.items() if b < 0}
     assert shell.overall(sampled) >= 0.98, detail
-    assert min(c.ratio() for c in cells.values()) >= 0.935, detail  # pooled cells: 0.82 - 0.88
+    # pooled cells: 0.82 - 0.88. A drained batch's tail sizes (12 of 16 ...) are a step a pass: one pick, not a rate.
+    assert min(c.ratio() for c in cells.values() if c.steps >= 8) >= 0.935, detail
     # The best fixed candidate at T 0.8 is narrower than the greedy one somewhere: the kinds really differ.
     assert any(cells[-b].best_fixed()[0].width < cells[b].best_fixed()[0].width for b in (1, 4, 16, 64)), detail
 
@@ -492,6 +493,48 @@ def test_a_rarely_stepped_cell_is_not_the_minimum_of_its_noise() -> None:
                                     accepted=[4.0, 4.0], chain=4.0, requests=4))
     auto.refresh()
     assert auto.step_seconds(often, 0) <= 0.01 * ab.COST_SPIKE
+
+
+def test_one_measured_width_does_not_price_wider_sampled_trees_by_its_cost_per_token() -> None:
+    """The launch-bound pair on the H100 (payload 0.8.20): at batch 2 only the 15-tree's sampled steps were
+    timed, 5.6 ms beyond its greedy ones, mostly the sampled walk's fixed cost. Read as all per verify token, it
+    priced the 127-tree's sampled step at 46 ms (its steps took 7-10): never chosen, never measured, so never
+    corrected. One width measured: a wider tree no dearer than it, a narrower one no dearer per token. Where
+    another bucket measured two widths, its cost per token is taken, the fixed part from the bucket's own cell."""
+    cands = ab.auto_candidates(127, 16)
+    t15, t31, t127 = (next(c for c in cands if c.budget == b) for b in (15, 31, 127))
+    auto = ab.AutoBudget(cands, [1, 2, 4], max_running=4, warmup_steps=0)
+    auto.seed_start_costs({(w, bs): 0.2e-3 for w in auto.widths for bs in (1, 2, 4)})
+    greedy_s, surcharge_s = 2e-3, 5.6e-3
+
+    def steps(c, bs: int, seconds_sampled: float) -> None:
+        for sampled in (0, bs):
+            for _ in range(4):
+                acc = [0.0] * len(auto.budgets)
+                auto.observe(ab.StepObservation(
+                    budget=c.budget, width=c.width, batch_size=bs, seconds=seconds_sampled if sampled else greedy_s,
+                    accepted=acc, chain=0.0, requests=bs - sampled, sampled_accepted=acc, sampled_chain=0.0,
+                    sampled_requests=sampled))
+
+    for _ in range(40):  # a cell's first timing is clipped to its prior's COST_SPIKE: refreshes until they settle
+        steps(t15, 2, greedy_s + surcharge_s)
+        auto.refresh()
+    k2 = auto.bucket_index(2)
+    wide = auto.kind_seconds(t127, k2, ab.SAMPLED) - auto.kind_seconds(t127, k2, ab.GREEDY)
+    narrow = auto.kind_seconds(t15, k2, ab.SAMPLED) - auto.kind_seconds(t15, k2, ab.GREEDY)
+    assert narrow == pytest.approx(surcharge_s, rel=0.03)
+    assert 0.0 <= wide <= narrow * (1 + 1e-9), wide  # extrapolated per token: 8x, 45 ms
+    # Batch 1 measures two widths: 5.0 ms and 5.5 ms beyond greedy at 16 and 128 verify tokens.
+    for _ in range(40):
+        steps(t15, 1, greedy_s + 5.0e-3)
+        steps(t127, 1, greedy_s + 5.5e-3)
+        auto.refresh()
+    per_token = 0.5e-3 / (128 - 16)
+    fixed_at_2 = surcharge_s - per_token * 16 * 2
+    wide = auto.kind_seconds(t127, k2, ab.SAMPLED) - auto.kind_seconds(t127, k2, ab.GREEDY)
+    assert wide == pytest.approx(fixed_at_2 + per_token * 128 * 2, rel=0.03)
+    mid = auto.kind_seconds(t31, k2, ab.SAMPLED) - auto.kind_seconds(t31, k2, ab.GREEDY)
+    assert mid == pytest.approx(fixed_at_2 + per_token * 32 * 2, rel=0.03)
 
 
 def test_spiky_chain_steps_do_not_ratchet_the_chains_estimate_up() -> None:
