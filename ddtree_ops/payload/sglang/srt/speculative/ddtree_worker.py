@@ -90,6 +90,7 @@ from sglang.srt.speculative.ddtree_step_budget import (
 )
 from sglang.srt.speculative.ddtree_utils import (
     DDTreeRefused,
+    HostCopy,
     acceptance_by_kind,
     build_ddtree,
     follow_verified_tree,
@@ -258,6 +259,7 @@ class DDTreeController:
         self._step_sampled: set[int] = set()
         self._shape: StepShape = LINEAR_STEP
         self._step_acceptance: torch.Tensor | None = None
+        self._acceptance_copy = HostCopy()  # read after the walk's host read: no second sync a step
         self._step_started: float | None = None
         self._auto_metrics: AutoMetrics | None = None
         self.topk_cap = sa.speculative_ddtree_topk_cap
@@ -751,9 +753,10 @@ class DDTreeController:
 
     def stash_acceptance(self, tree: Any, accepted_nodes: torch.Tensor, sampled: list[int]) -> None:
         """auto: what each candidate budget's tree would have accepted on this step, greedy and sampled
-        requests apart (device; read once the step's own host copy has synchronised)."""
+        requests apart (a host copy queued in stream order: read once the walk's host read has synchronised)."""
         if self.auto is not None:
-            self._step_acceptance = acceptance_by_kind(tree, accepted_nodes, self._auto_budgets, sampled)
+            self._step_acceptance = self._acceptance_copy.queue(
+                acceptance_by_kind(tree, accepted_nodes, self._auto_budgets, sampled))
 
     def _observe_step(self, num_correct: list[int], sampled: set[int], *, linear: bool) -> None:
         auto = self.auto
