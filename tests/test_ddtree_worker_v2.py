@@ -101,7 +101,9 @@ def test_create_worker_picks_the_tree_worker_only_in_full_mode(base_site: Path, 
 def test_out_of_scope_settings_are_refused_naming_the_flag(observed: dict, base: str) -> None:
     r = observed["refusals"]
     assert r["good"] is None
-    assert r["auto"] is None  # served since the twelfth session (test_auto_*)
+    # auto (test_auto_*) is served only under its proof's switch until a GPU has run it
+    assert "--speculative-ddtree-budget auto on v2 has not passed its GPU proof" in r["auto"]
+    assert r["auto under switch"] is None
     for name, words in {"overlap": "--disable-overlap-schedule",
                         "flashinfer": "--attention-backend triton", "backend unset": "--attention-backend triton",
                         "decode fa3": "--decode-attention-backend fa3", "page": "--page-size 1",

@@ -43,7 +43,7 @@ from sglang.srt.speculative import ddtree_v2_penalties as vp
 from sglang.srt.speculative import ddtree_v2_seams as seams
 from sglang.srt.speculative import ddtree_v2_step as s
 from sglang.srt.speculative import ddtree_worker_v2 as w
-from sglang.srt.speculative.ddtree_args import TEST_V2_TP
+from sglang.srt.speculative.ddtree_args import TEST_V2_AUTO, TEST_V2_TP
 from sglang.srt.speculative.ddtree_stats import DDTreeStats
 from sglang.srt.speculative.ddtree_utils import build_ddtree
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
@@ -246,6 +246,11 @@ def refusals() -> dict:
         out["pp under switch"] = w.v2_refusal(SimpleNamespace(**{**GOOD, **cases["pp"]}))
     finally:
         del os.environ[TEST_V2_TP]
+    os.environ[TEST_V2_AUTO] = "1"  # the auto proof's servers
+    try:
+        out["auto under switch"] = w.v2_refusal(SimpleNamespace(**{**GOOD, **cases["auto"]}))
+    finally:
+        del os.environ[TEST_V2_AUTO]
     out["hybrid"] = w.v2_refusal(SimpleNamespace(**GOOD), hybrid=True)
     out["simulated"] = w.v2_refusal(SimpleNamespace(**GOOD), simulate_acc_len=3)
     # the worker refuses before upstream builds anything (its __init__ would need a GPU and models)
@@ -848,7 +853,11 @@ def auto_run() -> dict:
     DFLASH on the same stand-ins (the draft's argmax chain accepted while the target agrees); three steps more with
     auto's pick held at budget 3; then upstream's batches (a grammar decode: a fallback auto observes as a chain step)
     and the report through the scheduler."""
-    worker = tree_worker(speculative_ddtree_budget="auto", speculative_ddtree_budget_max=BUDGET)
+    os.environ[TEST_V2_AUTO] = "1"  # the auto proof's servers only, until a GPU has run it
+    try:
+        worker = tree_worker(speculative_ddtree_budget="auto", speculative_ddtree_budget_max=BUDGET)
+    finally:
+        del os.environ[TEST_V2_AUTO]
     head = SimpleNamespace(weight=torch.eye(po.VOCAB))
     graphs = SimpleNamespace(capture_bs=[1, 2, 4, 8, 16], captured_req_width=BUDGET + 1, max_bs=16)
     target = SimpleNamespace(model=SimpleNamespace(lm_head=head), device="cpu", decode_cuda_graph_runner=graphs,

@@ -29,7 +29,8 @@ walk's `target_probs` and penalised requests excepted, as on v1):
    plan's `[bs, block]` slots), next draft input from the bonus tokens, as `DDTreeDraftInputV2` (the seams'
    reservation).
 
-`--speculative-ddtree-budget auto` (`ddtree_auto_budget.AutoBudget`, v1's chooser, candidates and batch buckets):
+`--speculative-ddtree-budget auto` (`ddtree_auto_budget.AutoBudget`, v1's chooser, candidates and batch buckets;
+NEVER RUN ON A GPU, served only under the proof switch `SGLANG_DDTREE_TEST_V2_AUTO=1`, `settings_refusal`):
 each decode step asks `choose(bs, step)` with `step` the stats' step counter (every TP rank counts the same steps).
 The chain is upstream's linear DFLASH step itself (`ddtree_forward` hands the batch on, as for its fallbacks: eager,
 the verify graphs being captured at the tree's width). A tree pick verifies the largest tree's first `budget` nodes
@@ -114,6 +115,10 @@ class DDTreeV2Refused(_args.DDTreeConfigError):
 def settings_refusal(server_args: Any, full: str) -> str | None:
     """The refusals every base's tree step shares (the flag named), or None; `full` opens the message
     (`--speculative-ddtree-mode full on SGLang <base>'s v2 worker (first version)`)."""
+    if _args.is_auto(getattr(server_args, "speculative_ddtree_budget", None)) and not _args.test_switch(
+            _args.TEST_V2_AUTO):  # the auto proof's own servers run under the switch
+        return (f"{full} takes a fixed {_args.FLAG_BUDGET}: {_args.FLAG_BUDGET} auto on v2 has not passed its GPU "
+                f"proof yet (v1, SGLang 0.5.13.post1, serves it).")
     if not getattr(server_args, "disable_overlap_schedule", False):
         return f"{full} needs --disable-overlap-schedule: the overlap scheduler is not supported yet."
     for flag in ("attention_backend", "decode_attention_backend", "prefill_attention_backend"):
