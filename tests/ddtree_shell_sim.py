@@ -66,13 +66,10 @@ def _quantile(u: float, mean: float) -> int:
 class ShellServer:
     """True costs and acceptance of the shell; `observation` is what one step of a candidate reports."""
 
-    replay_ms = REPLAY_MS
-
     def __init__(self, ab, rng: random.Random, *, accept: dict[int, float] | None = None, spikes: bool = True,
                  slow_first: int = 1):
         self.ab, self.rng, self.spikes, self.slow_first = ab, rng, spikes, slow_first
         self.accept = dict(ACCEPT if accept is None else accept)
-        self.accept_sampled = dict(ACCEPT_SAMPLED)
         self._first: dict = {}
 
     @staticmethod
@@ -91,12 +88,12 @@ class ShellServer:
 
     def start_replays(self) -> dict[tuple[int, int], float]:
         """What the verify graphs' timed replays at start report (+-3 %)."""
-        return {(w, bs): self.replay_ms[w][k] * 1e-3 * self.rng.uniform(0.97, 1.03)
-                for w in self.replay_ms for k, bs in enumerate(BUCKETS)}
+        return {(w, bs): REPLAY_MS[w][k] * 1e-3 * self.rng.uniform(0.97, 1.03)
+                for w in REPLAY_MS for k, bs in enumerate(BUCKETS)}
 
     def expected_tokens(self, c, bs: int, ease: float = 1.0, sampled: int = 0) -> float:
         return ((bs - sampled) * (1.0 + capped_mean(self.accept[c.budget] * ease))
-                + sampled * (1.0 + capped_mean(self.accept_sampled[c.budget] * ease)))
+                + sampled * (1.0 + capped_mean(ACCEPT_SAMPLED[c.budget] * ease)))
 
     def throughput(self, c, bs: int, ease: float = 1.0, sampled: int = 0) -> float:
         return self.expected_tokens(c, bs, ease, sampled) / self.true_seconds(c, bs, sampled)
@@ -111,7 +108,7 @@ class ShellServer:
         elif self.spikes and rng.random() < 0.01:
             noise *= rng.uniform(2.0, 4.0)
         sums = []
-        for accept, n in ((self.accept, bs - sampled), (self.accept_sampled, sampled)):
+        for accept, n in ((self.accept, bs - sampled), (ACCEPT_SAMPLED, sampled)):
             accepted = [0.0] * len(budgets)
             chain = 0.0
             for _ in range(n):
@@ -130,32 +127,6 @@ class ShellServer:
                                        seconds=self.true_seconds(c, bs, sampled) * noise, accepted=accepted,
                                        chain=chain, requests=n, sampled_accepted=s_accepted, sampled_chain=s_chain,
                                        sampled_requests=s_n)
-
-
-class PairServer(ShellServer):
-    """The trained pair itself (hidden 256, launch-bound; the H100 run of payload 0.8.20, 2026-12-06): verify
-    replays of 0.15-0.65 ms (its start-up table, widths 16-128), so a step is its host's launches: draft 1.1-1.3 ms,
-    a chain step's commit 2.5 ms + 0.04 ms a request, a tree step's build / mask / walk / commit 3.2 ms + 0.05 ms
-    a request + 0.15 ms per doubling of the width. A sampled walk adds 1.5 ms and 0.3 us per sampled request and
-    verify token (full 128 at T 0.8 against greedy: +1.8 ms at batch 1, ~0 at 16, +3 ms at 64). Acceptance: the
-    pair's own curves (auto's `accepted_by_kind`, full 128's accept length)."""
-
-    replay_ms = {w: [r0 + (r64 - r0) * (bs - 1) / 63 for bs in BUCKETS]
-                 for w, (r0, r64) in {16: (0.153, 0.230), 32: (0.149, 0.284), 64: (0.154, 0.408),
-                                      128: (0.187, 0.654)}.items()}
-
-    def __init__(self, ab, rng: random.Random, **kw) -> None:
-        super().__init__(ab, rng, accept={0: 0.76, 15: 1.21, 31: 1.41, 63: 1.61, 127: 1.85}, **kw)
-        self.accept_sampled = {0: 0.48, 15: 0.84, 31: 1.0, 63: 1.18, 127: 1.32}
-
-    def true_seconds(self, c, bs: int, sampled: int = 0) -> float:
-        k = BUCKETS.index(self.bucket(bs))
-        w = c.width
-        draft = 1.1 + 0.2 * (bs - 1) / 63
-        extra = 2.5 + 0.04 * bs if c.is_chain else 3.2 + 0.05 * bs + 0.15 * math.log2(w / 16)
-        if sampled:
-            extra += 1.5 + 0.0003 * w * sampled
-        return (draft + self.replay_ms[w][k] + extra) * 1e-3
 
 
 # ----------------------------------------------------------------------------- traces

@@ -287,7 +287,8 @@ class AutoBudget:
         self._untimed = [[[UNTIMED_FIRST_STEPS] * nk for _ in range(nc)] for _ in KINDS]
         # Per kind (chain, tree) and bucket, what `_overhead` and `_surcharge` read (a refresh's priors ask for them
         # thousands of times; built by `_measure_extra`, which every re-plan starts with): the overhead, and the
-        # sampled surcharge's (seconds, seconds per verify token), None where none is measured.
+        # sampled surcharge's (seconds, seconds per verify token, verify tokens it stops growing at), None where
+        # none is measured.
         self._overheads: dict[bool, list[float]] = {True: [0.0] * nk, False: [0.0] * nk}
         self._surcharges: dict[bool, list[tuple[float, float, float] | None]] = {True: [None] * nk, False: [None] * nk}
         self._by_distance = [sorted(range(nk), key=lambda j, k=k: abs(j - k)) for k in range(nk)]

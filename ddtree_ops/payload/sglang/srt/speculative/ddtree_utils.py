@@ -672,9 +672,8 @@ class HostCopy:
     """A small device tensor copied to the host in stream order, without a host sync: `queue` returns the host
     copy, readable once a later host read on the same stream has synchronised (v1's walk reads its packed
     result right after). Reading the device tensor itself at the step's end (`tolist`) waited for everything
-    queued by then, the step's tail included: auto's steps on the launch-bound pair paid 0.2-0.3 ms a step for
-    it (H100, payload 0.8.20), fixed budgets did not. One pinned buffer, reused: the caller reads it before the
-    next `queue`."""
+    queued by then, the step's tail included: a second host stall a step that fixed budgets do not have. One
+    pinned buffer, reused: the caller reads it before the next `queue`."""
 
     def __init__(self) -> None:
         self._host: torch.Tensor | None = None
