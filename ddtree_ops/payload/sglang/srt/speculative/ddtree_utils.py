@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -658,7 +657,7 @@ def acceptance_by_budget(tree: DDTree, accepted_nodes: torch.Tensor, budgets: to
 
 
 def acceptance_by_kind(tree: DDTree, accepted_nodes: torch.Tensor, budgets: torch.Tensor,
-                       sampled: Sequence[int]) -> torch.Tensor:
+                       sampled: list[int]) -> torch.Tensor:
     """``acceptance_by_budget`` with the batch's sampled requests given by their indices (empty: all greedy); the
     mask is made on the host, no host sync."""
     mask = None

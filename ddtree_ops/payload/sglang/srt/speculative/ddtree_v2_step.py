@@ -255,6 +255,7 @@ class DDTreeStepV2:
 
     _ddtree_hybrid: Any = None  # a hybrid target's recurrent layers (0.5.17's ddtree_v2_hybrid.HybridStepV2)
     ddtree_auto: AutoBudget | None = None  # --speculative-ddtree-budget auto, made by `ddtree_start_auto`
+    tree_budget_auto = False  # set by `ddtree_setup` (workers the tests assemble without it read this)
     # a decode batch that asks for logprobs: False refuses it (0.5.17, as upstream refuses them there); True hands it
     # to upstream's linear step, which serves them (0.5.23; the adapter says why)
     LOGPROB_FALLBACK = False
