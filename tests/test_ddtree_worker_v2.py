@@ -123,6 +123,7 @@ def test_out_of_scope_settings_are_refused_naming_the_flag(observed: dict, base:
         assert switch in r[case] and "SGLANG_ENABLE_SPLITKV_VERIFY=0" in r[case], (case, r[case])
     assert r["chain-only switches upstream sets"] == (["use_verify_splitkv", "use_verify_shared_kv"]
                                                        if base == "0.5.23" else ["use_verify_splitkv"])
+    assert f"SGLang {base}'s v2 worker" in r["auto"]
     assert r["head bf16"] is None and r["head fp32"] is None
     for case, words in {"head fp8": "stored as torch.float8_e4m3fn", "head int8": "stored as torch.int8",
                         "head vector": "no weight matrix", "head qweight only": "no weight matrix",
