@@ -350,7 +350,9 @@ if [ "${AUTO:-0}" = 1 ]; then
   for set in p s; do
     m=/tmp/pair; [ $set = s ] && m=/tmp/shell
     prof=; [ "${AUTO_PROFILE:-0}" = 1 ] && prof=" PROF"
-    VARIANTS+=("${set}_plain|$m|" "${set}_dflash|$m|DF" "${set}_auto|$m|$FULL auto --speculative-ddtree-budget-max ${AUTO_MAX:-127}$prof")
+    # a v2 base serves auto only under its proof switch (ddtree_args.TEST_V2_AUTO) until a GPU run has proven it
+    v2auto=; [ -n "$SITE_BASE" ] && v2auto=" V2AUTO"
+    VARIANTS+=("${set}_plain|$m|" "${set}_dflash|$m|DF" "${set}_auto|$m|$FULL auto --speculative-ddtree-budget-max ${AUTO_MAX:-127}$prof$v2auto")
     for b in ${AUTO_FIXED:-16 32 64 128}; do VARIANTS+=("${set}_full$b|$m|$FULL $b$prof"); done
   done
 fi
@@ -393,6 +395,7 @@ launch() {  # TAG MODEL_DIR EXTRA...
       CTX4K) args+=(--context-length 4096 --cuda-graph-max-bs 8) ;;  # LIMITS: the second context length (after COMMON's)
       EVERY1) envs+=(SGLANG_DDTREE_SHADOW_EVERY=1) ;;  # shadow builds on every step, not one in 4: the build's cost x4
       AUDIT) audit=1 ;;  # state_audit/sitecustomize.py: the recurrent-state pool fingerprinted around every step
+      V2AUTO) envs+=(SGLANG_DDTREE_TEST_V2_AUTO=1 SGLANG_DDTREE_ALLOW_TEST_SWITCHES=1) ;;  # auto on a v2 base (its proof switch)
       EAGER) args+=(--disable-cuda-graph) ;;
       NOOVERLAP) args+=(--disable-overlap-schedule) ;;
       TP2) args+=(--tp-size 2 --nccl-port $(( PORT[$tag] + 5 )) "${TP2_EXTRA_ARGS[@]}")
