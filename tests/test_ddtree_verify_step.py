@@ -158,6 +158,32 @@ for case in range(cases):
     rows, temps = torch.tensor([4, 2, 2, 0]), torch.tensor([0.5, 1.0, 2.0, 0.8])
     lse = vk.row_logsumexp_triton(x.to(device), rows.to(device), temps.to(device)).cpu()
     assert torch.allclose(lse, torch.logsumexp(x[rows] / temps[:, None], -1), rtol=1e-5, atol=1e-5), case
+# auto's acceptance by budget: one kernel, the torch path's counts, greedy and sampled rows apart
+for case in range(cases):
+    bs = rng.choice([1, 3, 33])
+    tree = t.random_case(rng, bs=bs, budgets=(1, 4, 12) if bs > 3 else (1, 12, 64, 256))[0]
+    cand = torch.cat([torch.zeros((bs, 1), dtype=torch.int64), tree.token_ids], 1)
+    n = tree.parents.shape[1]
+    target = torch.randint(0, 40, (bs, n), generator=torch.Generator().manual_seed(case))
+    follows = torch.rand((bs, n), generator=torch.Generator().manual_seed(case + 99)) < 0.8
+    real = tree.parents >= 0
+    slot = torch.arange(n).expand(bs, n)
+    target.scatter_(1, torch.where(real & follows, tree.parents, slot), torch.where(real & follows, cand, target))
+    accepted = t.du.follow_verified_tree(tree, target)[0].to(torch.int64)
+    budgets = torch.tensor(sorted(rng.sample([1, 2, 3, 7, 15, 31, 63, 127, 255], rng.randint(1, 6))))
+    sampled = sorted(rng.sample(range(bs), rng.randint(0, bs)))
+    want = t.du.acceptance_by_kind(tree, accepted, budgets, sampled)
+    if device != "cpu":
+        tree = type(tree)(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(tree).items()})
+    got = t.vs.step_acceptance(tree, accepted.to(device), budgets.to(device), sampled, None)
+    assert torch.equal(got.cpu(), want), (case, got, want)
+# a wrong acceptance kernel is caught at start
+real_acc = vk.acceptance_by_budget_triton
+vk.acceptance_by_budget_triton = lambda tree, a, b, k: real_acc(tree, a, b, None)
+why = t.vs.self_test(torch.device(device), 12, 3, t.du.build_ddtree, t.du.follow_verified_tree, acceptance=t.du.acceptance_by_kind)
+assert why is not None and "acceptance by budget differs" in why, why
+vk.acceptance_by_budget_triton = real_acc
+t.vs._KERNELS_OFF.clear()
 # tree_walk takes the kernels for identity rows here, and walks as the torch path does
 tree, _, _, _, _ = t.random_case(rng, bs=5, budgets=(30,))
 bs, n = tree.parents.shape
@@ -178,7 +204,8 @@ if device == "cpu":
     sibling_vs._KERNELS_OFF.clear()
     assert all(torch.equal(a, b) for a, b in zip(fused, plain)), (fused, plain)
 assert t.vs.self_test(torch.device(device), 12, 3, t.du.build_ddtree, t.du.follow_verified_tree,
-                      t.du.shrink_tree, smaller=(7, 3, 1, 0), walk=ds.walk_node_probs) is None
+                      t.du.shrink_tree, smaller=(7, 3, 1, 0), walk=ds.walk_node_probs,
+                      acceptance=t.du.acceptance_by_kind) is None
 # a wrong sampled walk kernel is caught at start
 real_sampled = vk.sampled_walk_triton
 vk.sampled_walk_triton = lambda tree, q, c: (lambda a, l, x: (a, l, torch.where(l > 1, x + 1, x)))(*real_sampled(tree, q, c))

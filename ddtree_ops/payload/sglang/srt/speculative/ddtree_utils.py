@@ -659,11 +659,12 @@ def acceptance_by_budget(tree: DDTree, accepted_nodes: torch.Tensor, budgets: to
 def acceptance_by_kind(tree: DDTree, accepted_nodes: torch.Tensor, budgets: torch.Tensor,
                        sampled: list[int]) -> torch.Tensor:
     """``acceptance_by_budget`` with the batch's sampled requests given by their indices (empty: all greedy); the
-    mask is made on the host, no host sync."""
+    mask is made on the host and copied from pinned memory in stream order (a pageable copy waits for the GPU)."""
     mask = None
     if sampled:
-        mask = torch.zeros(accepted_nodes.shape[0], dtype=torch.bool)
+        mask = torch.zeros(accepted_nodes.shape[0], dtype=torch.bool, pin_memory=accepted_nodes.is_cuda)
         mask[list(sampled)] = True
+        mask = mask.to(accepted_nodes.device, non_blocking=True)
     return acceptance_by_budget(tree, accepted_nodes, budgets, mask)
 
 

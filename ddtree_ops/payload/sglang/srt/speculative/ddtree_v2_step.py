@@ -95,7 +95,12 @@ from sglang.srt.speculative.ddtree_utils import (
     shrink_tree,
 )
 from sglang.srt.speculative.ddtree_v2_shadow import is_decode
-from sglang.srt.speculative.ddtree_verify_step import kernels_in_use, self_test, tree_custom_mask_bounded
+from sglang.srt.speculative.ddtree_verify_step import (
+    kernels_in_use,
+    self_test,
+    step_acceptance,
+    tree_custom_mask_bounded,
+)
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
 
@@ -308,7 +313,7 @@ class DDTreeStepV2:
         # path here, as v1 checks them at start: one this GPU or Triton gets wrong leaves the torch path.
         device = torch.device(self.target_worker.model_runner.device)
         error = self_test(device, self.tree_budget, self.block_size - 1, build_ddtree, follow_verified_tree,
-                          walk=walk_node_probs)
+                          walk=walk_node_probs, acceptance=acceptance_by_kind if self.tree_budget_auto else None)
         if error:
             logger.warning("DDTree v2: verify kernels off (%s); the sampled walk runs on torch ops", error)
         agree_verify_kernels(kernels_in_use(device), get_tp_group().cpu_group if self.tree_tp_size > 1 else None)
@@ -515,7 +520,7 @@ class DDTreeStepV2:
             min_ps=info.min_ps if info is not None and info.need_min_p_sampling else None,
         )
         if self.ddtree_auto is not None:  # what each candidate budget's tree would have accepted (read by the caller)
-            self._step_acceptance = acceptance_by_kind(tree, accepted, self._auto_budgets, sampled)
+            self._step_acceptance = step_acceptance(tree, accepted, self._auto_budgets, sampled, acceptance_by_kind)
         commit = commit_tree(tree, accepted, accept_lens, bonus, req_to_token, batch.req_pool_indices,
                              prefix_lens, block)
         commit_lens = commit.commit_lens.to(torch.int32)

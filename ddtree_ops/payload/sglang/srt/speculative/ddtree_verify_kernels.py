@@ -267,3 +267,66 @@ def sampled_walk_triton(tree, node_probs: torch.Tensor, coins: torch.Tensor) -> 
             N=n, D=depth, N_BLOCK=triton.next_power_of_2(n),
         )
     return accepted, lengths, last
+
+
+@triton.jit(do_not_specialize=["B", "N", "D", "K"])
+def _acceptance_kernel(
+    accepted_ptr,  # i64 [B, D + 1]: the walk's nodes by depth, root first, -1 pad
+    ranks_ptr,  # i64 [B, N]: each node's token's rank at its position (0: the draft's top-1)
+    budgets_ptr,  # i64 [K]
+    kinds_ptr,  # i64 [B]: 1 for a sampled request (read only with HAS_KINDS)
+    out_ptr,  # f32 [2, K + 1] out: greedy row, sampled row; each the budgets' counts, then the chain's
+    B,
+    N,
+    D,
+    K,
+    D_BLOCK: tl.constexpr,
+    K_BLOCK: tl.constexpr,
+    HAS_KINDS: tl.constexpr,
+):
+    # One program for the batch: a few dozen requests of a few path nodes each, summed in a fixed order.
+    d = tl.arange(0, D_BLOCK)
+    k = tl.arange(0, K_BLOCK)
+    in_path = d < D
+    budgets = tl.load(budgets_ptr + k, mask=k < K, other=-1)
+    counts0 = tl.zeros((K_BLOCK,), dtype=tl.int32)
+    counts1 = tl.zeros((K_BLOCK,), dtype=tl.int32)
+    chain0 = tl.program_id(0) * 0
+    chain1 = chain0
+    for b in range(B):
+        node = tl.load(accepted_ptr + b * (D + 1) + 1 + d, mask=in_path, other=-1)
+        on_path = node > 0
+        within = (node[:, None] <= budgets[None, :]) & on_path[:, None]
+        counts = tl.sum(within.to(tl.int32), axis=0)
+        rank = tl.load(ranks_ptr + b * N + tl.maximum(node, 0), mask=in_path, other=1)
+        # the leading path nodes that are the draft's top-1: the first position that is not, or D
+        chain = tl.min(tl.where(on_path & (rank == 0), D, d), axis=0)
+        sampled = 0
+        if HAS_KINDS:
+            sampled = tl.load(kinds_ptr + b)
+        counts0 += tl.where(sampled == 0, counts, 0)
+        counts1 += tl.where(sampled != 0, counts, 0)
+        chain0 += tl.where(sampled == 0, chain, 0)
+        chain1 += tl.where(sampled != 0, chain, 0)
+    tl.store(out_ptr + k, counts0.to(tl.float32), mask=k < K)
+    tl.store(out_ptr + K, chain0.to(tl.float32))
+    tl.store(out_ptr + (K + 1) + k, counts1.to(tl.float32), mask=k < K)
+    tl.store(out_ptr + (K + 1) + K, chain1.to(tl.float32))
+
+
+def acceptance_by_budget_triton(tree, accepted_nodes: torch.Tensor, budgets: torch.Tensor,
+                                kinds: torch.Tensor | None) -> torch.Tensor:
+    """Same contract as `ddtree_utils.acceptance_by_budget` with `kinds` int64 [bs] on the device (1: sampled;
+    None: every request greedy): float32 [2, K + 1]."""
+    bs, width = accepted_nodes.shape
+    k = int(budgets.numel())
+    device = accepted_nodes.device
+    out = torch.empty((2, k + 1), dtype=torch.float32, device=device)
+    ranks = tree.token_ranks.contiguous()
+    _acceptance_kernel[(1,)](
+        accepted_nodes.to(torch.int64).contiguous(), ranks, budgets.to(device=device, dtype=torch.int64).contiguous(),
+        accepted_nodes if kinds is None else kinds.contiguous(), out, bs,
+        N=ranks.shape[1], D=width - 1, K=k, D_BLOCK=triton.next_power_of_2(max(width - 1, 1)),
+        K_BLOCK=triton.next_power_of_2(max(k, 1)), HAS_KINDS=kinds is not None,
+    )
+    return out

@@ -143,9 +143,25 @@ def _commit_slots_torch(
     return loc.gather(1, safe)[in_commit], rows, loc[keep_count == 0]
 
 
+def step_acceptance(tree: Any, accepted_nodes: torch.Tensor, budgets: torch.Tensor, sampled: list[int],
+                    reference: Any) -> torch.Tensor:
+    """auto's acceptance by budget of a step's walk, greedy and sampled rows apart: `reference` is
+    `ddtree_utils.acceptance_by_kind` (passed in, as the walks' references are), the torch path of about fifteen
+    small ops; on CUDA one kernel. No host sync either way."""
+    kernels = _fused(accepted_nodes)
+    if kernels is None:
+        return reference(tree, accepted_nodes, budgets, sampled)
+    kinds = None
+    if sampled:
+        host = torch.zeros(accepted_nodes.shape[0], dtype=torch.int64, pin_memory=accepted_nodes.is_cuda)
+        host[list(sampled)] = 1
+        kinds = host.to(accepted_nodes.device, non_blocking=True)
+    return kernels.acceptance_by_budget_triton(tree, accepted_nodes, budgets, kinds)
+
+
 def self_test(
     device: torch.device, budget: int, depth: int, build: Any, follow: Any, shrink: Any = None,
-    smaller: tuple[int, ...] = (), pad_widths: tuple[int, ...] = (), walk: Any = None,
+    smaller: tuple[int, ...] = (), pad_widths: tuple[int, ...] = (), walk: Any = None, acceptance: Any = None,
 ) -> str | None:
     """Run each kernel beside its torch function on random trees of this budget and depth on `device`,
     and on the first `b` nodes of them for every `b` in `smaller` (`shrink` is
@@ -153,7 +169,8 @@ def self_test(
     `pad_widths` that holds them: auto's smaller verify graphs), as shrunk and padded steps verify them:
     every width a step can take is compiled here, at start, not mid-serving. `walk` is
     `ddtree_sampling.walk_node_probs`, the sampled walk's reference (its kernel and the log-sum-exp's are
-    checked where it is given).
+    checked where it is given); `acceptance` is `ddtree_utils.acceptance_by_kind` (auto's acceptance kernel is
+    checked against it where it is given).
     None: they agree, or there are no kernels to test. Otherwise why not, and every later call takes
     the torch path: a server with a kernel this GPU or Triton gets wrong is slower, never wrong."""
     if _fused(torch.empty(0, device=device)) is None:
@@ -167,7 +184,10 @@ def self_test(
             shapes += [(shrink(full, b, pad=True, pad_to=w), b) for b in (budget, *smaller) for w in pad_widths
                        if b + 1 < w < budget + 1]
             for tree, b in shapes:
-                _check_kernels_on(kernels, tree, b + 1, follow, g, f"batch {bs}, {b + 1} of {tree.parents.shape[1]} slots")
+                where = f"batch {bs}, {b + 1} of {tree.parents.shape[1]} slots"
+                _check_kernels_on(kernels, tree, b + 1, follow, g, where)
+                if acceptance is not None:
+                    _check_acceptance_on(kernels, tree, (*smaller, budget), follow, acceptance, g, where)
             if walk is not None:  # a flat draft's tree is wide, a peaked one's deep: both
                 for tree in (full, build(torch.randn((bs, depth, 64), generator=g).to(device) * 4, budget)):
                     _check_sampled_kernels_on(kernels, tree, walk, g, f"batch {bs}, depth {int(tree.max_depth)}")
@@ -202,6 +222,27 @@ def _check_kernels_on(kernels: Any, tree: Any, kv_width: int, follow: Any, g: to
     for name, (got, want) in pairs.items():
         if not torch.equal(got, want):
             raise AssertionError(f"{name} differs from the torch path at {where}")
+
+
+def _check_acceptance_on(kernels: Any, tree: Any, budgets: tuple[int, ...], follow: Any, acceptance: Any,
+                         g: torch.Generator, where: str) -> None:
+    bs, n = tree.parents.shape
+    device = tree.parents.device
+    # walks along the draft's own tokens, a node's target now and then another: paths on and off the chain
+    cand = torch.cat([torch.zeros((bs, 1), dtype=torch.int64, device=device), tree.token_ids], 1)
+    target = torch.randint(0, 64, (bs, n), generator=g).to(device)
+    slot = torch.arange(n, device=device).expand(bs, n)
+    follows = torch.rand((bs, n), generator=g).to(device) < 0.8
+    target.scatter_(1, torch.where((tree.parents >= 0) & follows, tree.parents, slot),
+                    torch.where((tree.parents >= 0) & follows, cand, target))
+    accepted = follow(tree, target)[0].to(torch.int64)
+    ladder = torch.tensor(sorted({b for b in budgets if b > 0}), dtype=torch.int64, device=device)
+    for sampled in ([], list(range(0, bs, 2))):
+        kinds = torch.zeros(bs, dtype=torch.int64, device=device)
+        kinds[sampled] = 1
+        got = kernels.acceptance_by_budget_triton(tree, accepted, ladder, kinds if sampled else None)
+        if not torch.equal(got, acceptance(tree, accepted, ladder, sampled)):
+            raise AssertionError(f"acceptance by budget differs from the torch path at {where}")
 
 
 def _check_sampled_kernels_on(kernels: Any, tree: Any, walk: Any, g: torch.Generator, where: str) -> None:

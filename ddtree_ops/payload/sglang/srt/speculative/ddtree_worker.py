@@ -104,6 +104,7 @@ from sglang.srt.speculative.ddtree_verify_step import (
     kernels_in_use,
     pack_walk,
     self_test,
+    step_acceptance,
     tree_custom_mask,
 )
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
@@ -415,7 +416,7 @@ class DDTreeController:
         pad_widths = tuple(self._verify_ladder.widths) if self._verify_ladder is not None else ()
         error = self_test(torch.device(device), self.budget, self.depth, build_ddtree, follow_verified_tree,
                           shrink_tree, smaller=(*budget_ladder(self.budget)[1:], 0), pad_widths=pad_widths,
-                          walk=walk_node_probs)
+                          walk=walk_node_probs, acceptance=acceptance_by_kind if self.budget_auto else None)
         if error and self.tp_rank == 0:
             logger.warning("DDTree: verify kernels off (%s); the verify step runs on torch ops", error)
         return kernels_in_use(torch.device(device))
@@ -756,7 +757,7 @@ class DDTreeController:
         requests apart (a host copy queued in stream order: read once the walk's host read has synchronised)."""
         if self.auto is not None:
             self._step_acceptance = self._acceptance_copy.queue(
-                acceptance_by_kind(tree, accepted_nodes, self._auto_budgets, sampled))
+                step_acceptance(tree, accepted_nodes, self._auto_budgets, sampled, acceptance_by_kind))
 
     def _observe_step(self, num_correct: list[int], sampled: set[int], *, linear: bool) -> None:
         auto = self.auto
