@@ -35,9 +35,19 @@ summarize() {
 }
 at_deadline() { ts "watchdog: summary and packing at the deadline"; summarize; pack; }
 start_watchdog $(( DEADLINE - $(date +%s) - 15 )) at_deadline
+# The shell's servers hold 16.2 GB of weights each and need KV room beside them (--mem-fraction-static is taken of
+# what is free when each starts): four fit an H200's 139 GiB, not an H100's 80 (2026-12-06: every tree server died
+# "Not enough memory", DFLASH ran on a 362-token pool). A wave that cannot fit is skipped, said, not half-measured.
+SHELL_SERVER_MIB=${SHELL_SERVER_MIB:-24000}
+GPU_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
 run_wave() {  # NAME TAG...: start the wave's servers together, measure each set's, stop them
   local wave=$1; shift
-  local ports=() t v
+  local ports=() t v shells=0
+  for t in "$@"; do [[ $t == s_* ]] && shells=$((shells + 1)); done
+  if [ "$shells" -gt 0 ] && [ -n "$GPU_MIB" ] && [ $(( shells * SHELL_SERVER_MIB )) -gt "$GPU_MIB" ]; then
+    ts "skip wave $wave: its $shells shell servers need ~$(( shells * SHELL_SERVER_MIB )) MiB, this GPU has $GPU_MIB MiB (an H200, or fewer shell servers a wave)"
+    return
+  fi
   for t in "$@"; do
     for v in "${TAGS[@]}"; do [ "${v%%|*}" = "$t" ] || continue; IFS='|' read -r tag model extra <<< "$v"; launch "$tag" "$model" $extra; done
   done
