@@ -36,11 +36,12 @@ from sglang.srt.managers.schedule_batch import ReqKvInfo
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.model_executor.model_runner import ModelRunner
-from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
 from sglang.srt.speculative import ddtree_v2_seams as seams
 from sglang.srt.speculative import ddtree_verify_graphs as vg
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.version import __version__
+from v2_runner_stand_in import StandInRunner, replay_seconds  # beside this script
+from v2_runner_stand_in import triton_backend as stand_in_backend
 
 BLOCK = 16
 SPEC = SimpleNamespace(speculative_num_draft_tokens=BLOCK, speculative_eagle_topk=None)
@@ -101,15 +102,7 @@ MAX_BS, CONTEXT = 4, 96
 
 def triton_backend(is_draft_runner: bool = False) -> TritonAttnBackend:
     """The real triton backend class on the CPU, with what its `init_cuda_graph_state` reads."""
-    b = TritonAttnBackend.__new__(TritonAttnBackend)
-    attrs = dict(num_head=2, max_kv_splits=2, v_head_dim=8, swa_v_head_dim=None, device="cpu",
-                 max_context_len=CONTEXT, is_draft_runner=is_draft_runner, skip_prefill=False,
-                 num_draft_tokens=BLOCK, sliding_window_size=None, use_sliding_window_kv_pool=False,
-                 _translate_kv_loc=None, kv_index_translator=None, page_size=1,
-                 lean_total_programs=2, lean_block_m=2)  # 0.5.23 also sizes its lean-attention scratch
-    for k, v in attrs.items():
-        setattr(b, k, v)
-    return b
+    return stand_in_backend(block=BLOCK, max_context_len=CONTEXT, is_draft_runner=is_draft_runner)
 
 
 def mask_buffer(is_draft_runner: bool = False) -> int | None:
@@ -205,37 +198,6 @@ def paged_lens() -> list:
 # --- auto's verify-graph ladder through the seams' width ---------------------------------------------------------
 
 
-class StandInGraph:
-    def __init__(self, width: int, bs: int) -> None:
-        self.width, self.bs = width, bs
-
-    def replay(self) -> None:
-        pass
-
-
-class StandInRunner:
-    """`DecodeCudaGraphRunner.__init__` as far as the width goes (17/23: its `captured_req_width` from
-    `model_runner.decode_num_tokens_per_req(num_draft_tokens=...)`, then `attn_backend.init_cuda_graph_state(max_bs,
-    max_bs * width)`, then one graph per captured batch size under its own keys)."""
-
-    _make_graph_key = DecodeCudaGraphRunner._make_graph_key
-    _capture_graph_size = DecodeCudaGraphRunner._capture_graph_size
-    ragged_verify_mode = False
-    fail_at: int | None = None
-
-    def __init__(self, model_runner) -> None:
-        self.model_runner, self.attn_backend = model_runner, model_runner.attn_backend
-        self.captured_req_width = model_runner.decode_num_tokens_per_req(num_draft_tokens=BLOCK)
-        if self.captured_req_width == StandInRunner.fail_at:
-            raise RuntimeError("Capture cuda graph failed (stand-in)")
-        self.capture_bs = [1, 2, MAX_BS]
-        self.max_bs = MAX_BS
-        self.attn_backend.init_cuda_graph_state(self.max_bs, self.max_bs * self.captured_req_width)
-        self.backend = SimpleNamespace(_graphs={
-            self._make_graph_key(self._capture_graph_size(bs=bs, num_tokens=bs * self.captured_req_width)):
-                StandInGraph(self.captured_req_width, bs) for bs in self.capture_bs})
-
-
 def ladder_case(widths: list[int], fail_at: int | None = None) -> dict:
     """The target's graph set at the seams' width, then `capture_verify_ladder` for `widths`, as the v2 tree step
     calls it; what each runner captured at, what the backend's buffers are after, what the width hook answers."""
@@ -247,7 +209,7 @@ def ladder_case(widths: list[int], fail_at: int | None = None) -> dict:
     existing = mr.decode_cuda_graph_runner = StandInRunner(mr)
     mask, logits, kv_indices = backend._verify_mask, backend.cuda_graph_attn_logits, backend.cuda_graph_kv_indices
     real_replay, StandInRunner.fail_at = vg._replay_seconds, fail_at
-    vg._replay_seconds = lambda graph, repeats: graph.width * graph.bs * 1e-6
+    vg._replay_seconds = replay_seconds
     out: dict = {"existing_width": existing.captured_req_width}
     try:
         ladder = vg.capture_verify_ladder(mr, widths, set_capture_width=seams.set_capture_width,
