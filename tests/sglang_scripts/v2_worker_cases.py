@@ -18,6 +18,9 @@ same gather in torch) and `_append_target_hidden_to_draft_kv_by_loc` (records it
 made without `__init__` (it builds models) and given the attributes the step reads; in the stats run, by its own
 `__init__` with upstream's stubbed, and upstream's `forward_batch_generation` stubbed for the batches it hands on.
 The scheduler's `get_internal_state` is the real one (as `load_plugins` hooked it) on a stand-in scheduler object.
+In the auto case the target's verify graph runner is `v2_runner_stand_in.StandInRunner` (a CUDA graph needs a GPU;
+its width comes through the real `ModelRunner.decode_num_tokens_per_req` and the seams' hook), the ladder's replay
+timer and the kernels' start-up check are recorded instead of run (CUDA events / a device the stand-in only names).
 
 Usage: python v2_worker_cases.py   (env: SGLANG_DDTREE_TEST_V2_TREE / _ALLOW_TEST_SWITCHES as the case needs)
 """
