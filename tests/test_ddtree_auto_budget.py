@@ -650,3 +650,184 @@ def test_the_overhead_of_unstepped_cells_follows_its_definition_after_every_refr
             for cand in cands:
                 for k in range(len(auto.buckets)):
                     assert auto._overhead(cand, k) == _overhead_oracle(auto, cand, k), (step, cand, k)
+
+
+# ----------------------------------------------------------------------------- the verify-graph ladder (both workers)
+#
+# `ddtree_verify_graphs` captures auto's verify graphs per candidate width; CUDA graphs cannot be captured on the
+# CPU, so these drive its selection and bookkeeping with runner stand-ins shaped as each worker's graph runner
+# (v1's `CudaGraphRunner`: `num_tokens_per_bs`, `graphs`; v2's `DecodeCudaGraphRunner`: `captured_req_width`, graphs
+# under its capture backend's keys); the v2 capture through SGLang's real width hook and triton backend is in
+# tests/test_ddtree_v2_seams.py, whole auto steps on the ladder in tests/test_ddtree_worker_v2.py.
+
+vg = load_payload_module("ddtree_verify_graphs")
+
+
+def _padded_width_oracle(need: int, widths: list[int]) -> int | None:
+    fits = [w for w in widths if w >= need]
+    return min(fits) if fits else None
+
+
+def test_padded_width_is_the_smallest_captured_width_that_holds_the_tree() -> None:
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=400, deadline=None)
+    @given(st.integers(min_value=1, max_value=300), st.lists(st.integers(min_value=1, max_value=300), max_size=8))
+    def check(need: int, widths: list[int]) -> None:
+        assert vg.padded_width(need, widths) == _padded_width_oracle(need, widths)
+
+    check()
+    # auto's candidate widths at block 16, max 127: a tree pads to the next one up, a candidate's own is itself
+    widths = ab.verify_widths(ab.auto_candidates(127, 16))
+    assert widths == [16, 32, 64, 128]
+    assert [vg.padded_width(n, widths) for n in (1, 16, 17, 32, 33, 100, 128, 129)] == [16, 16, 32, 32, 64, 128, 128,
+                                                                                        None]
+
+
+class _Graph:
+    def __init__(self, width: int, bs: int) -> None:
+        self.width, self.bs, self.replays = width, bs, 0
+
+    def replay(self) -> None:
+        self.replays += 1
+
+
+class _Backend:
+    """A triton backend's graph state: `init_cuda_graph_state` (re)allocates what the graphs read."""
+
+    def __init__(self) -> None:
+        self.states: list[tuple[int, int]] = []
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self.states.append((max_bs, max_num_tokens))
+
+
+WIDTH_NOW: list[int] = []  # the width hook's answer (the worker's capture width, else the configured width)
+
+
+class _V1Runner:
+    """v1's `CudaGraphRunner` as far as the ladder reads it: width from the width hook at construction."""
+
+    fail_at: int | None = None
+
+    def __init__(self, model_runner) -> None:
+        self.model_runner, self.attn_backend = model_runner, model_runner.attn_backend
+        self.num_tokens_per_bs = WIDTH_NOW[-1]
+        if self.num_tokens_per_bs == self.fail_at:
+            raise RuntimeError("capture failed (stand-in)")
+        self.capture_bs, self.max_bs = [1, 2, 4], 4
+        self.attn_backend.init_cuda_graph_state(4, 4 * self.num_tokens_per_bs)
+        self.graphs = {bs: _Graph(self.num_tokens_per_bs, bs) for bs in self.capture_bs}
+
+
+class _V2Runner:
+    """v2's `DecodeCudaGraphRunner` as far as the ladder reads it: `captured_req_width`, graphs under keys."""
+
+    ragged_verify_mode = False
+
+    def __init__(self, model_runner) -> None:
+        self.model_runner, self.attn_backend = model_runner, model_runner.attn_backend
+        self.captured_req_width = WIDTH_NOW[-1]
+        self.capture_bs, self.max_bs = [1, 2, 4], 4
+        self.attn_backend.init_cuda_graph_state(4, 4 * self.captured_req_width)
+        self.backend = type("Full", (), {})()
+        self.backend._graphs = {self._make_graph_key(self._capture_graph_size(bs=bs, num_tokens=bs * self.captured_req_width)):
+                                _Graph(self.captured_req_width, bs) for bs in self.capture_bs}
+
+    def _make_graph_key(self, size: int) -> tuple:
+        return ("key", size)
+
+    def _capture_graph_size(self, *, bs: int, num_tokens: int) -> int:
+        return num_tokens if self.ragged_verify_mode else bs
+
+
+def _ladder_setup(runner_cls, attr: str, full: int = 64):
+    WIDTH_NOW[:] = [full]
+    backend = _Backend()
+    model_runner = type("MR", (), {})()
+    model_runner.device, model_runner.attn_backend = "cuda:0", backend
+    setattr(model_runner, attr, runner_cls(model_runner))
+    calls: list = []
+
+    def set_capture_width(width):
+        calls.append(("capture", width))
+        WIDTH_NOW[:] = [full if width is None else width]
+
+    return model_runner, backend, calls, set_capture_width
+
+
+@pytest.mark.parametrize("worker", ["v1", "v2"])
+def test_ladder_captures_each_narrower_width_times_it_and_restores(worker: str, monkeypatch) -> None:
+    names, runner_cls = (vg.V1_RUNNER, _V1Runner) if worker == "v1" else (vg.V2_RUNNER, _V2Runner)
+    monkeypatch.setattr(vg, "_replay_seconds", lambda graph, repeats: graph.width * graph.bs * 1e-6)
+    model_runner, backend, calls, set_capture_width = _ladder_setup(runner_cls, names.attr)
+    existing = getattr(model_runner, names.attr)
+    backend_widths: list = []
+    set_backend = (lambda w: (calls.append(("backend", w)), backend_widths.append(w))) if worker == "v1" else None
+    ladder = vg.capture_verify_ladder(model_runner, [16, 32, 64, 16], set_capture_width=set_capture_width,
+                                      set_backend_width=set_backend, reserved_memory=lambda: None, names=names)
+    assert ladder.widths == [16, 32, 64] and ladder.widest == 64 and ladder.runners[64] is existing
+    assert {w: names.width(r) for w, r in ladder.runners.items()} == {16: 16, 32: 32, 64: 64}
+    assert backend.states == [(4, 256)]  # only the widest set's: held off while the narrower ones were made
+    assert "init_cuda_graph_state" not in vars(backend)  # the class's method again
+    assert getattr(model_runner, names.attr) is existing and WIDTH_NOW == [64]
+    assert set(ladder.replay_seconds) == {(w, bs) for w in (16, 32, 64) for bs in (1, 2, 4)}
+    assert ladder.replay_seconds[(32, 2)] == pytest.approx(64e-6)
+    # widest first (its replays timed before any other capture), the hook reset once at the end
+    want = [("capture", 32), ("capture", 16), ("capture", None)]
+    if worker == "v1":
+        want = [("capture", 32), ("backend", 32), ("capture", 16), ("backend", 16), ("capture", None), ("backend", 64)]
+    assert calls == want
+    for need in range(1, 65):
+        assert ladder.width_for(need) == _padded_width_oracle(need, [16, 32, 64])
+    ladder.use(32)
+    assert getattr(model_runner, names.attr) is ladder.runners[32]
+    ladder.use(20)  # a width without graphs: the widest, which refuses it (eager), never a wrong-width set
+    assert getattr(model_runner, names.attr) is existing
+
+
+@pytest.mark.parametrize("worker", ["v1", "v2"])
+def test_a_failed_capture_raises_and_leaves_the_one_set(worker: str, monkeypatch) -> None:
+    names, runner_cls = (vg.V1_RUNNER, _V1Runner) if worker == "v1" else (vg.V2_RUNNER, _V2Runner)
+    monkeypatch.setattr(vg, "_replay_seconds", lambda graph, repeats: 1e-3)
+    model_runner, backend, calls, set_capture_width = _ladder_setup(runner_cls, names.attr)
+    existing = getattr(model_runner, names.attr)
+    if worker == "v1":
+        monkeypatch.setattr(_V1Runner, "fail_at", 16)
+        failing = set_capture_width
+    else:  # a width hook that does not reach the runner: its graphs would be the widest's width, refused by name
+        def failing(width):
+            calls.append(("capture", width))
+    with pytest.raises(RuntimeError, match="capture failed" if worker == "v1" else "captured at width 64"):
+        vg.capture_verify_ladder(model_runner, [16, 32, 64], set_capture_width=failing, set_backend_width=None,
+                                 reserved_memory=lambda: None, names=names)
+    assert getattr(model_runner, names.attr) is existing and "init_cuda_graph_state" not in vars(backend)
+    assert calls[-1] == ("capture", None)
+    assert WIDTH_NOW == [64]
+
+
+def test_no_ladder_without_graphs_on_a_gpu() -> None:
+    for names, runner_cls in ((vg.V1_RUNNER, _V1Runner), (vg.V2_RUNNER, _V2Runner)):
+        model_runner, _, calls, set_capture_width = _ladder_setup(runner_cls, names.attr)
+        kwargs = dict(set_capture_width=set_capture_width, set_backend_width=None, reserved_memory=lambda: None,
+                      names=names)
+        model_runner.device = "cpu"
+        assert vg.capture_verify_ladder(model_runner, [16], **kwargs) is None
+        model_runner.device = "cuda"
+        setattr(model_runner, names.attr, None)  # graphs off
+        assert vg.capture_verify_ladder(model_runner, [16], **kwargs) is None
+        setattr(model_runner, names.attr, object())  # an eager runner standing in for the graphs
+        assert vg.capture_verify_ladder(model_runner, [16], **kwargs) is None
+        assert calls == []
+
+
+def test_v2_graphs_are_found_under_the_runners_own_keys() -> None:
+    _ladder_setup(_V2Runner, "decode_cuda_graph_runner", full=8)
+    runner = _V2Runner(type("MR", (), {"attn_backend": _Backend()})())
+    assert {bs: (g.width, g.bs) for bs, g in vg._v2_graphs(runner).items()} == {1: (8, 1), 2: (8, 2), 4: (8, 4)}
+    runner.ragged_verify_mode = True  # keyed by tokens there: found the same way
+    runner.backend._graphs = {runner._make_graph_key(bs * 8): _Graph(8, bs) for bs in runner.capture_bs}
+    assert sorted(vg._v2_graphs(runner)) == [1, 2, 4]
+    runner.backend = object()  # a capture backend that keeps its graphs otherwise: none timed
+    assert vg._v2_graphs(runner) == {}

@@ -17,8 +17,8 @@ import pytest
 from tests.test_payload_v2 import V2_BASES, extra_path, wheel_site
 
 SCRIPT = Path(__file__).parent / "sglang_scripts" / "v2_seams_cases.py"
-# the seams module and what it imports from the payload
-PAYLOAD_FILES = ("ddtree_v2_seams.py", "ddtree_args.py")
+# the seams module, what it imports from the payload, and the ladder capture the tree step runs through it
+PAYLOAD_FILES = ("ddtree_v2_seams.py", "ddtree_args.py", "ddtree_verify_graphs.py")
 
 # beyond this venv, what the driven modules import (0.5.23's parse needs neither, its runtime needs tvm_ffi)
 RUNTIME_NEEDS = {"0.5.17": ("xgrammar", "tvm_ffi"), "0.5.23": ("tvm_ffi",)}
@@ -109,3 +109,27 @@ def test_paged_reservation_rounds_as_the_base_does(observed: dict) -> None:
         assert nxt == [90, 120, 200] and needed == 128
     else:  # 0.5.23: page_aligned_decode_alloc_lens, whole pages of 4
         assert nxt == [92, 120, 200] and needed == 130
+
+
+def test_auto_ladder_captures_each_width_through_the_seams(observed: dict) -> None:
+    """Auto's verify-graph ladder as the v2 tree step captures it (`capture_verify_ladder` with the v2 runner names
+    and the seams' `set_capture_width`): each narrower runner takes its width from the real
+    `ModelRunner.decode_num_tokens_per_req`, so through the seams' hook; the triton backend's graph buffers and its
+    tree-sized verify mask are the widest set's, not re-made per capture; afterwards the hook answers the seams'
+    width again and the backend's `init_cuda_graph_state` is the class's (hooked) method again."""
+    got = observed["ladder"]
+    assert got["existing_width"] == 64 and got["widths"] == [16, 32, 64]
+    assert got["captured"] == {"16": 16, "32": 32, "64": 64}
+    assert got["timed"] == sorted(f"{w}x{bs}" for w in (16, 32, 64) for bs in (1, 2, 4))
+    assert got["width_for"] == {str(n): 16 if n <= 16 else 32 if n <= 32 else 64 for n in range(1, 65)}
+    assert got["installed"] == 16
+    assert got["after"] == {"runner_restored": True, "buffers_kept": True, "mask": observed["mask_numel"]["tree"],
+                            "init_is_the_class_method": True, "target_width": 64}
+    assert observed["ladder_width_after"] == observed["active"]["widths"]  # nothing of the capture width stays
+
+
+def test_a_failed_ladder_capture_leaves_the_seams_one_set(observed: dict) -> None:
+    got = observed["ladder_failed"]
+    assert "failed (stand-in)" in got["error"] and "widths" not in got
+    assert got["after"] == {"runner_restored": True, "buffers_kept": True, "mask": observed["mask_numel"]["tree"],
+                            "init_is_the_class_method": True, "target_width": 64}

@@ -136,17 +136,20 @@ def test_out_of_scope_settings_are_refused_naming_the_flag(observed: dict, base:
         assert "target KV pool that translates slot ids" in r["pool"] and r["no pool"] is None
 
 
-def _common(step: dict, base: str) -> None:
+def _common(step: dict, base: str, width: int = 8) -> None:
+    """What every tree step's result and verify input must be; `width`: its verify tokens per request (1 + budget,
+    or under auto the captured width its tree pads to)."""
     lens = step["lens"]
     assert all(1 <= n <= 4 for n in lens)
     assert step["new_seq_lens"] == step["published"] == step["prefix_plus"]
-    assert step["stride"] == 4 and step["verify_width"] == 8  # the block, and 1 + budget
+    assert step["stride"] == 4 and step["verify_width"] == width  # the block, and the verify's width
     assert step["next_class"] == "DDTreeDraftInputV2" and step["bonus_is_last"]
     assert step["slots_permuted_in_place"] and step["kv_plan"]
-    assert step["host_seq_lens"] == [5 + 8, 9 + 8, 2 + 8]  # prefix + width: the verify's host bound
-    assert step["mask_cells"] == 8 * (16 + 3 * 8)  # n * (sum of prefixes + bs * n)
-    # 0.5.23: the verify planned over its own window (the tree's slots, read extent 1 + budget), the draft the block's
+    assert step["host_seq_lens"] == [5 + width, 9 + width, 2 + width]  # prefix + width: the verify's host bound
+    assert step["mask_cells"] == width * (16 + 3 * width)  # n * (sum of prefixes + bs * n)
+    # 0.5.23: the verify planned over its own window (the tree's slots, read extent n), the draft the block's
     assert step["kv_plans"] is (True if base == "0.5.23" else None)
+    assert step["runner_restored"]  # after the verify the target's runner is SGLang's own set again
 
 
 def test_greedy_decode_steps_emit_plain_greedy_tokens(observed: dict, base: str) -> None:
@@ -282,19 +285,32 @@ def test_a_logprob_batch_is_refused_on_0517_and_upstreams_on_0523(observed: dict
 
 
 def test_auto_tree_picks_emit_plain_greedy_tokens(observed: dict, base: str) -> None:
-    """Auto's tree picks run the tree step at the seams' one width, a smaller budget's tree padded to it, and emit
-    plain greedy decoding's tokens; its chain picks emit the stubbed linear step's."""
+    """Auto's tree picks run the tree step on the verify-graph ladder the worker captured at start (widths 4 and 8:
+    the smaller candidate's and SGLang's own), each tree at the smallest captured width that holds it, on that width's
+    runner for the verify and only for it, and emit plain greedy decoding's tokens; its chain picks emit the stubbed
+    linear step's, on SGLang's own set (never the block-width tree graph, whose mask buffer holds the last tree)."""
     run = observed["auto"]
     assert run["started"]  # AutoBudget made by the worker's own init_cuda_graphs
+    assert run["ladder"] == {"widths": [4, 8], "sglang_set_kept": True, "captured": {"4": 4, "8": 8}}
     trees = [step for step in run["steps"] if not step.get("chain")]
     assert trees and all(step["greedy"] for step in run["steps"])
-    for step in trees + run["padded"]:
-        _common(step, base)
-        assert step["lens"] == step["walked"], step
-    assert {max(step["nodes"]) for step in trees} >= {8}  # the largest tree, 1 + 7 nodes
+    assert {step["verify_width"] for step in trees} == {4, 8}  # both candidates picked, each at its own width
     assert run["smaller"] == 3
-    assert all(max(step["nodes"]) <= 4 for step in run["padded"])  # 1 + 3 real nodes in 8 verify tokens
-    assert all(step["untouched"] for step in run["steps"] if step.get("chain"))  # the stub leaves the rows alone
+    for step in trees + run["held"] + run["padded"]:
+        _common(step, base, step["verify_width"])
+        assert step["lens"] == step["walked"], step
+        assert step["planned_on"] == step["replayed_on"] == step["verify_width"]  # that width's graphs
+        assert max(step["nodes"]) <= step["verify_width"]
+    assert {max(step["nodes"]) for step in trees if step["verify_width"] == 8} >= {8}  # the largest tree, 1 + 7 nodes
+    assert all(step["verify_width"] == 4 for step in run["held"])  # budget 3: its own captured width, no padding
+    # budget 2 (3 verify tokens) pads to the smallest captured width that holds it: 4, not the seams' 8
+    assert all(step["verify_width"] == 4 and max(step["nodes"]) <= 3 for step in run["padded"])
+    assert all(step["untouched"] and step["runner_restored"] for step in run["steps"] if step.get("chain"))
+    assert run["chain_runner_widths"] and set(run["chain_runner_widths"]) == {8}
+    assert any("verify graphs at widths [4, 8] captured" in line for line in run["log"]), run["log"]
+    assert any("each tree verifies on the graphs of the smallest of widths [4, 8]" in line for line in run["log"])
+    # the kernels' start-up check covers auto's smaller tree, own width and padded to each candidate width (as v1's)
+    assert run["self_tests"] == [{"device": "cuda", "budget": 7, "smaller": [3], "pad_widths": [4, 8]}]
 
 
 def test_auto_chain_picks_go_through_upstreams_linear_step(observed: dict) -> None:
@@ -307,14 +323,15 @@ def test_auto_chain_picks_go_through_upstreams_linear_step(observed: dict) -> No
     assert chains >= 1 and chosen["chain"] == chains == len(run["linear_calls"]) == state["chain_steps"]
     assert state["fallback_steps"] == 1 and state["fallback_reasons"] == {"grammar": 1}
     assert verified["chain"] == chains + 1
-    assert state["tree_steps"] == len(run["steps"]) - chains + len(run["padded"])
-    assert state["steps"] == len(run["steps"]) + len(run["padded"]) + 1
-    assert verified.get("3", 0) >= len(run["padded"])
+    assert state["tree_steps"] == len(run["steps"]) - chains + len(run["held"]) + len(run["padded"])
+    assert state["steps"] == len(run["steps"]) + len(run["held"]) + len(run["padded"]) + 1
+    assert verified.get("3", 0) >= len(run["held"])
 
 
 def test_auto_reports_its_plan_in_the_ddtree_state(observed: dict) -> None:
     """`/server_info`'s ddtree under auto, through the scheduler: v1's settings (budget auto, its maximum) and auto's
-    own report (candidates, chosen, plan per batch bucket, refreshes), with more than one candidate chosen."""
+    own report (candidates, chosen, plan per batch bucket, refreshes), with more than one candidate chosen; the
+    ladder's widths in its start-up replay timings (`replay_ms`, width x batch size, as v1 reports them)."""
     state = observed["auto"]["state"]["ddtree"]
     assert (state["budget"], state["budget_max"]) == ("auto", 7)
     auto = state["auto"]
@@ -324,6 +341,27 @@ def test_auto_reports_its_plan_in_the_ddtree_state(observed: dict) -> None:
     assert set(auto["plan"].values()) <= set(auto["candidates"])
     assert auto["refreshes"] >= 4 and auto["explore_steps"] >= 1
     assert set(auto["accepted_by_budget"]) == {"chain", "3", "7"}
+    # seeded from the ladder's replays (the stand-in's seconds: width x bs x 1 us)
+    assert auto["replay_ms"] == {f"{w}x{bs}": round(w * bs * 1e-3, 4) for w in (4, 8) for bs in (1, 2, 4, 8, 16)}
+    assert state["verify_graph_width"] == 8  # SGLang's own set, installed between tree verifies
+
+
+def test_auto_without_its_ladder_pads_to_the_one_set(observed: dict, base: str) -> None:
+    """A ladder capture that fails (here the width-4 set) is a warning, not a server that does not start: auto goes
+    on with SGLang's one set, every tree padded to its width (8) as before the ladder, no start-up replay timings,
+    and the greedy outputs are still plain decoding's."""
+    run = observed["auto_failed"]
+    assert run["started"] and run["ladder"] is None
+    assert any(line.startswith("WARNING: DDTree v2 auto: verify graphs at widths [4, 8] not captured")
+               and "failed (stand-in)" in line for line in run["log"]), run["log"]
+    trees = [step for step in run["steps"] if not step.get("chain")]
+    assert trees and all(step["greedy"] for step in run["steps"])
+    for step in trees + run["held"] + run["padded"]:
+        _common(step, base)  # width 8
+        assert step["lens"] == step["walked"], step
+        assert step["planned_on"] == step["replayed_on"] == 8
+    assert all(max(step["nodes"]) <= 4 for step in run["held"]) and all(max(step["nodes"]) <= 3 for step in run["padded"])
+    assert run["state"]["ddtree"]["auto"]["replay_ms"] == {}
 
 
 def test_tp2_sharded_draft_logits_build_the_single_device_tree_on_v2(base: str, base_site: Path) -> None:

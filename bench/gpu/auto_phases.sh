@@ -71,8 +71,9 @@ run_wave() {  # NAME TAG...: start the wave's servers together, measure each set
     grep -E "pass 0 T 0 bs (1|8|64) " "$OUT/client_${set}_$wave.log" | cut -c1-160
   done
   for t in "$@"; do
-    grep -hE "DDTree auto|DDTree full|Traceback|Error|refused" "$OUT/server_$t.log" 2>/dev/null | grep -v "server_args=" \
-      | head -4 | sed "s/^/[$t] /" | cut -c1-400
+    # v1's "DDTree auto: verify graphs at widths ..." and v2's "DDTree v2 auto: verify graphs at widths ..." (the ladder)
+    grep -hE "DDTree (v2 )?auto|DDTree full|Traceback|Error|refused" "$OUT/server_$t.log" 2>/dev/null | grep -v "server_args=" \
+      | head -5 | sed "s/^/[$t] /" | cut -c1-400
     [ -n "${PID[$t]:-}" ] && kill -TERM -- "-${PID[$t]}" 2>/dev/null
   done
   sleep 5

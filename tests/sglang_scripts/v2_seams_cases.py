@@ -9,7 +9,13 @@ CPU stand-ins, and only where the real thing needs a GPU or a running server:
   `alloc_for_spec_decode` and `DFlashDraftInputV2.prepare_for_decode` are SGLang's own;
 - the model runner, batch, requests and prefix cache are namespaces holding what those functions read;
 - `TritonAttnBackend` is the real class, made without `__init__` (it needs a model runner), with the
-  attributes its real `init_cuda_graph_state` reads.
+  attributes its real `init_cuda_graph_state` reads;
+- auto's verify-graph ladder (`ddtree_verify_graphs.capture_verify_ladder`, the v2 runner names): the graph runner
+  is a stand-in of `DecodeCudaGraphRunner.__init__` as far as the width goes (its width from the real
+  `ModelRunner.decode_num_tokens_per_req`, hence the seams' hook; the real backend's `init_cuda_graph_state`; graphs
+  under the real class's `_make_graph_key` / `_capture_graph_size` keys): capturing a CUDA graph needs a GPU. The
+  stand-in model runner says `device="cuda"` only so the ladder does not skip it as graphs-off; nothing is put on a
+  device. Replays are not timed (`_replay_seconds`, CUDA events, answers a fixed number).
 
 Usage: python v2_seams_cases.py
 """
@@ -31,8 +37,11 @@ from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.speculative import ddtree_v2_seams as seams
+from sglang.srt.speculative import ddtree_verify_graphs as vg
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.version import __version__
+from v2_runner_stand_in import StandInRunner, replay_seconds  # beside this script
+from v2_runner_stand_in import triton_backend as stand_in_backend
 
 BLOCK = 16
 SPEC = SimpleNamespace(speculative_num_draft_tokens=BLOCK, speculative_eagle_topk=None)
@@ -91,16 +100,14 @@ def mask_policy() -> list:
 MAX_BS, CONTEXT = 4, 96
 
 
+def triton_backend(is_draft_runner: bool = False) -> TritonAttnBackend:
+    """The real triton backend class on the CPU, with what its `init_cuda_graph_state` reads."""
+    return stand_in_backend(block=BLOCK, max_context_len=CONTEXT, is_draft_runner=is_draft_runner)
+
+
 def mask_buffer(is_draft_runner: bool = False) -> int | None:
     """Cells of the verify mask the real `init_cuda_graph_state` leaves on a CPU triton backend."""
-    b = TritonAttnBackend.__new__(TritonAttnBackend)
-    attrs = dict(num_head=2, max_kv_splits=2, v_head_dim=8, swa_v_head_dim=None, device="cpu",
-                 max_context_len=CONTEXT, is_draft_runner=is_draft_runner, skip_prefill=False,
-                 num_draft_tokens=BLOCK, sliding_window_size=None, use_sliding_window_kv_pool=False,
-                 _translate_kv_loc=None, kv_index_translator=None, page_size=1,
-                 lean_total_programs=2, lean_block_m=2)  # 0.5.23 also sizes its lean-attention scratch
-    for k, v in attrs.items():
-        setattr(b, k, v)
+    b = triton_backend(is_draft_runner)
     active = seams.active()
     width = active.verify_width if active else BLOCK
     b.init_cuda_graph_state(MAX_BS, MAX_BS * width)
@@ -188,6 +195,47 @@ def paged_lens() -> list:
     return [list(x) if isinstance(x, list) else x for x in seams.reserve_lens(batch, 80)]
 
 
+# --- auto's verify-graph ladder through the seams' width ---------------------------------------------------------
+
+
+def ladder_case(widths: list[int], fail_at: int | None = None) -> dict:
+    """The target's graph set at the seams' width, then `capture_verify_ladder` for `widths`, as the v2 tree step
+    calls it; what each runner captured at, what the backend's buffers are after, what the width hook answers."""
+    backend = triton_backend()
+    mr = SimpleNamespace(spec_algorithm=SpeculativeAlgorithm.DFLASH, is_draft_worker=False, device="cuda",
+                         server_args=SimpleNamespace(speculative_num_draft_tokens=BLOCK, speculative_eagle_topk=None),
+                         model_config=SimpleNamespace(hf_config=None), attn_backend=backend)
+    mr.decode_num_tokens_per_req = lambda **kw: ModelRunner.decode_num_tokens_per_req(mr, **kw)  # the real method
+    existing = mr.decode_cuda_graph_runner = StandInRunner(mr)
+    mask, logits, kv_indices = backend._verify_mask, backend.cuda_graph_attn_logits, backend.cuda_graph_kv_indices
+    real_replay, StandInRunner.fail_at = vg._replay_seconds, fail_at
+    vg._replay_seconds = replay_seconds
+    out: dict = {"existing_width": existing.captured_req_width}
+    try:
+        ladder = vg.capture_verify_ladder(mr, widths, set_capture_width=seams.set_capture_width,
+                                          set_backend_width=None, reserved_memory=lambda: None, names=vg.V2_RUNNER)
+        out["widths"] = ladder.widths
+        out["captured"] = {str(w): r.captured_req_width for w, r in ladder.runners.items()}
+        out["timed"] = sorted(f"{w}x{bs}" for w, bs in ladder.replay_seconds)
+        out["width_for"] = {str(n): ladder.width_for(n) for n in range(1, existing.captured_req_width + 1)}
+        ladder.use(ladder.widths[0])
+        out["installed"] = mr.decode_cuda_graph_runner.captured_req_width
+        ladder.use(ladder.widest)
+    except RuntimeError as e:
+        out["error"] = str(e)
+    finally:
+        vg._replay_seconds, StandInRunner.fail_at = real_replay, None
+    out["after"] = {
+        "runner_restored": mr.decode_cuda_graph_runner is existing,
+        "buffers_kept": backend._verify_mask is mask and backend.cuda_graph_attn_logits is logits
+        and backend.cuda_graph_kv_indices is kv_indices,
+        "mask": int(backend._verify_mask.buffer.numel()),
+        "init_is_the_class_method": "init_cuda_graph_state" not in vars(backend),
+        "target_width": mr.decode_num_tokens_per_req(num_draft_tokens=BLOCK),
+    }
+    return out
+
+
 def main() -> None:
     out: dict = {"version": __version__, "block": BLOCK}
     out["settings_fixed"] = vars(seams.settings_for(SimpleNamespace(
@@ -210,6 +258,9 @@ def main() -> None:
                      "reserve": reserve(seams.DDTreeDraftInputV2),
                      "reserve_twice": reserve(seams.DDTreeDraftInputV2, 2),
                      "reserve_plain_class": reserve(info.DFlashDraftInputV2)}
+    out["ladder"] = ladder_case([BLOCK, 32, 64])
+    out["ladder_failed"] = ladder_case([BLOCK, 32, 64], fail_at=BLOCK)
+    out["ladder_width_after"] = widths()
     seams.activate(seams.SeamSettings(block_size=BLOCK, verify_width=8))
     out["active_narrow"] = {"widths": widths(), "mask": mask_buffer(), "reserve": reserve(seams.DDTreeDraftInputV2)}
     seams.deactivate()

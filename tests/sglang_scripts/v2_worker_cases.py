@@ -18,6 +18,9 @@ same gather in torch) and `_append_target_hidden_to_draft_kv_by_loc` (records it
 made without `__init__` (it builds models) and given the attributes the step reads; in the stats run, by its own
 `__init__` with upstream's stubbed, and upstream's `forward_batch_generation` stubbed for the batches it hands on.
 The scheduler's `get_internal_state` is the real one (as `load_plugins` hooked it) on a stand-in scheduler object.
+In the auto case the target's verify graph runner is `v2_runner_stand_in.StandInRunner` (a CUDA graph needs a GPU;
+its width comes through the real `ModelRunner.decode_num_tokens_per_req` and the seams' hook), the ladder's replay
+timer and the kernels' start-up check are recorded instead of run (CUDA events / a device the stand-in only names).
 
 Usage: python v2_worker_cases.py   (env: SGLANG_DDTREE_TEST_V2_TREE / _ALLOW_TEST_SWITCHES as the case needs)
 """
@@ -34,14 +37,18 @@ from types import SimpleNamespace
 from unittest import mock
 
 import penalty_oracle as po  # beside this script
+import sglang.srt.speculative.spec_utils as spec_utils
 import torch
+import v2_runner_stand_in as stand_in  # beside this script
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.plugins import load_plugins
 from sglang.srt.speculative import ddtree_penalties as dp
 from sglang.srt.speculative import ddtree_v2_args as v2args
 from sglang.srt.speculative import ddtree_v2_penalties as vp
 from sglang.srt.speculative import ddtree_v2_seams as seams
 from sglang.srt.speculative import ddtree_v2_step as s
+from sglang.srt.speculative import ddtree_verify_graphs as vg
 from sglang.srt.speculative import ddtree_worker_v2 as w
 from sglang.srt.speculative.ddtree_args import TEST_V2_AUTO, TEST_V2_TP
 from sglang.srt.speculative.ddtree_stats import DDTreeStats
@@ -381,12 +388,13 @@ def assign_cache_locs(req_pool_indices, req_to_token, start_offset, end_offset, 
 
 def run_step(prefix: torch.Tensor, rows: torch.Tensor, req_to_token: torch.Tensor, bonus_in: torch.Tensor,
              draft_hidden: torch.Tensor, target_logits, info, reqs, *, worker: w.DDTreeWorkerV2 | None = None,
-             graph: bool = False, dispatch: bool = False) -> tuple:
+             graph: bool = False, dispatch: bool = False, budget: int | None = None) -> tuple:
     """One `_tree_step` on the stand-ins (module docstring), of a fresh worker made without `__init__` or of `worker`
     (its settings and stats kept): the draft returns `draft_hidden` `[bs, block, vocab]` (an identity LM head), the
     target's verify logits at a node are `target_logits(position, token)`, and it says `can_run_cuda_graph=graph`.
     `dispatch`: the decode batch goes through the worker's `forward_batch_generation` instead (auto may hand it to
-    upstream's step, which the caller stubs). Returns (the result, what the stand-ins recorded, what was published)."""
+    upstream's step, which the caller stubs); else `budget` is the tree step's (None: the configured one). Returns (the
+    result, what the stand-ins recorded, what was published)."""
     bs = len(prefix)
     recorded: dict = {}
 
@@ -394,10 +402,13 @@ def run_step(prefix: torch.Tensor, rows: torch.Tensor, req_to_token: torch.Tenso
         recorded["verify"] = self
         recorded["host_seq_lens"] = batch.seq_lens_cpu.tolist()
         recorded["verify_out_cache_loc"] = batch.out_cache_loc.clone()
+        # the graph runner upstream's `prepare_for_verify` asks `can_run_graph` and loads the batch into
+        recorded["planned_on"] = target_worker.model_runner.decode_cuda_graph_runner.captured_req_width
         return SimpleNamespace(spec_info=self), False
 
     def target_forward(batch=None, forward_batch=None, is_verify=False, skip_attn_backend_init=False):
         v = forward_batch.spec_info
+        recorded["replayed_on"] = runner.decode_cuda_graph_runner.captured_req_width  # the forward's runner
         logits = torch.stack([target_logits(int(v.positions[r]), int(v.draft_token[r]))
                               for r in range(bs * v.draft_token_num)])
         hidden = torch.arange(bs * v.draft_token_num, dtype=torch.float32)[:, None].repeat(1, 2)  # row id
@@ -419,9 +430,19 @@ def run_step(prefix: torch.Tensor, rows: torch.Tensor, req_to_token: torch.Tenso
                                ddtree_stats=DDTreeStats())
     lm_head = SimpleNamespace(weight=torch.eye(po.VOCAB))
     model = SimpleNamespace(lm_head=lm_head, get_input_embeddings=lambda: (lambda ids: ids[..., None].float()))
-    graphs = SimpleNamespace(captured_req_width=BUDGET + 1, max_bs=16)  # 0.5.17's DecodeCudaGraphRunner's names
-    runner = SimpleNamespace(req_to_token_pool=SimpleNamespace(req_to_token=req_to_token), model=model,
-                             decode_cuda_graph_runner=graphs)
+    # 0.5.17's DecodeCudaGraphRunner's names; under auto's ladder the target model runner it captured on, whose
+    # `decode_cuda_graph_runner` the step swaps for its verify
+    ladder = getattr(worker, "_verify_ladder", None)
+    if ladder is not None:
+        runner = ladder.model_runner
+    else:
+        runner = getattr(getattr(worker, "_target_worker", None), "model_runner", None) if worker else None
+        if getattr(runner, "decode_cuda_graph_runner", None) is None:
+            runner = SimpleNamespace(decode_cuda_graph_runner=SimpleNamespace(
+                captured_req_width=BUDGET + 1, max_bs=16, capture_bs=[1, 2, 4, 8, 16]))
+    runner.req_to_token_pool = SimpleNamespace(req_to_token=req_to_token, size=16)
+    runner.model = model
+    widest = runner.decode_cuda_graph_runner
     draft_runner = SimpleNamespace(forward=draft_forward)
     worker.__dict__.update(
         block_size=BLOCK, device=torch.device("cpu"), model_runner=runner, _mask_token_id=po.VOCAB - 1,
@@ -455,12 +476,13 @@ def run_step(prefix: torch.Tensor, rows: torch.Tensor, req_to_token: torch.Tenso
     if dispatch:
         result = worker.forward_batch_generation(batch, published.append)
     else:
-        result = worker._tree_step(batch, published.append)
+        result = worker._tree_step(batch, published.append, budget=budget)
+    recorded["runner_restored"] = runner.decode_cuda_graph_runner is widest  # every other forward: SGLang's own set
     return result, recorded, published
 
 
 def decode_step(seed: int, sampled: bool = False, *, worker: w.DDTreeWorkerV2 | None = None, graph: bool = False,
-                dispatch: bool = False) -> dict:
+                dispatch: bool = False, budget: int | None = None) -> dict:
     gen = torch.Generator().manual_seed(seed)
     bs, width = 3, 40
     prefix = torch.tensor([5, 9, 2])
@@ -489,18 +511,18 @@ def decode_step(seed: int, sampled: bool = False, *, worker: w.DDTreeWorkerV2 | 
     else:
         info, reqs = None, [None] * bs
     result, recorded, published = run_step(prefix, rows, req_to_token, bonus_in, draft_hidden, one_hot_target,
-                                           info, reqs, worker=worker, graph=graph, dispatch=dispatch)
+                                           info, reqs, worker=worker, graph=graph, dispatch=dispatch, budget=budget)
     if "verify" not in recorded:  # upstream's linear step ran it (auto's chain): its tokens against plain's
         lens, out = result.accept_lens.tolist(), result.next_token_ids.view(bs, BLOCK).tolist()
         plain = [plain_chain(int(bonus_in[b]), int(prefix[b])) for b in range(bs)]
         return {"chain": True, "lens": lens, "greedy": all(out[b][: lens[b]] == plain[b][: lens[b]] for b in range(bs)),
-                "untouched": torch.equal(req_to_token, before)}
+                "untouched": torch.equal(req_to_token, before), "runner_restored": recorded["runner_restored"]}
 
     # oracles: (1) what the step emits is plain greedy decoding of the stand-in target from each bonus token;
     # (2) its length is how far the tree holds that chain (the tree read back from the tokens, positions and
     # mask the step sent: a node's parent is the node it sees one position up)
     verify = recorded["verify"]
-    n = BUDGET + 1
+    n = verify.draft_token_num
     tokens = verify.draft_token.view(bs, n).tolist()
     positions = verify.positions.view(bs, n).tolist()
     out = result.next_token_ids.view(bs, BLOCK).tolist()
@@ -550,6 +572,9 @@ def decode_step(seed: int, sampled: bool = False, *, worker: w.DDTreeWorkerV2 | 
         "kv_plan": ok_kv and kv["cache_loc_2d"].shape == (bs, BLOCK) and kv["commit_lens"].tolist() == lens,
         "host_seq_lens": recorded["host_seq_lens"],
         "verify_width": recorded["verify"].draft_token_num,
+        "planned_on": recorded["planned_on"],
+        "replayed_on": recorded["replayed_on"],
+        "runner_restored": recorded["runner_restored"],
         "mask_cells": int(recorded["verify"].custom_mask.numel()),
         "kv_plans": kv_plans(recorded, n),
         # per request the tree's nodes, root included: a padding node sits at depth 0, the root's position
@@ -845,30 +870,40 @@ def stats_run() -> dict:
 AUTO_STEPS = 80
 
 
-def auto_run() -> dict:
-    """A tree worker with `--speculative-ddtree-budget auto` (max 7: candidates chain, 3, 7), made by its `__init__`
-    and started by its own `init_cuda_graphs` (upstream's capture stubbed; the target's graph runner and request pool
-    stand-ins), then `AUTO_STEPS` greedy decode steps through `forward_batch_generation`: auto's tree picks run the
-    tree step (a smaller tree padded to the seams' width), its chain picks upstream's linear step, stubbed as linear
-    DFLASH on the same stand-ins (the draft's argmax chain accepted while the target agrees); three steps more with
-    auto's pick held at budget 3; then upstream's batches (a grammar decode: a fallback auto observes as a chain step)
-    and the report through the scheduler."""
+def auto_run(fail_at: int | None = None, steps: int = AUTO_STEPS) -> dict:
+    """A tree worker with `--speculative-ddtree-budget auto` (max 7: candidates chain, 3, 7; verify widths 4 and 8),
+    made by its `__init__` and started by its own `init_cuda_graphs` (upstream's capture stubbed): the target's verify
+    graph runner is a stand-in of `DecodeCudaGraphRunner` (v2_runner_stand_in: its width from the real
+    `ModelRunner.decode_num_tokens_per_req`, so through the seams' hook, active here as on a server) over the real
+    triton backend class, so the worker captures its ladder (width 4 beside SGLang's 8) through the real
+    `capture_verify_ladder` and seeds auto's costs from its (stand-in) replay timings; `fail_at`: that width's capture
+    fails, and the worker must go on with SGLang's one set. Then `steps` greedy decode steps through
+    `forward_batch_generation`: auto's tree picks run the tree step, its chain picks upstream's linear step, stubbed as
+    linear DFLASH on the same stand-ins (the draft's argmax chain accepted while the target agrees); three steps more
+    with auto's pick held at budget 3; three tree steps of budget 2 (not a candidate: a tree padded to the next
+    captured width); then upstream's batches (a grammar decode: a fallback auto observes as a chain step) and the
+    report through the scheduler."""
     os.environ[TEST_V2_AUTO] = "1"  # the auto proof's servers only, until a GPU has run it
     try:
         worker = tree_worker(speculative_ddtree_budget="auto", speculative_ddtree_budget_max=BUDGET)
     finally:
         del os.environ[TEST_V2_AUTO]
     head = SimpleNamespace(weight=torch.eye(po.VOCAB))
-    graphs = SimpleNamespace(capture_bs=[1, 2, 4, 8, 16], captured_req_width=BUDGET + 1, max_bs=16)
-    target = SimpleNamespace(model=SimpleNamespace(lm_head=head), device="cpu", decode_cuda_graph_runner=graphs,
-                             req_to_token_pool=SimpleNamespace(size=16))
+    target = SimpleNamespace(
+        model=SimpleNamespace(lm_head=head), device="cuda", req_to_token_pool=SimpleNamespace(size=16),
+        spec_algorithm=SpeculativeAlgorithm.DFLASH, is_draft_worker=False, model_config=SimpleNamespace(hf_config=None),
+        server_args=SimpleNamespace(speculative_num_draft_tokens=BLOCK, speculative_eagle_topk=None),
+        attn_backend=stand_in.triton_backend(block=BLOCK, max_context_len=64))
+    target.decode_num_tokens_per_req = lambda **kw: ModelRunner.decode_num_tokens_per_req(target, **kw)  # the real one
     backend = TritonAttnBackend.__new__(TritonAttnBackend)
     worker.__dict__.update(model_runner=SimpleNamespace(attn_backend=backend), device=torch.device("cpu"),
                            _target_worker=SimpleNamespace(model_runner=target))
     real_graphs, real_forward = DFlashWorkerV2.init_cuda_graphs, DFlashWorkerV2.forward_batch_generation
     linear_calls: list[list[int]] = []
+    chain_runner_widths: list[int] = []
 
     def linear_step(self, batch, on_publish=None, *rest):
+        chain_runner_widths.append(target.decode_cuda_graph_runner.captured_req_width)
         draft = self._draft_hidden(batch, batch.spec_info)[:, 1:, :].argmax(-1)
         lens, out = [], []
         for b in range(len(batch.seq_lens)):
@@ -882,26 +917,75 @@ def auto_run() -> dict:
 
     DFlashWorkerV2.init_cuda_graphs = lambda self, *a, **k: None
     DFlashWorkerV2.forward_batch_generation = linear_step
+    seams.activate(seams.SeamSettings(block_size=BLOCK, verify_width=BUDGET + 1))  # as the worker's __init__ left them
+    stand_in.StandInRunner.block, stand_in.StandInRunner.capture_bs = BLOCK, (1, 2, 4, 8, 16)
+    stand_in.StandInRunner.fail_at = fail_at
+    get_spec = mock.patch.object(spec_utils, "get_spec", lambda: target.server_args, create=True)  # 0.5.23 reads it
+    # the target says "cuda" (the ladder is for graphs on a GPU), so the kernels' start-up check, which would put
+    # tensors there, records what it was asked instead (on this CPU it finds no kernels to check either)
+    self_tests: list = []
+
+    def self_test(device, budget, depth, *args, smaller=(), pad_widths=(), walk=None):
+        self_tests.append({"device": str(device), "budget": budget, "smaller": list(smaller),
+                           "pad_widths": list(pad_widths)})
+
+    kernels = (mock.patch.object(s, "self_test", self_test), mock.patch.object(s, "kernels_in_use", lambda d: False))
     try:
-        worker.init_cuda_graphs()
+        with get_spec, mock.patch.object(vg, "_replay_seconds", stand_in.replay_seconds), kernels[0], kernels[1]:
+            target.decode_cuda_graph_runner = sglang_graphs = stand_in.StandInRunner(target)  # SGLang's own set
+            logged = capture_log(lambda: worker.init_cuda_graphs())
+        seams.deactivate()
         started = worker.ddtree_auto is not None
-        steps = [decode_step(seed, worker=worker, dispatch=True) for seed in range(AUTO_STEPS)]
-        # auto's picks follow this machine's clock; the smaller tree's padded step is made sure of here
+        ladder = worker._verify_ladder
+        ran = [decode_step(seed, worker=worker, dispatch=True) for seed in range(steps)]
+        # auto's picks follow this machine's clock; the smaller candidate's step is made sure of here
         smaller = next(c for c in worker.ddtree_auto.candidates if 0 < c.budget < BUDGET)
         with mock.patch.object(worker.ddtree_auto, "choose", lambda *a, **k: smaller):
-            padded = [decode_step(AUTO_STEPS + seed, worker=worker, dispatch=True) for seed in range(3)]
+            held = [decode_step(steps + seed, worker=worker, dispatch=True) for seed in range(3)]
+        padded = [decode_step(steps + 3 + seed, worker=worker, budget=2) for seed in range(3)]
     finally:
         DFlashWorkerV2.init_cuda_graphs, DFlashWorkerV2.forward_batch_generation = real_graphs, real_forward
+        stand_in.StandInRunner.fail_at = None
+        seams.deactivate()
     linear = upstream_steps(worker)
     return {
         "started": started,
-        "steps": steps,
+        "ladder": None if ladder is None else {
+            "widths": ladder.widths, "sglang_set_kept": ladder.runners[BUDGET + 1] is sglang_graphs,
+            "captured": {str(w): r.captured_req_width for w, r in ladder.runners.items()}},
+        "log": logged,
+        "self_tests": self_tests,
+        "steps": ran,
+        "held": held,
         "padded": padded,
         "smaller": smaller.budget,
         "linear_calls": linear_calls,
+        "chain_runner_widths": chain_runner_widths,
         "fallback_lens": linear,
         "state": scheduler_state(worker),
     }
+
+
+def capture_log(fn) -> list[str]:
+    """The payload's log records (warnings and info) while `fn` runs."""
+    import logging
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(f"{record.levelname}: {record.getMessage()}")
+
+    log = logging.getLogger(s.__name__)
+    handler, level = Keep(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        fn()
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    return records
 
 
 def _is_parent(verify, b: int, n: int, prefix, parent: int, child: int) -> bool:
@@ -927,4 +1011,5 @@ if __name__ == "__main__":
         out["penalties"] = penalties()
         out["logprob"] = logprob_dispatch()
         out["auto"] = auto_run()
+        out["auto_failed"] = auto_run(fail_at=BLOCK, steps=24)
     print(json.dumps(out))

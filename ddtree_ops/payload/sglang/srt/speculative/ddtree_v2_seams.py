@@ -5,7 +5,8 @@ A tree step verifies `1 + budget` tokens per request where DFLASH verifies its b
 DFLASH's verify is causal. Upstream sizes everything for the block; the seams change exactly that, and only
 while a DDTree full-mode worker runs in this process:
 1. verify width: `SpeculativeAlgorithm.get_num_tokens_per_req_for_target_verify` answers `1 + budget` for
-   the target (auto: the largest width). It is a method, so every reader (`resolve_num_tokens_per_req`,
+   the target (auto: the largest width; while auto's narrower verify graphs are captured, their width,
+   `set_capture_width`). It is a method, so every reader (`resolve_num_tokens_per_req`,
    `ModelRunner.decode_num_tokens_per_req`, the CUDA-graph runner's capture width and `can_run`, 0.5.23's triton
    default) reaches the hook through the class; nothing imports it by name. The draft runner keeps its block.
 2. verify mask in graphs: `dflash_utils.resolve_dflash_verify_mask_policy` says "build the custom mask", or
@@ -108,13 +109,25 @@ def deactivate() -> None:
 # --- 1. verify width --------------------------------------------------------------------------------------
 
 
+# Set while the tree step captures auto's narrower verify graphs (`ddtree_verify_graphs.capture_verify_ladder`):
+# the target's width then answers this width, so the graph runner made meanwhile captures at it. The seams own the
+# target's width on v2 (v1's is `ddtree_args.target_verify_width`, which no v2 reader asks).
+_capture_width: int | None = None
+
+
+def set_capture_width(width: int | None) -> None:
+    """The target's verify width while auto's narrower graph sets are captured (None: the seams' own again)."""
+    global _capture_width
+    _capture_width = None if width is None else int(width)
+
+
 def _target_verify_width(original: Callable[..., int], algo: Any, num_draft_tokens: int,
                          is_draft_worker: bool) -> int:
     width = original(algo, num_draft_tokens, is_draft_worker)
     settings = _switch.settings
     if settings is None or is_draft_worker or not algo.is_dflash():
         return width  # the draft runner runs (and captures) its block
-    return settings.verify_width
+    return settings.verify_width if _capture_width is None else _capture_width
 
 
 # --- 2. verify mask in graphs ------------------------------------------------------------------------------

@@ -13,13 +13,15 @@ walk's `target_probs` and penalised requests excepted, as on v1):
 1. draft: upstream's block `[bonus, mask x (block - 1)]` through the draft runner (the base's `_draft_hidden`),
    keeping the draft's hidden states (the folded draft sampler is off: `_maybe_build_draft_sampler` -> None);
 2. tree: `build_ddtree` on the target LM head's logits of draft positions 1 .. block - 1 (v1's mapping: draft
-   position d is tree depth d), the configured budget (auto: its largest, shrunk to the pick below), the server's
-   top-k cap and keep-chain;
+   position d is tree depth d), the configured budget (auto: its largest, shrunk to the pick below and padded to
+   the verify width, `_verify_width`), the server's top-k cap and keep-chain;
 3. verify input (`tree_verify_input`, pure): tokens `[bonus, tree tokens]`, positions `prefix + depth`, the tree's
    custom mask in the triton backend's verify layout, and node i's cache slot = the request's reserved row at
-   `prefix + i` (the v2 contract; the seams reserve `committed + block + 1 + budget`);
-4. target verify at width `1 + budget` exactly as upstream (graph when the runner can, the seams captured it with
-   the mask), then the logit adjustments (`adjust_tree_verify_logits`): at every node the frequency / presence /
+   `prefix + i` (the v2 contract; the seams reserve `committed + block + 1 + budget`, auto's largest: the step's
+   pick is not known when the scheduler reserves, and a narrower step uses a prefix of it);
+4. target verify at the tree's width `n` exactly as upstream (graph when the runner can: the seams captured it
+   with the mask; under auto the runner of that width installed for the verify, `_verify_runner`), then the logit
+   adjustments (`adjust_tree_verify_logits`): at every node the frequency / presence /
    repetition / min-new-tokens penalties exactly as plain decoding applies them after the request's output so far
    plus the node's path (`ddtree_penalties`, v1's code), in plain's penalizer order, then the logit bias;
 5. walk (`ddtree_sampling.tree_walk`: argmax for greedy rows, the sampled walk for the others), commit
@@ -33,9 +35,13 @@ walk's `target_probs` and penalised requests excepted, as on v1):
 NEVER RUN ON A GPU, served only under the proof switch `SGLANG_DDTREE_TEST_V2_AUTO=1`, `settings_refusal`):
 each decode step asks `choose(bs, step)` with `step` the stats' step counter (every TP rank counts the same steps).
 The chain is upstream's linear DFLASH step itself (`ddtree_forward` hands the batch on, as for its fallbacks: eager,
-the verify graphs being captured at the tree's width). A tree pick verifies the largest tree's first `budget` nodes
-padded to the one width the seams sized (no verify graph per width on v2: a smaller tree is as correct, not
-cheaper to verify; auto learns that from the steps' own times). After the walk, `acceptance_by_kind` gives what each
+SGLang's own verify graphs being captured at the largest tree's width). At start, after the target's graphs and
+before the draft's, `_capture_verify_ladder` captures a verify-graph set per smaller candidate width (v1's
+`ddtree_verify_graphs.capture_verify_ladder`, one copy, through the seams' capture width) and times their replays,
+which seed auto's costs (`seed_start_costs`). A tree pick verifies the largest tree's first `budget` nodes padded to
+the smallest captured width that holds them (`_verify_width`; eager steps: their own width), on that width's runner;
+if the capture fails on any rank, every rank keeps SGLang's one set and pads every tree to it (a warning; slower,
+never wrong). After the walk, `acceptance_by_kind` gives what each
 candidate budget's tree would have accepted, greedy and sampled requests apart; the step's observation (its wall
 time to a host read of that, which waits for the step's device work; a linear step's to its `accept_lens`) goes to
 `auto.observe`, and every `refresh_every` steps `auto.refresh` re-plans from accumulators summed over the TP ranks.
@@ -77,10 +83,12 @@ from sglang.srt.speculative.ddtree_auto_budget import (
     auto_candidates,
     chain_observation,
     tree_observation,
+    verify_widths,
 )
 from sglang.srt.speculative.ddtree_commit import commit_tree
 from sglang.srt.speculative.ddtree_metrics import AutoMetrics
 from sglang.srt.speculative.ddtree_ranks import (
+    agree_all,
     agree_verify_kernels,
     lm_head_refusal,
     refresh_over_ranks,
@@ -95,6 +103,7 @@ from sglang.srt.speculative.ddtree_utils import (
     shrink_tree,
 )
 from sglang.srt.speculative.ddtree_v2_shadow import is_decode
+from sglang.srt.speculative.ddtree_verify_graphs import V2_RUNNER, VerifyGraphLadder, capture_verify_ladder
 from sglang.srt.speculative.ddtree_verify_step import (
     kernels_in_use,
     self_test,
@@ -108,7 +117,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "DDTreeStepV2", "DDTreeV2Refused", "TreeVerify", "adjust_tree_verify_logits", "draft_tree_logits",
-    "head_refusal", "host_prefix_bounds", "sampled_rows", "settings_refusal", "tree_verify_input",
+    "head_refusal", "host_prefix_bounds", "ladder_refusal", "sampled_rows", "settings_refusal", "tree_verify_input",
     "verify_backend_refusal",
 ]
 
@@ -168,6 +177,22 @@ def head_refusal(target_model: Any) -> str | None:
     """Why the tree step cannot draft through this target's LM head (`ddtree_ranks.lm_head_refusal`), or None."""
     reason = lm_head_refusal(getattr(target_model, "lm_head", None))
     return reason and f"{_args.FLAG_MODE} full on v2: {reason}. Serve this target with {_args.FLAG_MODE} off."
+
+
+def ladder_refusal(model_runner: Any, runner: Any) -> str | None:
+    """Why auto's verify-graph ladder is not captured on this target (then every tree pads to SGLang's one set), or
+    None. Each is a per-runner state a second runner would rebuild under the first one's graphs: LoRA's batch info
+    (re-made at the new width by the runner's `__init__`), PDMux's per-stream backend states (their
+    `init_cuda_graph_state` is not held off), and the ragged verify mode (graphs keyed by tokens, not by batch
+    size; DFLASH's compact ragged verify, 17/23: `ragged_verify_compact_graphs_enabled`)."""
+    if getattr(runner, "ragged_verify_mode", False):
+        return "the ragged verify graphs (SGLANG_RAGGED_VERIFY_MODE)"
+    if getattr(runner, "enable_pdmux", False):
+        return "--enable-pdmux"
+    server_args = getattr(model_runner, "server_args", None)
+    if getattr(model_runner, "lora_manager", None) is not None or getattr(server_args, "enable_lora", False):
+        return "LoRA"
+    return None
 
 
 @dataclass
@@ -261,6 +286,9 @@ class DDTreeStepV2:
     _ddtree_hybrid: Any = None  # a hybrid target's recurrent layers (0.5.17's ddtree_v2_hybrid.HybridStepV2)
     ddtree_auto: AutoBudget | None = None  # --speculative-ddtree-budget auto, made by `ddtree_start_auto`
     tree_budget_auto = False  # set by `ddtree_setup` (workers the tests assemble without it read this)
+    # auto's verify graphs by width (`_capture_verify_ladder`); None: SGLang's one set (or none), as a fixed budget
+    _verify_ladder: VerifyGraphLadder | None = None
+    _step_width = 0  # the last tree step's verify tokens per request (auto prices the step at it)
     # a decode batch that asks for logprobs: False refuses it (0.5.17, as upstream refuses them there); True hands it
     # to upstream's linear step, which serves them (0.5.23; the adapter says why)
     LOGPROB_FALLBACK = False
@@ -310,36 +338,92 @@ class DDTreeStepV2:
         if refusal:
             raise DDTreeV2Refused(refusal)
         # The sampled walk's kernels (ddtree_verify_kernels, through ddtree_sampling) are checked against the torch
-        # path here, as v1 checks them at start: one this GPU or Triton gets wrong leaves the torch path.
+        # path here, as v1 checks them at start: one this GPU or Triton gets wrong leaves the torch path. Under auto
+        # also on auto's smaller trees, at their own width and padded to every candidate width (as v1 does): every
+        # shape a step can take is compiled here, not mid-serving.
         device = torch.device(self.target_worker.model_runner.device)
+        smaller = tuple(b for b in self._auto_tree_budgets() if b < self.tree_budget)
         error = self_test(device, self.tree_budget, self.block_size - 1, build_ddtree, follow_verified_tree,
+                          shrink_tree, smaller=smaller, pad_widths=tuple(self._auto_widths()) if smaller else (),
                           walk=walk_node_probs, acceptance=acceptance_by_kind if self.tree_budget_auto else None)
         if error:
             logger.warning("DDTree v2: verify kernels off (%s); the sampled walk runs on torch ops", error)
         agree_verify_kernels(kernels_in_use(device), get_tp_group().cpu_group if self.tree_tp_size > 1 else None)
+        if self.tree_budget_auto:
+            # The scheduler captured the target's graphs just before this (17/23: managers/scheduler.py, the target
+            # worker's init_cuda_graphs, then the draft worker's): the ladder's replays are timed while the shared
+            # input buffers still hold what that capture left, before the draft's capture writes them.
+            self._verify_ladder = self._capture_verify_ladder()
         super().init_cuda_graphs(*args, **kwargs)
         if self.tree_budget_auto:
             self.ddtree_start_auto()
 
+    def _auto_tree_budgets(self) -> list[int]:
+        """auto's tree budgets (none without auto)."""
+        if not self.tree_budget_auto:
+            return []
+        return [c.budget for c in auto_candidates(self.tree_budget, self.block_size) if c.budget > 0]
+
+    def _auto_widths(self) -> list[int]:
+        """The verify widths auto's candidates verify at, ascending (the chain's is the block's)."""
+        return verify_widths(auto_candidates(self.tree_budget, self.block_size))
+
+    def _capture_verify_ladder(self) -> VerifyGraphLadder | None:
+        """auto's verify graphs, one set per candidate width below the seams' (`ddtree_verify_graphs`), their replays
+        timed; None without graphs. A capture that fails (or is refused, `ladder_refusal`) on any TP rank leaves
+        every rank with the one set SGLang captured, smaller trees padded to it: slower, never a server that does not
+        start, and every rank replays the same graphs."""
+        runner = self.target_worker.model_runner
+        existing = getattr(runner, V2_RUNNER.attr, None)
+        widths = self._auto_widths()
+        ladder, error = None, None
+        if existing is not None and V2_RUNNER.is_graph_runner(existing):
+            error = ladder_refusal(runner, existing)
+            if error is None:
+                try:
+                    ladder = capture_verify_ladder(
+                        runner, widths, set_capture_width=_seams.set_capture_width, set_backend_width=None,
+                        reserved_memory=lambda: (torch.cuda.memory_reserved(runner.device)
+                                                 if torch.cuda.is_available() else None),
+                        names=V2_RUNNER)
+                except Exception as e:  # noqa: BLE001 - any capture failure keeps the widest set alone
+                    error = f"{type(e).__name__}: {e}"
+        group = get_tp_group().cpu_group if self.tree_tp_size > 1 else None
+        if not agree_all(error is None, group):
+            if self._tp_rank() == 0:
+                logger.warning("DDTree v2 auto: verify graphs at widths %s not captured (%s); smaller trees are "
+                               "padded to width %d", widths, error or "failed on another TP rank", self.tree_budget + 1)
+            return None  # capture_verify_ladder left SGLang's own runner installed
+        if ladder is not None and self._tp_rank() == 0:
+            logger.info("DDTree v2 auto: verify graphs at widths %s captured in %.1f s, %.2f GiB; replay ms by "
+                        "(width, bs): %s", ladder.widths, ladder.seconds, ladder.captured_bytes / 2**30,
+                        {f"{w}x{bs}": round(t * 1e3, 3) for (w, bs), t in sorted(ladder.replay_seconds.items())})
+        return ladder
+
     def ddtree_start_auto(self) -> None:
         """auto's chooser, v1's candidates and batch buckets: the target's verify graphs' batch sizes (the scheduler
-        captured them just before the draft's) and the request pool's size. Every tree candidate verifies at the
-        seams' one width, smaller trees padded to it (no verify graph per width on v2), so a smaller tree costs about
-        what the largest does and accepts no more: until v2 captures a graph per width, auto's choice is in effect
-        the chain or the largest tree, each priced by its own steps' times (no start-up replay timings either)."""
+        captured them just before the draft's) and the request pool's size; its costs seeded from the ladder's replay
+        timings (`_capture_verify_ladder`), as v1 seeds them. Without a ladder every tree candidate verifies at the
+        seams' one width, smaller trees padded to it, priced by its own steps' times."""
         runner = self.target_worker.model_runner
-        graphs = getattr(runner, "decode_cuda_graph_runner", None)
+        graphs = getattr(runner, V2_RUNNER.attr, None)
         self.ddtree_auto = AutoBudget(
             auto_candidates(self.tree_budget, self.block_size),
             capture_bs=list(getattr(graphs, "capture_bs", None) or [1]),
             max_running=int(runner.req_to_token_pool.size),
         )
+        ladder = self._verify_ladder
+        if ladder is not None:
+            self.ddtree_auto.seed_start_costs(ladder.replay_seconds)
         self._auto_budgets = torch.tensor(self.ddtree_auto.budgets, dtype=torch.int64, device=self.device)
         self._auto_metrics = AutoMetrics.maybe_create(
             self.ddtree_auto.budgets, enabled=self._auto_enable_metrics, tp_rank=self._tp_rank())
-        logger.info("DDTree v2 auto: candidates %s; every tree verifies at width %d on v2 (smaller trees padded; "
-                    "the chain is upstream's linear step)", [c.name for c in self.ddtree_auto.candidates],
-                    self.tree_budget + 1)
+        if ladder is not None:
+            verifies = f"each tree verifies on the graphs of the smallest of widths {ladder.widths} that holds it"
+        else:
+            verifies = f"every tree verifies at width {self.tree_budget + 1} (smaller trees padded: no verify-graph ladder)"
+        logger.info("DDTree v2 auto: candidates %s; %s; the chain is upstream's linear step",
+                    [c.name for c in self.ddtree_auto.candidates], verifies)
 
     def _tp_rank(self) -> int:
         return int(get_tp_group().rank_in_group) if self.tree_tp_size > 1 else 0
@@ -394,7 +478,9 @@ class DDTreeStepV2:
         # the host read waits for the step's device work, so the time below is the step's, as v1's is
         acceptance = self._step_acceptance.tolist()
         self._step_acceptance = None
-        self._observe(tree_observation(acceptance, budget=pick.budget, width=self.tree_budget + 1,
+        # the width it verified at: a tree padded past its own width is priced in that width's candidate's cell, as
+        # v1 prices its padded steps (`AutoBudget._candidate_of`)
+        self._observe(tree_observation(acceptance, budget=pick.budget, width=self._step_width,
                                        batch_size=len(batch.seq_lens), sampled=len(sampled),
                                        seconds=time.perf_counter() - started), step)
         return result
@@ -460,17 +546,43 @@ class DDTreeStepV2:
         )
 
     # ------------------------------------------------------------------ the step
-    def _build_tree(self, draft_hidden: torch.Tensor, budget: int) -> DDTree:
-        """The configured (auto: the largest) budget's tree; a smaller `budget` keeps its first nodes padded to that
-        width (`shrink_tree`), the one verify width the seams sized: nodes are best-first whatever the budget, so
-        that prefix is the tree auto's acceptance-by-budget measured for it."""
+    def _build_tree(self, draft_hidden: torch.Tensor, budget: int, width: int | None = None) -> DDTree:
+        """The configured (auto: the largest) budget's tree; a smaller `budget` keeps its first nodes, padded to
+        `width` verify tokens per request (`shrink_tree`; default: the largest tree's, the one verify width the seams
+        sized): nodes are best-first whatever the budget, so that prefix is the tree auto's acceptance-by-budget
+        measured for it."""
         lm_head = self.target_worker.model_runner.model.lm_head
         # SGLang's ParallelLMHead is sharded over the TP group (one shard at TP 1); a plain head is the vocabulary
         sharded = hasattr(lm_head, "shard_indices")
         vocab = int(lm_head.org_vocab_size) if sharded else int(lm_head.weight.shape[0])
         logits = draft_tree_logits(draft_hidden, lm_head, vocab, get_tp_group() if sharded else None)
         tree = build_ddtree(logits, self.tree_budget, self.tree_topk_cap, self.tree_keep_chain)
-        return tree if budget >= self.tree_budget else shrink_tree(tree, budget, pad=True)
+        return tree if budget >= self.tree_budget else shrink_tree(tree, budget, pad=True, pad_to=width)
+
+    def _verify_width(self, budget: int, batch_size: int) -> int:
+        """Tokens per request a tree of `budget` nodes verifies at this step: the largest tree's own width; else
+        under auto's ladder the smallest captured width that holds it (graphs of every candidate width: its own),
+        without a ladder SGLang's one set's width (padded: the one graph set, as before the ladder), and its own
+        width where no graph takes the batch (graphs off, or more requests than the graphs hold: eager at any width,
+        the triton backend's verify metadata is built from the step's own verify input)."""
+        own, widest = int(budget) + 1, self.tree_budget + 1
+        if own >= widest:
+            return widest
+        runner = getattr(self.target_worker.model_runner, V2_RUNNER.attr, None)
+        if runner is None or not V2_RUNNER.is_graph_runner(runner) or batch_size > int(runner.max_bs):
+            return own
+        ladder = self._verify_ladder
+        return ladder.width_for(own) if ladder is not None else V2_RUNNER.width(runner)
+
+    def _verify_runner(self, width: int | None) -> None:
+        """Install the ladder's runner of `width` where the target's verify reads it (`prepare_for_verify` asks it
+        `can_run_graph` and loads the batch; the forward replays it); None: SGLang's own (the widest) again, for
+        every other forward. Upstream's linear steps (auto's chain, the fallbacks) keep SGLang's own: their verify
+        carries no custom mask, and a block-width set of the ladder was captured reading the mask buffer (the
+        seams' mask policy), which would still hold the last tree's mask."""
+        ladder = self._verify_ladder
+        if ladder is not None:
+            ladder.use(ladder.widest if width is None else width)
 
     def _tree_step(self, batch: Any, on_publish: Any, budget: int | None = None) -> Any:
         draft_input = batch.spec_info
@@ -480,9 +592,9 @@ class DDTreeStepV2:
         prefix_lens = batch.seq_lens
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
 
-        tree = self._build_tree(self._draft_hidden(batch, draft_input),
-                                self.tree_budget if budget is None else int(budget))
-        n = tree.parents.shape[1]
+        budget = self.tree_budget if budget is None else int(budget)
+        tree = self._build_tree(self._draft_hidden(batch, draft_input), budget, self._verify_width(budget, bs))
+        n = self._step_width = int(tree.parents.shape[1])
         bounds, prefix_bound = host_prefix_bounds(batch.seq_lens_cpu, self._host_reserved_cpu(draft_input), n)
         if bounds is None:
             raise RuntimeError("DDTree v2 tree step needs the host's sequence lengths (overlap is refused).")
@@ -499,11 +611,15 @@ class DDTreeStepV2:
         batch.out_cache_loc = verify.out_cache_loc
         seq_lens_cpu_backup, seq_lens_sum_backup = batch.seq_lens_cpu, batch.seq_lens_sum
         batch.seq_lens_cpu, batch.seq_lens_sum = bounds, int(bounds.sum())  # host bound = prefix + n
-        verify_forward_batch, _ = verify_input.prepare_for_verify(batch, self.target_worker)
-        batch.seq_lens_cpu, batch.seq_lens_sum = seq_lens_cpu_backup, seq_lens_sum_backup
-        target_out = self.target_worker.forward_batch_generation(
-            batch=None, forward_batch=verify_forward_batch, is_verify=True, skip_attn_backend_init=True,
-        )
+        self._verify_runner(n)  # the graphs of this width, for the plan below and the forward
+        try:
+            verify_forward_batch, _ = verify_input.prepare_for_verify(batch, self.target_worker)
+            batch.seq_lens_cpu, batch.seq_lens_sum = seq_lens_cpu_backup, seq_lens_sum_backup
+            target_out = self.target_worker.forward_batch_generation(
+                batch=None, forward_batch=verify_forward_batch, is_verify=True, skip_attn_backend_init=True,
+            )
+        finally:
+            self._verify_runner(None)
         logits_output = target_out.logits_output
         logits = self._full_verify_logits(logits_output)
         logits_output.next_token_logits = logits

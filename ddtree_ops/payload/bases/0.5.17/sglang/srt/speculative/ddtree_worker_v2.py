@@ -13,7 +13,14 @@ Out of scope, refused at start with the flag named (`v2_refusal`): auto budget w
 than triton, page size != 1, TP / PP > 1, the draft window, hybrid targets other than the proven Gated DeltaNet ones
 with the radix cache off (`ddtree_v2_hybrid`; auto budget on them, as v1 refuses it), simulated acceptance.
 Per step: logprobs are refused as upstream refuses them on 0.5.17; a batch holding a grammar request runs upstream's
-linear DFLASH step instead (eager at width block: the verify graphs are captured at `1 + budget`).
+linear DFLASH step instead (eager at width block: SGLang's verify graphs are captured at `1 + budget`).
+
+Auto (under its proof switch) captures a verify-graph set per smaller candidate width on 0.5.17's
+`DecodeCudaGraphRunner`, the runner class SGLang made, made again while the seams' width hook answers that width
+(`DDTreeStepV2._capture_verify_ladder`, shared with 0.5.23; 0.5.17's triton backend reads each verify's width from
+its `DFlashVerifyInput`, 17:layers/attention/triton_backend.py:460-520, :1097-1118); each tree step installs the
+runner of its width as `decode_cuda_graph_runner` for its verify, upstream's steps keep SGLang's own. Auto on a
+hybrid target stays refused.
 """
 
 from __future__ import annotations

@@ -30,6 +30,12 @@ size != 1, TP / PP > 1, the draft window, simulated acceptance), hybrid targets 
 ported), DP attention (`--attn-dp-size`), the candidate-selector / LiLiCorr / Domino draft heads (they
 replace the draft's argmax; the tree needs the draft's hidden states), and KV pools that translate ids (unified
 hybrid pools, a fused draft: not read through for the tree's permuted slots).
+
+Auto (under its proof switch): the verify-graph ladder of the shared step (`DDTreeStepV2._capture_verify_ladder`), as
+on 0.5.17: 0.5.23's `DecodeCudaGraphRunner` takes its width from the same hook and refuses other widths the same way
+(23:model_executor/runner/decode_cuda_graph_runner.py:359, :845-870), its triton backend reads a verify's width from
+the verify input (`_target_verify_num_tokens_per_req`, 23:layers/attention/triton_backend.py:586-641); each tree
+step's verify `KVLocPlan` is over its own width (`_verify_input_extra`).
 """
 
 from __future__ import annotations
