@@ -925,9 +925,9 @@ def auto_run(fail_at: int | None = None, steps: int = AUTO_STEPS) -> dict:
     # tensors there, records what it was asked instead (on this CPU it finds no kernels to check either)
     self_tests: list = []
 
-    def self_test(device, budget, depth, *args, smaller=(), pad_widths=(), walk=None):
+    def self_test(device, budget, depth, *args, smaller=(), pad_widths=(), walk=None, acceptance=None):
         self_tests.append({"device": str(device), "budget": budget, "smaller": list(smaller),
-                           "pad_widths": list(pad_widths)})
+                           "pad_widths": list(pad_widths), "acceptance": acceptance is not None})
 
     kernels = (mock.patch.object(s, "self_test", self_test), mock.patch.object(s, "kernels_in_use", lambda d: False))
     try:
