@@ -12,6 +12,8 @@ penalizers, and five deliberately broken variants are caught.
 `/server_info`'s `ddtree`: a run of steps on one worker (made by its `__init__`) fills v1's counters as the steps'
 own results say; the real `Scheduler.get_internal_state`, hooked by `load_plugins`, carries them (and nothing for
 upstream's worker) through the scheduler's IPC encoding; promote's settings gate judges that answer as it judges v1's.
+Upstream's linear decode steps (fallbacks, auto's chain) run eagerly where SGLang's verify graphs are at the block's
+width (a budget of block - 1): those graphs read the custom-mask buffer, which holds the last tree's mask.
 0.5.23 only: the verify's and the draft's KV plans (`KVLocPlan`, through a real pass-through translator), its own
 refusals (DP attention, the draft checkpoint's selector / LiLiCorr / Domino heads, id-translating pools), its
 min_new_tokens rule (the request's `eos_token_ids` banned too), and decode batches asking for logprobs or sampling
@@ -363,6 +365,31 @@ def test_auto_without_its_ladder_pads_to_the_one_set(observed: dict, base: str) 
         assert step["planned_on"] == step["replayed_on"] == 8
     assert all(max(step["nodes"]) <= 4 for step in run["held"]) and all(max(step["nodes"]) <= 3 for step in run["padded"])
     assert run["state"]["ddtree"]["auto"]["replay_ms"] == {}
+
+
+def test_upstreams_linear_steps_run_eagerly_on_block_wide_verify_graphs(observed: dict, base: str) -> None:
+    """SGLang's verify graphs are captured by the seams at `1 + budget` reading the custom-mask buffer; upstream's
+    linear verify carries no mask, so graphs at the block's width (a budget of block - 1: the default, or auto's
+    largest) would replay it over the last tree's mask. There upstream's linear decode steps (a grammar fallback, on
+    0.5.23 a logprob one, auto's chain) see no graph runner, and SGLang's is back after each, also when the step
+    raises; prefill and idle batches keep it; a budget of 7 (graphs at width 8, which refuse the block-wide linear
+    verify on their own) changes nothing."""
+    run = observed["eager_linear"]
+    linear = ["grammar", "grammar raising"] + (["logprob"] if base == "0.5.23" else [])
+    for name, budget in (("default", 3), ("budget 7", 7), ("auto", 3)):  # block 4
+        case = run[name]
+        assert (case["budget"], case["width"]) == (budget, budget + 1), (name, case)
+        steps = case["steps"]
+        assert all(step["restored"] for step in steps.values()), (name, steps)
+        assert steps["prefill"]["saw"] == steps["idle"]["saw"] == "sglang", (name, steps)
+        assert "failed (stand-in)" in steps["grammar raising"]["raised"], (name, steps)
+        assert sorted(steps) == sorted(["prefill", "idle", *linear, *(["chain"] if name == "auto" else [])])
+        hidden = "sglang" if name == "budget 7" else "none"
+        assert all(steps[n]["saw"] == hidden for n in linear + (["chain"] if name == "auto" else [])), (name, steps)
+    auto = run["auto"]
+    assert auto["ladder"] == [4] and auto["state"]["chain_steps"] == 1
+    assert auto["state"]["fallback_reasons"] == {"grammar": 1, **({"logprob": 1} if base == "0.5.23" else {})}
+    assert any("upstream's linear steps (fallbacks, auto's chain) run eagerly" in line for line in auto["log"])
 
 
 def test_tp2_sharded_draft_logits_build_the_single_device_tree_on_v2(base: str, base_site: Path) -> None:

@@ -32,8 +32,10 @@ import json
 import os
 import random
 import re
+from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 from unittest import mock
 
 import penalty_oracle as po  # beside this script
@@ -870,6 +872,72 @@ def stats_run() -> dict:
 AUTO_STEPS = 80
 
 
+def auto_worker(budget_max: int) -> w.DDTreeWorkerV2:
+    """A tree worker with `--speculative-ddtree-budget auto` of largest budget `budget_max` (its `__init__`)."""
+    os.environ[TEST_V2_AUTO] = "1"  # the auto proof's servers only, until a GPU has run it
+    try:
+        return tree_worker(speculative_ddtree_budget="auto", speculative_ddtree_budget_max=budget_max)
+    finally:
+        del os.environ[TEST_V2_AUTO]
+
+
+def graph_target() -> SimpleNamespace:
+    """The target's model runner for the verify-graph cases: a GPU's by name (the ladder is for graphs on one), the
+    real `ModelRunner.decode_num_tokens_per_req` (so the seams' width hook) and the real triton backend class."""
+    head = SimpleNamespace(weight=torch.eye(po.VOCAB))
+    target = SimpleNamespace(
+        model=SimpleNamespace(lm_head=head), device="cuda", req_to_token_pool=SimpleNamespace(size=16),
+        spec_algorithm=SpeculativeAlgorithm.DFLASH, is_draft_worker=False, model_config=SimpleNamespace(hf_config=None),
+        server_args=SimpleNamespace(speculative_num_draft_tokens=BLOCK, speculative_eagle_topk=None),
+        attn_backend=stand_in.triton_backend(block=BLOCK, max_context_len=64))
+    target.decode_num_tokens_per_req = lambda **kw: ModelRunner.decode_num_tokens_per_req(target, **kw)  # the real one
+    return target
+
+
+def sglang_graphs(worker: w.DDTreeWorkerV2, target: SimpleNamespace,
+                  fail_at: int | None = None) -> stand_in.StandInRunner:
+    """SGLang's own verify graph runner on `target` (a `StandInRunner` captured with the seams on, as the worker's
+    `__init__` left them: at its width `1 + budget`), installed where the verify reads it; the seams off again."""
+    seams.activate(seams.SeamSettings(block_size=BLOCK, verify_width=worker.tree_budget + 1))
+    stand_in.StandInRunner.block, stand_in.StandInRunner.capture_bs = BLOCK, (1, 2, 4, 8, 16)
+    stand_in.StandInRunner.fail_at = fail_at
+    get_spec = mock.patch.object(spec_utils, "get_spec", lambda: target.server_args, create=True)  # 0.5.23 reads it
+    try:
+        with get_spec:
+            target.decode_cuda_graph_runner = stand_in.StandInRunner(target)
+    finally:
+        seams.deactivate()
+    return target.decode_cuda_graph_runner
+
+
+def start_graphs(worker: w.DDTreeWorkerV2, target: SimpleNamespace, fail_at: int | None = None) -> tuple:
+    """SGLang's own set on `target` (`sglang_graphs`), then the worker's own `init_cuda_graphs` (upstream's capture
+    stubbed; under auto the ladder, `fail_at`: that width's capture fails); returns SGLang's set, the log, and the
+    kernels' start-up checks."""
+    real_graphs = DFlashWorkerV2.init_cuda_graphs
+    DFlashWorkerV2.init_cuda_graphs = lambda self, *a, **k: None
+    # the target says "cuda" (the ladder is for graphs on a GPU), so the kernels' start-up check, which would put
+    # tensors there, records what it was asked instead (on this CPU it finds no kernels to check either)
+    self_tests: list = []
+
+    def self_test(device, budget, depth, *args, smaller=(), pad_widths=(), walk=None, acceptance=None):
+        self_tests.append({"device": str(device), "budget": budget, "smaller": list(smaller),
+                           "pad_widths": list(pad_widths), "acceptance": acceptance is not None})
+
+    kernels = (mock.patch.object(s, "self_test", self_test), mock.patch.object(s, "kernels_in_use", lambda d: False))
+    get_spec = mock.patch.object(spec_utils, "get_spec", lambda: target.server_args, create=True)
+    try:
+        graphs = sglang_graphs(worker, target, fail_at)
+        seams.activate(seams.SeamSettings(block_size=BLOCK, verify_width=worker.tree_budget + 1))
+        with get_spec, mock.patch.object(vg, "_replay_seconds", stand_in.replay_seconds), kernels[0], kernels[1]:
+            logged = capture_log(lambda: worker.init_cuda_graphs())
+    finally:
+        DFlashWorkerV2.init_cuda_graphs = real_graphs
+        stand_in.StandInRunner.fail_at = None
+        seams.deactivate()
+    return graphs, logged, self_tests
+
+
 def auto_run(fail_at: int | None = None, steps: int = AUTO_STEPS) -> dict:
     """A tree worker with `--speculative-ddtree-budget auto` (max 7: candidates chain, 3, 7; verify widths 4 and 8),
     made by its `__init__` and started by its own `init_cuda_graphs` (upstream's capture stubbed): the target's verify
@@ -883,22 +951,12 @@ def auto_run(fail_at: int | None = None, steps: int = AUTO_STEPS) -> dict:
     with auto's pick held at budget 3; three tree steps of budget 2 (not a candidate: a tree padded to the next
     captured width); then upstream's batches (a grammar decode: a fallback auto observes as a chain step) and the
     report through the scheduler."""
-    os.environ[TEST_V2_AUTO] = "1"  # the auto proof's servers only, until a GPU has run it
-    try:
-        worker = tree_worker(speculative_ddtree_budget="auto", speculative_ddtree_budget_max=BUDGET)
-    finally:
-        del os.environ[TEST_V2_AUTO]
-    head = SimpleNamespace(weight=torch.eye(po.VOCAB))
-    target = SimpleNamespace(
-        model=SimpleNamespace(lm_head=head), device="cuda", req_to_token_pool=SimpleNamespace(size=16),
-        spec_algorithm=SpeculativeAlgorithm.DFLASH, is_draft_worker=False, model_config=SimpleNamespace(hf_config=None),
-        server_args=SimpleNamespace(speculative_num_draft_tokens=BLOCK, speculative_eagle_topk=None),
-        attn_backend=stand_in.triton_backend(block=BLOCK, max_context_len=64))
-    target.decode_num_tokens_per_req = lambda **kw: ModelRunner.decode_num_tokens_per_req(target, **kw)  # the real one
+    worker = auto_worker(BUDGET)
+    target = graph_target()
     backend = TritonAttnBackend.__new__(TritonAttnBackend)
     worker.__dict__.update(model_runner=SimpleNamespace(attn_backend=backend), device=torch.device("cpu"),
                            _target_worker=SimpleNamespace(model_runner=target))
-    real_graphs, real_forward = DFlashWorkerV2.init_cuda_graphs, DFlashWorkerV2.forward_batch_generation
+    real_forward = DFlashWorkerV2.forward_batch_generation
     linear_calls: list[list[int]] = []
     chain_runner_widths: list[int] = []
 
@@ -915,26 +973,9 @@ def auto_run(fail_at: int | None = None, steps: int = AUTO_STEPS) -> dict:
         return SimpleNamespace(accept_lens=torch.tensor(lens, dtype=torch.int32), can_run_cuda_graph=False,
                                next_token_ids=torch.tensor(out).reshape(-1))
 
-    DFlashWorkerV2.init_cuda_graphs = lambda self, *a, **k: None
+    sglang_graphs, logged, self_tests = start_graphs(worker, target, fail_at)
     DFlashWorkerV2.forward_batch_generation = linear_step
-    seams.activate(seams.SeamSettings(block_size=BLOCK, verify_width=BUDGET + 1))  # as the worker's __init__ left them
-    stand_in.StandInRunner.block, stand_in.StandInRunner.capture_bs = BLOCK, (1, 2, 4, 8, 16)
-    stand_in.StandInRunner.fail_at = fail_at
-    get_spec = mock.patch.object(spec_utils, "get_spec", lambda: target.server_args, create=True)  # 0.5.23 reads it
-    # the target says "cuda" (the ladder is for graphs on a GPU), so the kernels' start-up check, which would put
-    # tensors there, records what it was asked instead (on this CPU it finds no kernels to check either)
-    self_tests: list = []
-
-    def self_test(device, budget, depth, *args, smaller=(), pad_widths=(), walk=None, acceptance=None):
-        self_tests.append({"device": str(device), "budget": budget, "smaller": list(smaller),
-                           "pad_widths": list(pad_widths), "acceptance": acceptance is not None})
-
-    kernels = (mock.patch.object(s, "self_test", self_test), mock.patch.object(s, "kernels_in_use", lambda d: False))
     try:
-        with get_spec, mock.patch.object(vg, "_replay_seconds", stand_in.replay_seconds), kernels[0], kernels[1]:
-            target.decode_cuda_graph_runner = sglang_graphs = stand_in.StandInRunner(target)  # SGLang's own set
-            logged = capture_log(lambda: worker.init_cuda_graphs())
-        seams.deactivate()
         started = worker.ddtree_auto is not None
         ladder = worker._verify_ladder
         ran = [decode_step(seed, worker=worker, dispatch=True) for seed in range(steps)]
@@ -944,9 +985,7 @@ def auto_run(fail_at: int | None = None, steps: int = AUTO_STEPS) -> dict:
             held = [decode_step(steps + seed, worker=worker, dispatch=True) for seed in range(3)]
         padded = [decode_step(steps + 3 + seed, worker=worker, budget=2) for seed in range(3)]
     finally:
-        DFlashWorkerV2.init_cuda_graphs, DFlashWorkerV2.forward_batch_generation = real_graphs, real_forward
-        stand_in.StandInRunner.fail_at = None
-        seams.deactivate()
+        DFlashWorkerV2.forward_batch_generation = real_forward
     linear = upstream_steps(worker)
     return {
         "started": started,
@@ -964,6 +1003,78 @@ def auto_run(fail_at: int | None = None, steps: int = AUTO_STEPS) -> dict:
         "fallback_lens": linear,
         "state": scheduler_state(worker),
     }
+
+
+# --- upstream's linear steps against block-wide verify graphs ---------------------------------------------------
+
+
+def linear_runners(worker: w.DDTreeWorkerV2, target: SimpleNamespace, chain: Any = None) -> dict:
+    """The target's verify graph runner as upstream's step (stubbed) sees it, and whether SGLang's is installed again
+    after it, for each batch handed to it: a prefill, an idle batch, a grammar decode, a grammar decode whose step
+    raises, on 0.5.23 a decode asking for logprobs (its fallback there); with `chain` (auto's chain candidate, held as
+    auto's pick) a plain decode too."""
+    real = DFlashWorkerV2.forward_batch_generation
+    graphs = target.decode_cuda_graph_runner
+
+    def upstream(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None):
+        now = target.decode_cuda_graph_runner
+        batch.saw = "none" if now is None else "sglang" if now is graphs else "other"
+        if batch.fail:
+            raise RuntimeError("upstream's step failed (stand-in)")
+        return SimpleNamespace(accept_lens=torch.tensor([2, 1], dtype=torch.int32), can_run_cuda_graph=False)
+
+    cases = {"prefill": ("extend", False, False, False), "idle": ("idle", False, False, False),
+             "grammar": ("decode", True, False, False), "grammar raising": ("decode", True, False, True)}
+    if V23:
+        cases["logprob"] = ("decode", False, True, False)
+    if chain is not None:
+        cases["chain"] = ("decode", False, False, False)
+    out = {}
+    DFlashWorkerV2.forward_batch_generation = upstream
+    try:
+        for name, (kind, grammar, logprob, fail) in cases.items():
+            batch = SimpleNamespace(forward_mode=Mode(kind=kind), is_extend_in_batch=kind == "extend",
+                                    spec_info=object(), has_grammar=grammar, return_logprob=logprob,
+                                    sampling_info=None, seq_lens=torch.tensor([5, 6]), fail=fail, saw=None)
+            raised = None
+            with mock.patch.object(worker.ddtree_auto, "choose", lambda *a, **k: chain) if chain else nullcontext():
+                try:
+                    worker.forward_batch_generation(batch)
+                except RuntimeError as e:
+                    raised = str(e)
+            out[name] = {"saw": batch.saw, "restored": target.decode_cuda_graph_runner is graphs, "raised": raised}
+    finally:
+        DFlashWorkerV2.forward_batch_generation = real
+    return out
+
+
+def eager_linear() -> dict:
+    """Upstream's linear steps (the fallbacks, auto's chain) against SGLang's own verify graphs, captured by the seams
+    at `1 + budget` with the tree's mask buffer: for a fixed budget of block - 1 (the default: graphs at the block's
+    width, which would replay upstream's maskless linear verify over the last tree's mask) and of 7 (width 8: they
+    refuse the block-wide linear verify on their own), and for auto of largest budget block - 1 (started by its own
+    `init_cuda_graphs`: its ladder and SGLang's block-wide set); `linear_runners` for each, the width of SGLang's set,
+    and the start log."""
+    out = {}
+    for name, budget in (("default", None), ("budget 7", BUDGET)):
+        worker = tree_worker(speculative_ddtree_budget=budget)
+        target = graph_target()
+        graphs = sglang_graphs(worker, target)
+        worker.__dict__.update(_target_worker=SimpleNamespace(model_runner=target))
+        out[name] = {"width": graphs.captured_req_width, "budget": worker.tree_budget,
+                     "steps": linear_runners(worker, target)}
+    worker = auto_worker(BLOCK - 1)
+    target = graph_target()
+    worker.__dict__.update(model_runner=SimpleNamespace(attn_backend=TritonAttnBackend.__new__(TritonAttnBackend)),
+                           device=torch.device("cpu"), _target_worker=SimpleNamespace(model_runner=target))
+    graphs, logged, _ = start_graphs(worker, target)
+    chain = next(c for c in worker.ddtree_auto.candidates if c.is_chain)
+    out["auto"] = {"width": graphs.captured_req_width, "budget": worker.tree_budget,
+                   "ladder": None if worker._verify_ladder is None else worker._verify_ladder.widths,
+                   "steps": linear_runners(worker, target, chain), "log": logged,
+                   "state": {k: v for k, v in worker.ddtree_internal_state().items()
+                             if k in ("chain_steps", "fallback_steps", "fallback_reasons")}}
+    return out
 
 
 def capture_log(fn) -> list[str]:
@@ -1012,4 +1123,5 @@ if __name__ == "__main__":
         out["logprob"] = logprob_dispatch()
         out["auto"] = auto_run()
         out["auto_failed"] = auto_run(fail_at=BLOCK, steps=24)
+        out["eager_linear"] = eager_linear()
     print(json.dumps(out))

@@ -357,6 +357,10 @@ class DDTreeStepV2:
         super().init_cuda_graphs(*args, **kwargs)
         if self.tree_budget_auto:
             self.ddtree_start_auto()
+        if self._linear_runs_eager() is not None and self._tp_rank() == 0:
+            logger.info("DDTree v2: the target's verify graphs are at the block's width %d: upstream's linear steps "
+                        "(fallbacks%s) run eagerly (they carry no mask; the graphs read the tree's mask buffer)",
+                        self.block_size, ", auto's chain" if self.tree_budget_auto else "")
 
     def _auto_tree_budgets(self) -> list[int]:
         """auto's tree budgets (none without auto)."""
@@ -456,7 +460,8 @@ class DDTreeStepV2:
                 reason = self._base_fallback_reason(batch)
         auto, started, step = self.ddtree_auto, time.perf_counter(), self.ddtree_stats.steps
         if not decode or reason is not None:
-            result = upstream()
+            # a decode's linear step runs eagerly where the verify graphs are block-wide (their mask: the last tree's)
+            result = self._upstream_linear(upstream) if decode else upstream()
             if decode:  # upstream's linear step: a fallback, as v1 counts its linear steps in full mode
                 self._record_linear_step(result, reason)
                 if auto is not None:  # a chain step all the same (v1 observes its fallbacks too)
@@ -470,7 +475,7 @@ class DDTreeStepV2:
         sampled = self._sampled_rows(batch)
         pick = auto.choose(len(batch.seq_lens), step, sampled=len(sampled))
         if pick.is_chain:  # the chain candidate is upstream's linear DFLASH step itself
-            result = upstream()
+            result = self._upstream_linear(upstream)
             self._record_chain_step(result)
             self._observe_chain(batch, result, started, step)
             return result
@@ -484,6 +489,32 @@ class DDTreeStepV2:
                                        batch_size=len(batch.seq_lens), sampled=len(sampled),
                                        seconds=time.perf_counter() - started), step)
         return result
+
+    def _linear_runs_eager(self) -> Any:
+        """The target's installed verify graph runner when it was captured at the block's own width (a fixed budget
+        of block - 1, the default; auto with a largest budget of block - 1), else None."""
+        runner = getattr(self.target_worker.model_runner, V2_RUNNER.attr, None)
+        if runner is None or not V2_RUNNER.is_graph_runner(runner) or V2_RUNNER.width(runner) != int(self.block_size):
+            return None
+        return runner
+
+    def _upstream_linear(self, upstream: Any) -> Any:
+        """Upstream's linear DFLASH step on a decode batch (a fallback, auto's chain), eager where the target's verify
+        graphs are at the block's width. Those graphs were captured with the custom-mask buffer (the seams' mask
+        policy: a tree is not causal), and upstream's linear verify carries no mask (`custom_mask = None`, "standard
+        causal masking", 17/23: dflash_worker_v2.py): the triton backend's replay then leaves the buffer as it is,
+        and the captured kernels would read the last tree's mask. A runner of another width refuses the linear
+        verify anyway (`can_run_graph`: the width must be its captured one), so that step is eager already. The
+        runner is hidden (None: what `prepare_for_verify` and the model runner's forward ask) for the call only."""
+        runner = self._linear_runs_eager()
+        if runner is None:
+            return upstream()
+        model_runner = self.target_worker.model_runner
+        setattr(model_runner, V2_RUNNER.attr, None)
+        try:
+            return upstream()
+        finally:
+            setattr(model_runner, V2_RUNNER.attr, runner)
 
     # ------------------------------------------------------------------ base hooks (defaults: 0.5.17's shapes)
     def _base_fallback_reason(self, batch: Any) -> str | None:
@@ -579,7 +610,8 @@ class DDTreeStepV2:
         `can_run_graph` and loads the batch; the forward replays it); None: SGLang's own (the widest) again, for
         every other forward. Upstream's linear steps (auto's chain, the fallbacks) keep SGLang's own: their verify
         carries no custom mask, and a block-width set of the ladder was captured reading the mask buffer (the
-        seams' mask policy), which would still hold the last tree's mask."""
+        seams' mask policy), which would still hold the last tree's mask; where SGLang's own set is at the block's
+        width (largest budget block - 1), `_upstream_linear` hides it from them."""
         ladder = self._verify_ladder
         if ladder is not None:
             ladder.use(ladder.widest if width is None else width)
