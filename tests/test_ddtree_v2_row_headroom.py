@@ -18,7 +18,7 @@ import pytest
 from tests.test_payload_v2 import site_report, wheel_site
 
 SCRIPT = Path(__file__).parent / "sglang_scripts" / "v2_row_headroom_cases.py"
-PAYLOAD_FILES = ("ddtree_v2_args.py", "ddtree_args.py", "ddtree_v2_seams.py")
+PAYLOAD_FILES = ("ddtree_v2_args.py", "ddtree_args.py", "ddtree_v2_seams.py", "ddtree_verify_graphs.py")  # v2_seams_cases imports the ladder
 CONTEXT = 96  # the script's context length
 
 pytestmark = pytest.mark.slow
