@@ -161,14 +161,7 @@ for case in range(cases):
 # auto's acceptance by budget: one kernel, the torch path's counts, greedy and sampled rows apart
 for case in range(cases):
     bs = rng.choice([1, 3, 33])
-    tree = t.random_case(rng, bs=bs, budgets=(1, 4, 12) if bs > 3 else (1, 12, 64, 256))[0]
-    cand = torch.cat([torch.zeros((bs, 1), dtype=torch.int64), tree.token_ids], 1)
-    n = tree.parents.shape[1]
-    target = torch.randint(0, 40, (bs, n), generator=torch.Generator().manual_seed(case))
-    follows = torch.rand((bs, n), generator=torch.Generator().manual_seed(case + 99)) < 0.8
-    real = tree.parents >= 0
-    slot = torch.arange(n).expand(bs, n)
-    target.scatter_(1, torch.where(real & follows, tree.parents, slot), torch.where(real & follows, cand, target))
+    tree, _, target, _, _ = t.random_case(rng, bs=bs, budgets=(1, 4, 12) if bs > 3 else (1, 12, 64, 256))
     accepted = t.du.follow_verified_tree(tree, target)[0].to(torch.int64)
     budgets = torch.tensor(sorted(rng.sample([1, 2, 3, 7, 15, 31, 63, 127, 255], rng.randint(1, 6))))
     sampled = sorted(rng.sample(range(bs), rng.randint(0, bs)))

@@ -185,9 +185,9 @@ def self_test(
                        if b + 1 < w < budget + 1]
             for tree, b in shapes:
                 where = f"batch {bs}, {b + 1} of {tree.parents.shape[1]} slots"
-                _check_kernels_on(kernels, tree, b + 1, follow, g, where)
+                accepted = _check_kernels_on(kernels, tree, b + 1, follow, g, where)
                 if acceptance is not None:
-                    _check_acceptance_on(kernels, tree, (*smaller, budget), follow, acceptance, g, where)
+                    _check_acceptance_on(kernels, tree, accepted, (*smaller, budget), acceptance, where)
             if walk is not None:  # a flat draft's tree is wide, a peaked one's deep: both
                 for tree in (full, build(torch.randn((bs, depth, 64), generator=g).to(device) * 4, budget)):
                     _check_sampled_kernels_on(kernels, tree, walk, g, f"batch {bs}, depth {int(tree.max_depth)}")
@@ -197,7 +197,8 @@ def self_test(
     return None
 
 
-def _check_kernels_on(kernels: Any, tree: Any, kv_width: int, follow: Any, g: torch.Generator, where: str) -> None:
+def _check_kernels_on(kernels: Any, tree: Any, kv_width: int, follow: Any, g: torch.Generator, where: str) -> torch.Tensor:
+    """The mask, walk and commit kernels against the torch path on one tree; returns the torch walk's accepted nodes."""
     bs, n = tree.parents.shape
     device = tree.parents.device
     depth = int(tree.max_depth)
@@ -222,20 +223,15 @@ def _check_kernels_on(kernels: Any, tree: Any, kv_width: int, follow: Any, g: to
     for name, (got, want) in pairs.items():
         if not torch.equal(got, want):
             raise AssertionError(f"{name} differs from the torch path at {where}")
+    return want_walk[0]
 
 
-def _check_acceptance_on(kernels: Any, tree: Any, budgets: tuple[int, ...], follow: Any, acceptance: Any,
-                         g: torch.Generator, where: str) -> None:
-    bs, n = tree.parents.shape
+def _check_acceptance_on(kernels: Any, tree: Any, accepted: torch.Tensor, budgets: tuple[int, ...], acceptance: Any,
+                         where: str) -> None:
+    """auto's acceptance kernel against the torch path on the walk `_check_kernels_on` made (all greedy, and every
+    other request sampled)."""
+    bs = tree.parents.shape[0]
     device = tree.parents.device
-    # walks along the draft's own tokens, a node's target now and then another: paths on and off the chain
-    cand = torch.cat([torch.zeros((bs, 1), dtype=torch.int64, device=device), tree.token_ids], 1)
-    target = torch.randint(0, 64, (bs, n), generator=g).to(device)
-    slot = torch.arange(n, device=device).expand(bs, n)
-    follows = torch.rand((bs, n), generator=g).to(device) < 0.8
-    target.scatter_(1, torch.where((tree.parents >= 0) & follows, tree.parents, slot),
-                    torch.where((tree.parents >= 0) & follows, cand, target))
-    accepted = follow(tree, target)[0].to(torch.int64)
     ladder = torch.tensor(sorted({b for b in budgets if b > 0}), dtype=torch.int64, device=device)
     for sampled in ([], list(range(0, bs, 2))):
         kinds = torch.zeros(bs, dtype=torch.int64, device=device)
