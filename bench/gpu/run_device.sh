@@ -69,6 +69,8 @@ export PYTHONPATH=/tmp/site
 # The bundle of the carried site's base: site312-<base>.tar.xz takes ddtree-payload-*-sglang<base>.tar.gz, the
 # default site the 0.5.13.post1 bundle (no -sglang suffix), whatever else dist holds.
 SITE_BASE=$(basename "$SITE_TAR" .tar.xz); SITE_BASE=${SITE_BASE#site312}; SITE_BASE=${SITE_BASE#-}
+# a v2 base serves auto only under its proof switch (ddtree_args.TEST_V2_AUTO) until a GPU run has proven it
+V2AUTO=; [ -n "$SITE_BASE" ] && V2AUTO=" V2AUTO"
 pick_bundle() { ls "$1"/ddtree-payload-*.tar.gz 2>/dev/null | grep -E -- "${SITE_BASE:+-sglang$SITE_BASE}\.tar\.gz\$" \
   | { [ -n "$SITE_BASE" ] && cat || grep -v -- -sglang; } | head -1; }
 BUNDLE=$(pick_bundle dist)
@@ -226,7 +228,7 @@ if [ "${GRAPHS:-0}" = 1 ]; then
     "r_full16|/tmp/tiny_r|$FULL 16" "r_full64|/tmp/tiny_r|$FULL 64" "r_full256|/tmp/tiny_r|$FULL 256"
     "r_full64_cycle|/tmp/tiny_r|$FULL 64 CYCLE"
     # issue 24: --speculative-ddtree-budget auto (graph ladder, per-step budget), served with ONLY=... when wanted
-    "p_auto|/tmp/tiny_p|$FULL auto --speculative-ddtree-budget-max 127" "r_auto|/tmp/tiny_r|$FULL auto --speculative-ddtree-budget-max 127"
+    "p_auto|/tmp/tiny_p|$FULL auto --speculative-ddtree-budget-max 127$V2AUTO" "r_auto|/tmp/tiny_r|$FULL auto --speculative-ddtree-budget-max 127$V2AUTO"
     # a fault on auto's mix, told apart: the same flags again (does it repeat?) and the fixed budget of
     # auto's warm-up (every step a 128-wide tree: a width's bf16 rounding, or auto's switching?)
     "p_auto_twin|/tmp/tiny_p|$FULL auto --speculative-ddtree-budget-max 127" "p_full127|/tmp/tiny_p|$FULL 127"
@@ -261,9 +263,9 @@ if [ "${LIMITS:-0}" = 1 ]; then
     "r_full64_eager|/tmp/tiny_r|$FULL 64 EAGER"  # (served with ONLY=...) a graph fault told from a tree-step fault
     "p_dflash_pristine|/tmp/tiny_p|DF PRISTINE"  # (served with ONLY=...) upstream's DFLASH on p's mix and penalties
     # issue 24: --speculative-ddtree-budget auto at the limits (its ladder up to each set's largest fixed budget)
-    "r_auto|/tmp/tiny_r|$FULL auto --speculative-ddtree-budget-max 255"
-    "q_auto|/tmp/tiny_r|$FULL auto --speculative-ddtree-budget-max 511 CTX4K"
-    "p_auto|/tmp/tiny_p|$FULL auto --speculative-ddtree-budget-max 127"
+    "r_auto|/tmp/tiny_r|$FULL auto --speculative-ddtree-budget-max 255$V2AUTO"
+    "q_auto|/tmp/tiny_r|$FULL auto --speculative-ddtree-budget-max 511 CTX4K$V2AUTO"
+    "p_auto|/tmp/tiny_p|$FULL auto --speculative-ddtree-budget-max 127$V2AUTO"
   )
   # r_full64_eager and p_dflash_pristine only when named: 18 servers starting together on a cold machine missed a
   # 510 s budget (2026-12-05)
@@ -350,9 +352,7 @@ if [ "${AUTO:-0}" = 1 ]; then
   for set in p s; do
     m=/tmp/pair; [ $set = s ] && m=/tmp/shell
     prof=; [ "${AUTO_PROFILE:-0}" = 1 ] && prof=" PROF"
-    # a v2 base serves auto only under its proof switch (ddtree_args.TEST_V2_AUTO) until a GPU run has proven it
-    v2auto=; [ -n "$SITE_BASE" ] && v2auto=" V2AUTO"
-    VARIANTS+=("${set}_plain|$m|" "${set}_dflash|$m|DF" "${set}_auto|$m|$FULL auto --speculative-ddtree-budget-max ${AUTO_MAX:-127}$prof$v2auto")
+    VARIANTS+=("${set}_plain|$m|" "${set}_dflash|$m|DF" "${set}_auto|$m|$FULL auto --speculative-ddtree-budget-max ${AUTO_MAX:-127}$prof$V2AUTO")
     for b in ${AUTO_FIXED:-16 32 64 128}; do VARIANTS+=("${set}_full$b|$m|$FULL $b$prof"); done
   done
 fi
