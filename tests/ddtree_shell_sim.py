@@ -70,6 +70,7 @@ class ShellServer:
                  slow_first: int = 1):
         self.ab, self.rng, self.spikes, self.slow_first = ab, rng, spikes, slow_first
         self.accept = dict(ACCEPT if accept is None else accept)
+        self.accept_sampled = dict(ACCEPT_SAMPLED)
         self._first: dict = {}
 
     @staticmethod
@@ -93,12 +94,13 @@ class ShellServer:
 
     def expected_tokens(self, c, bs: int, ease: float = 1.0, sampled: int = 0) -> float:
         return ((bs - sampled) * (1.0 + capped_mean(self.accept[c.budget] * ease))
-                + sampled * (1.0 + capped_mean(ACCEPT_SAMPLED[c.budget] * ease)))
+                + sampled * (1.0 + capped_mean(self.accept_sampled[c.budget] * ease)))
 
     def throughput(self, c, bs: int, ease: float = 1.0, sampled: int = 0) -> float:
         return self.expected_tokens(c, bs, ease, sampled) / self.true_seconds(c, bs, sampled)
 
-    def observation(self, c, bs: int, budgets: list[int], ease: float = 1.0, sampled: int = 0):
+    def noise(self, c, bs: int) -> float:
+        """A step's wall time over its true mean: +-8 %, a cell's first `slow_first` steps 3-8x, 1 % spikes 2-4x."""
         rng = self.rng
         noise = rng.uniform(0.92, 1.08)
         cell = (c, self.bucket(bs))
@@ -107,8 +109,13 @@ class ShellServer:
             noise *= rng.uniform(3.0, 8.0)
         elif self.spikes and rng.random() < 0.01:
             noise *= rng.uniform(2.0, 4.0)
+        return noise
+
+    def observation(self, c, bs: int, budgets: list[int], ease: float = 1.0, sampled: int = 0):
+        rng = self.rng
+        noise = self.noise(c, bs)
         sums = []
-        for accept, n in ((self.accept, bs - sampled), (ACCEPT_SAMPLED, sampled)):
+        for accept, n in ((self.accept, bs - sampled), (self.accept_sampled, sampled)):
             accepted = [0.0] * len(budgets)
             chain = 0.0
             for _ in range(n):
