@@ -64,7 +64,15 @@ per request. Each step takes the candidate with the most expected tokens per sec
   at most `COST_SPIKE` times what the nearest measured buckets' cells do (a batch size reached for the
   first time lends no first-step spikes to the cells around it); a cell whose steps have decayed below
   trust goes back to that prior, or keeps its own old estimate where it has no replay (a fit over other
-  cells is a worse guess).
+  cells is a worse guess). A first timing is clipped to its prior only where every part of that prior is
+  measured (an overhead: some cell's steps beyond its replay; for a sampled cell also a surcharge): before,
+  the prior is the bare replay (or the greedy cost alone), a bound from below, not an estimate. On the
+  launch-bound pair (H100, bench/ddtree_auto_h100_2026-12-06.json call B: a replay 0.15 - 0.19 ms of a 3.7 ms
+  step) clipping to it started the first cells at a fifth of their cost, the overhead every other cell's
+  prior borrows was then the least of those, and a cell climbed back at most an EWMA step of `COST_SPIKE` a
+  refresh, as fast as it was stepped: the widths' estimates differed by how far each had climbed (0.14 - 0.4
+  of their cost at batch 1 after auto_bench's warm-up, tests/ddtree_pair_sim.py), not by what they cost, and
+  auto made 0.85 - 0.97 of the best fixed budget there (0.93 - 0.97 in the simulator; 0.99 - 1.0 unclipped).
 
 Every decision is a function of the step index, the batch size and a plan recomputed every
 `refresh_every` steps from accumulators that `refresh` first sums over the TP ranks (the caller passes
@@ -290,6 +298,7 @@ class AutoBudget:
         # sampled surcharge's (seconds, seconds per verify token, verify tokens it stops growing at), None where
         # none is measured.
         self._overheads: dict[bool, list[float]] = {True: [0.0] * nk, False: [0.0] * nk}
+        self._overhead_measured = False  # whether any cell's overhead is measured yet (else the priors are bare replays)
         self._surcharges: dict[bool, list[tuple[float, float, float] | None]] = {True: [None] * nk, False: [None] * nk}
         self._by_distance = [sorted(range(nk), key=lambda j, k=k: abs(j - k)) for k in range(nk)]
         self.chosen: dict[str, int] = {c.name: 0 for c in self.candidates}  # by choose()
@@ -570,7 +579,7 @@ class AutoBudget:
                 old, est = weight[w][k], cost[w][k]
                 if old <= 0:
                     # A cell's first timing, against its prior (a spike there would bar it for long).
-                    prior = self._prior(self.candidates[w], k, kind)
+                    prior = self._prior(self.candidates[w], k, kind) if self._prior_measured(w, k, kind) else None
                     est = mean if prior is None else min(mean, prior * COST_SPIKE)
                 elif mean * COST_SPIKE < est:
                     est = mean
@@ -590,6 +599,16 @@ class AutoBudget:
             return None if greedy is None else greedy + self._surcharge(candidate, bucket)
         replay = self._start_replay(candidate.width, bucket)
         return None if replay is None else replay + self._overhead(candidate, bucket)
+
+    def _prior_measured(self, i: int, bucket: int, kind: int) -> bool:
+        """Whether cell (candidate index `i`, `bucket`, `kind`)'s prior has every part measured: an overhead (some
+        cell's steps beyond its replay) and, for a sampled cell, a surcharge (some cell measured both ways). A part
+        not measured counts 0: the prior is then a bound from below only (on the launch-bound pair the bare replay
+        is a twentieth of a step), not what a first timing may be clipped to."""
+        if not self._overhead_measured:
+            return False
+        chain = self.candidates[i].is_chain
+        return kind == GREEDY or self._surcharges[chain][bucket] is not None
 
     def _start_replay(self, width: int, bucket: int) -> float | None:
         return self.start_cost.get((int(width), self.buckets[bucket]))
@@ -662,6 +681,7 @@ class AutoBudget:
                     around = [here[m] for m in (measured[j - 1] if j else None,
                                                 measured[j + 1] if j + 1 < len(measured) else None) if m is not None]
                     out[k] = min([here[k], *(COST_SPIKE * x for x in around)])
+        self._overhead_measured = any(x is not None for row in extras.values() for x in row)
         for chain in (True, False):
             for k in range(len(self.buckets)):
                 own = self._nearest(extras, k, [(chain, kind) for kind in KINDS])
