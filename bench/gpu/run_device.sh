@@ -44,7 +44,8 @@
 # GRAPHS=1 (issue 13): graphs_phases.sh. SWEEP=1 (issue 14): sweep_phases.sh, on the trained pair that
 #   train_pair_device.sh made (unpack its pair.tar and heldout_prompts.json into .gpu/pair/).
 # AUTO=1 (issue 24): auto_phases.sh: --speculative-ddtree-budget auto vs DFLASH and fixed budgets at batch 1..64 on
-#   the trained pair and its real-size shell (make_shell.py); needs the pair in .gpu/pair like SWEEP=1.
+#   the trained pair and its real-size shell (make_shell.py); needs the pair in .gpu/pair like SWEEP=1, or TRAIN_PAIR=1
+#   (a checkout without it: the pair is trained first, in the same call).
 # LIMITS=1 (issue 23): limits_phases.sh (LIMITS_SET=p the peaked set alone, LIMITS_SET=h the hybrid pair,
 #   LIMITS_SET=hd the hybrid without MoE, LIMITS_SET=hm Qwen3.5's MoE architecture):
 #   full graph batches at the context limit (1024 and 4096), penalties,
@@ -113,9 +114,24 @@ carried_pair() {
   rm -rf "/tmp/$dir" && cp -r ".gpu/$dir" "/tmp/$dir"
 }
 
+# TRAIN_PAIR=1: a checkout without .gpu/pair (it is not in git) trains the pair here first, on the carried site
+# (train_pair_device.sh, CHECK_SGLANG=0: ~300 s of this call's BUDGET_S), then serves it; back in $OUT/train/ come
+# pair.tar and heldout_prompts.json (unpack both into .gpu/pair/ for later calls) and train_logs.tgz.
+if [ "${TRAIN_PAIR:-0}" = 1 ] && [ ! -f .gpu/pair/target/config.json ]; then
+  mkdir -p "$OUT/train"
+  OUT=$OUT/train SITE=/tmp/site_train PAIR=/tmp/pair_trained SITE_TAR=$SITE_TAR CHECK_SGLANG=0 \
+    bash "$HERE/train_pair_device.sh" > "$OUT/train/run.log" 2>&1
+  rc=$?; tail -6 "$OUT/train/run.log"
+  ( cd "$OUT/train" && tar -czf train_logs.tgz run.log train.log train_report.json 2>/dev/null \
+    && rm -f run.log train.log train_report.json )
+  [ "$rc" = 0 ] || { echo "training the pair failed (rc=$rc)"; exit 1; }
+  mkdir -p .gpu/pair && cp -r /tmp/pair_trained/target /tmp/pair_trained/draft /tmp/pair_trained/heldout_prompts.json .gpu/pair/
+  rm -rf /tmp/site_train; ts "pair trained"
+fi
 if [ "${SWEEP:-0}" = 1 ] || [ "${AUTO:-0}" = 1 ]; then
   carried_pair pair "" "SWEEP=1 / AUTO=1" "" heldout_prompts.json
-  if [ "${AUTO:-0}" = 1 ]; then  # issue 24: the pair's real-size shell (make_shell.py), its greedy outputs checked
+  # issue 24: the pair's real-size shell (make_shell.py), its greedy outputs checked; only when a wave serves it
+  if [ "${AUTO:-0}" = 1 ] && [[ " ${AUTO_SETS:-p s} " == *" s "* ]]; then
     python3 $HERE/make_shell.py /tmp/pair /tmp/shell ${SHELL_ARGS:-} > "$OUT/make_shell.log" 2>&1 \
       || { tail -20 "$OUT/make_shell.log"; echo "make_shell failed"; exit 1; }
     tail -4 "$OUT/make_shell.log"; ts "shell made"
