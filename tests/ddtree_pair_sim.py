@@ -62,6 +62,8 @@ def _tree64(bs: int) -> float:
 class PairServer(shell.ShellServer):
     """True costs and acceptance of the pair; `observation` is what one step of a candidate reports."""
 
+    NOISE = 0.06
+
     def __init__(self, ab, rng, *, accept=None, spikes: bool = True, slow_first: int = 1, spells: bool = True):
         super().__init__(ab, rng, accept=ACCEPT if accept is None else accept, spikes=spikes, slow_first=slow_first)
         self.accept_sampled = dict(ACCEPT_SAMPLED)
@@ -86,17 +88,11 @@ class PairServer(shell.ShellServer):
                 for w in REPLAY_MS for k, bs in enumerate(BUCKETS)}
 
     def noise(self, c, bs: int) -> float:
-        rng = self.rng
-        noise = rng.uniform(0.94, 1.06)
-        cell = (c, self.bucket(bs))
-        if self.spikes and self._first.get(cell, 0) < self.slow_first:
-            self._first[cell] = self._first.get(cell, 0) + 1
-            noise *= rng.uniform(3.0, 8.0)
-        elif self.spikes and rng.random() < 0.01:
-            noise *= rng.uniform(2.0, 4.0)
+        """The shell's noise (+-6 % here), then the slow spells."""
+        noise = super().noise(c, bs)
         if self.spells:
-            if self._spell_left <= 0 and rng.random() < 1.0 / 300:
-                self._spell_left, self._spell = rng.randrange(20, 61), rng.uniform(1.1, 1.45)
+            if self._spell_left <= 0 and self.rng.random() < 1.0 / 300:
+                self._spell_left, self._spell = self.rng.randrange(20, 61), self.rng.uniform(1.1, 1.45)
             if self._spell_left > 0:
                 self._spell_left -= 1
                 noise *= self._spell

@@ -99,10 +99,12 @@ class ShellServer:
     def throughput(self, c, bs: int, ease: float = 1.0, sampled: int = 0) -> float:
         return self.expected_tokens(c, bs, ease, sampled) / self.true_seconds(c, bs, sampled)
 
+    NOISE = 0.08  # a step's wall time spreads this much either side of its true mean
+
     def noise(self, c, bs: int) -> float:
-        """A step's wall time over its true mean: +-8 %, a cell's first `slow_first` steps 3-8x, 1 % spikes 2-4x."""
+        """A step's wall time over its true mean: +-NOISE, a cell's first `slow_first` steps 3-8x, 1 % spikes 2-4x."""
         rng = self.rng
-        noise = rng.uniform(0.92, 1.08)
+        noise = rng.uniform(1.0 - self.NOISE, 1.0 + self.NOISE)
         cell = (c, self.bucket(bs))
         if self.spikes and self._first.get(cell, 0) < self.slow_first:
             self._first[cell] = self._first.get(cell, 0) + 1
