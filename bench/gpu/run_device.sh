@@ -247,7 +247,7 @@ if [ "${GRAPHS:-0}" = 1 ]; then
     "p_auto|/tmp/tiny_p|$FULL auto --speculative-ddtree-budget-max 127$V2AUTO" "r_auto|/tmp/tiny_r|$FULL auto --speculative-ddtree-budget-max 127$V2AUTO"
     # a fault on auto's mix, told apart: the same flags again (does it repeat?) and the fixed budget of
     # auto's warm-up (every step a 128-wide tree: a width's bf16 rounding, or auto's switching?)
-    "p_auto_twin|/tmp/tiny_p|$FULL auto --speculative-ddtree-budget-max 127" "p_full127|/tmp/tiny_p|$FULL 127"
+    "p_auto_twin|/tmp/tiny_p|$FULL auto --speculative-ddtree-budget-max 127$V2AUTO" "p_full127|/tmp/tiny_p|$FULL 127"
   )
   # Both sets no longer fit one 600 s call: GRAPHS_SET=p serves the p set (mix, samples, liveness,
   # speed), GRAPHS_SET=r the r set (mix, liveness, upstream's stall).
