@@ -63,6 +63,7 @@ class PairServer(shell.ShellServer):
     """True costs and acceptance of the pair; `observation` is what one step of a candidate reports."""
 
     NOISE = 0.06
+    REPLAYS = REPLAY_MS
 
     def __init__(self, ab, rng, *, accept=None, spikes: bool = True, slow_first: int = 1, spells: bool = True):
         super().__init__(ab, rng, accept=ACCEPT if accept is None else accept, spikes=spikes, slow_first=slow_first)
@@ -82,11 +83,6 @@ class PairServer(shell.ShellServer):
             ms += SAMPLED_TREE_MS if sampled else 0.0
         return ms * 1e-3
 
-    def start_replays(self) -> dict[tuple[int, int], float]:
-        """What the verify graphs' timed replays at start report (+-3 %)."""
-        return {(w, bs): REPLAY_MS[w][k] * 1e-3 * self.rng.uniform(0.97, 1.03)
-                for w in REPLAY_MS for k, bs in enumerate(BUCKETS)}
-
     def noise(self, c, bs: int) -> float:
         """The shell's noise (+-6 % here), then the slow spells."""
         noise = super().noise(c, bs)
@@ -97,7 +93,3 @@ class PairServer(shell.ShellServer):
                 self._spell_left -= 1
                 noise *= self._spell
         return noise
-
-
-def new_auto(ab, server: PairServer, **kw):
-    return shell.new_auto(ab, server, **kw)

@@ -87,10 +87,12 @@ class ShellServer:
             extra += SAMPLED_WALK_MS + SAMPLED_TOKEN_MS * w * sampled
         return (draft + REPLAY_MS[w][k] + 0.5 + extra) * 1e-3
 
+    REPLAYS = REPLAY_MS  # ms per (width, bucket) that `start_replays` reports
+
     def start_replays(self) -> dict[tuple[int, int], float]:
         """What the verify graphs' timed replays at start report (+-3 %)."""
-        return {(w, bs): REPLAY_MS[w][k] * 1e-3 * self.rng.uniform(0.97, 1.03)
-                for w in REPLAY_MS for k, bs in enumerate(BUCKETS)}
+        return {(w, bs): self.REPLAYS[w][k] * 1e-3 * self.rng.uniform(0.97, 1.03)
+                for w in self.REPLAYS for k, bs in enumerate(BUCKETS)}
 
     def expected_tokens(self, c, bs: int, ease: float = 1.0, sampled: int = 0) -> float:
         return ((bs - sampled) * (1.0 + capped_mean(self.accept[c.budget] * ease))
