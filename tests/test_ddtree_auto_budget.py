@@ -852,3 +852,38 @@ def test_the_launch_bound_pairs_steps_are_priced_at_what_they_cost(kinds: tuple,
     cells = shell.run(ab, auto, server, trace, skip=measured)
     detail = {b: (round(c.ratio(), 3), c.best_fixed()[0].name) for b, c in sorted(cells.items())}
     assert shell.overall(cells) >= 0.98, (round(shell.overall(cells), 4), detail)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_bucket_planned_when_first_needed_is_the_plan_a_refresh_would_have_made(seed: int) -> None:
+    """A re-plan leaves the buckets to be planned when a step first needs one (`_bucket_plan`); the plan,
+    scores and exploration table made then, after more steps were chosen and observed, are the ones every
+    bucket would have had right at the refresh. Oracle: a copy that plans every bucket at the refresh."""
+    import copy
+
+    rng = random.Random(seed)
+    cands = ab.auto_candidates(127, 16)
+    capture = [1, 2, 4, 8, 16, 32]
+    auto = ab.AutoBudget(cands, capture, max_running=64)
+    auto.seed_start_costs({(w, bs): 1e-4 * (1 + w * bs / 2000) for w in (16, 32, 64, 128) for bs in capture})
+    server = SimulatedServer(rng, cands, real_size=True)
+    eager = None
+    for step in range(600):
+        bs = rng.choice([1, 3, 8, 20, 64] if step % 200 < 100 else [2, 4])
+        c = auto.choose(bs, step)
+        obs = server.observation(c, bs)
+        sampled = rng.choice([0, 0, bs // 2, bs])
+        auto.observe(ab.StepObservation(**{**obs.__dict__, "requests": bs - sampled, "sampled_requests": sampled,
+                                           "sampled_accepted": obs.accepted, "sampled_chain": obs.chain}))
+        if auto.due(step):
+            if eager is not None:  # every bucket the steps since planned lazily, against the copy's
+                planned = [k for k, stale in enumerate(auto._stale) if not stale]
+                assert planned, "no step planned its bucket"
+                for k in planned:
+                    assert (auto._plan[k], auto._explore[k], auto._scores[k]) == (
+                        eager._plan[k], eager._explore[k], eager._scores[k]), (step, k)
+                assert auto.plan == eager.plan and auto.explore == eager.explore
+            auto.refresh()
+            eager = copy.deepcopy(auto)
+            eager._stale = [True] * len(eager.buckets)
+            eager.plan  # noqa: B018 - plans every bucket now

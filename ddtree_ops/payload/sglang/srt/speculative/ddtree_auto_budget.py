@@ -282,12 +282,16 @@ class AutoBudget:
         self.start_cost: dict[tuple[int, int], float] = {}
         # Pending sums since the last refresh (this rank's), flattened by `_pending_vector`.
         self._reset_pending()
-        self.plan: list[Candidate] = [self.largest] * nk
-        # Per bucket: (candidate, seconds per kind, accepted per kind) of the candidates a step can score (`_best`).
+        # Per bucket, read through `plan` / `explore` / `_bucket_plan` (a re-plan marks every bucket stale; a
+        # bucket is planned when a step or a report first needs it): the plan, (candidate, seconds per kind,
+        # accepted per kind) of the candidates a step can score (`_best`), who exploration may take and once in
+        # how many of the bucket's exploration rounds.
+        self._plan: list[Candidate] = [self.largest] * nk
         self._scores: list[list[tuple[Candidate, list[float], list[float]]]] = [[] for _ in range(nk)]
-        # Per bucket: who exploration may take, and once in how many of the bucket's exploration rounds.
-        self.explore: list[list[tuple[Candidate, int]]] = [
+        self._explore: list[list[tuple[Candidate, int]]] = [
             [(c, 1) for c in self.candidates if c != self.largest] for _ in range(nk)]
+        self._stale = [False] * nk
+        self._replan_inputs: tuple[list, list, list, float] = ([], [], [], 0.0)
         # Exploration rounds per bucket, and the round each candidate was last explored in (same on
         # every rank: every rank calls `choose` with the same steps and batch sizes).
         self._rounds = [0] * nk
@@ -347,10 +351,25 @@ class AutoBudget:
                 self._p_times[kind][i][k].append(obs.seconds)
 
     # ------------------------------------------------------------------ decisions
+    @property
+    def plan(self) -> list[Candidate]:
+        """The planned candidate per bucket (every bucket planned)."""
+        for k in range(len(self.buckets)):
+            self._bucket_plan(k)
+        return self._plan
+
+    @property
+    def explore(self) -> list[list[tuple[Candidate, int]]]:
+        """Per bucket, (candidate, once in how many exploration rounds) of the candidates exploration may take."""
+        for k in range(len(self.buckets)):
+            self._bucket_plan(k)
+        return self._explore
+
     def choose(self, batch_size: int, step: int, sampled: int = 0) -> Candidate:
         """The candidate for step `step` (a counter every rank shares) of `batch_size` requests, `sampled`
         of them sampled."""
         k = self.bucket_index(batch_size)
+        self._bucket_plan(k)
         if step < self.warmup_steps:
             pick = self._warmup_pick(k)
         elif step % self.explore_every == 0 and (explored := self._exploration(k)) is not None:
@@ -365,7 +384,7 @@ class AutoBudget:
         """The most expected tokens per second for this batch's mix of greedy and sampled requests (the
         plan, which pools the kinds as traffic came, when nothing can be scored)."""
         if not self._scores[bucket]:
-            return self.plan[bucket]
+            return self._plan[bucket]
         mix = (max(0, batch_size - sampled), min(sampled, batch_size))
         share = mix[1] / max(1, batch_size)
         scored = [(sum(n * (1.0 + a) for n, a in zip(mix, accepted, strict=True)) / _mixed(seconds, share), c)
@@ -387,7 +406,7 @@ class AutoBudget:
         the one explored longest ago (ties: the narrower); None when none is due."""
         self._rounds[bucket] += 1
         now, last = self._rounds[bucket], self._last_explored[bucket]
-        due = [c for c, rounds in self.explore[bucket] if now - last[self._index[c]] >= rounds]
+        due = [c for c, rounds in self._explore[bucket] if now - last[self._index[c]] >= rounds]
         if not due:
             return None
         pick = min(due, key=lambda c: (last[self._index[c]], c.width, c.budget))
@@ -748,34 +767,45 @@ class AutoBudget:
         return max(sum(c * xi for c, xi in zip(coef, x, strict=False)), 1e-9)
 
     def _replan(self) -> None:
-        # Lists by candidate index: hashing the Candidate dataclass was most of a refresh.
+        """What every bucket's plan reads (the overheads, the acceptance curves, the traffic's mix); the buckets
+        themselves are planned when first needed (`_bucket_plan`): a step plans its own, not all of them (a
+        re-plan of every bucket was most of auto's host time per step on a launch-bound target). A bucket's
+        plan reads only state a refresh folds, so it is the same whenever it is made, on every rank."""
         cands = self.candidates
         self._measure_extra()
         accepted = [self.expected_accepted(c) for c in cands]
         by_kind = [[self.expected_accepted(c, kind) for kind in KINDS] for c in cands]
-        optimistic = self._optimistic_accepted(accepted)
-        share = self.sampled_share()
-        for k in range(len(self.buckets)):
-            per_kind = [[self.kind_seconds(c, k, kind) for kind in KINDS] for c in cands]
-            # The plan and its exploration prices are for the traffic's mix; a step scores its own (`_best`).
-            seconds = [None if None in x else _mixed(x, share) for x in per_kind]
-            self._scores[k] = [(c, per_kind[i], by_kind[i]) for i, c in enumerate(cands)
-                               if accepted[i] is not None and seconds[i] is not None and min(per_kind[i]) > 0]
-            if all(s is None for s in seconds):
-                # No cost known for this bucket (no graphs timed, nothing stepped yet): as far as we know
-                # the candidates cost alike, so the one that accepts most wins (ties: the narrower).
-                known = [i for i in range(len(cands)) if accepted[i] is not None]
-                self.plan[k] = cands[max(known, key=lambda i: (accepted[i], -cands[i].width))] if known else self.largest
-                self.explore[k] = [(c, 1) for c in cands if c is not self.plan[k]]
-                continue
-            scored = [(self.buckets[k] * (1.0 + accepted[i]) / seconds[i], c)
-                      for c, _, _ in self._scores[k] for i in (self._index[c],)]
-            if not scored:
-                self.plan[k] = self.largest
-                self.explore[k] = [(c, 1) for c in cands if c is not self.largest]
-                continue
-            plan = self.plan[k] = _narrowest_best(scored)
-            self.explore[k] = self._explore_table(k, self._index[plan], seconds, accepted, optimistic)
+        self._replan_inputs = (accepted, by_kind, self._optimistic_accepted(accepted), self.sampled_share())
+        self._stale = [True] * len(self.buckets)
+
+    def _bucket_plan(self, k: int) -> None:
+        """Plan bucket `k` from the last re-plan's inputs, unless done since."""
+        if not self._stale[k]:
+            return
+        self._stale[k] = False
+        # Lists by candidate index: hashing the Candidate dataclass was most of a refresh.
+        cands = self.candidates
+        accepted, by_kind, optimistic, share = self._replan_inputs
+        per_kind = [[self.kind_seconds(c, k, kind) for kind in KINDS] for c in cands]
+        # The plan and its exploration prices are for the traffic's mix; a step scores its own (`_best`).
+        seconds = [None if None in x else _mixed(x, share) for x in per_kind]
+        self._scores[k] = [(c, per_kind[i], by_kind[i]) for i, c in enumerate(cands)
+                           if accepted[i] is not None and seconds[i] is not None and min(per_kind[i]) > 0]
+        if all(s is None for s in seconds):
+            # No cost known for this bucket (no graphs timed, nothing stepped yet): as far as we know
+            # the candidates cost alike, so the one that accepts most wins (ties: the narrower).
+            known = [i for i in range(len(cands)) if accepted[i] is not None]
+            self._plan[k] = cands[max(known, key=lambda i: (accepted[i], -cands[i].width))] if known else self.largest
+            self._explore[k] = [(c, 1) for c in cands if c is not self._plan[k]]
+            return
+        scored = [(self.buckets[k] * (1.0 + accepted[i]) / seconds[i], c)
+                  for c, _, _ in self._scores[k] for i in (self._index[c],)]
+        if not scored:
+            self._plan[k] = self.largest
+            self._explore[k] = [(c, 1) for c in cands if c is not self.largest]
+            return
+        plan = self._plan[k] = _narrowest_best(scored)
+        self._explore[k] = self._explore_table(k, self._index[plan], seconds, accepted, optimistic)
 
     def _explore_table(self, k: int, plan: int, seconds: list, accepted: list,
                        optimistic: list) -> list[tuple[Candidate, int]]:
