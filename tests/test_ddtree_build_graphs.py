@@ -127,3 +127,15 @@ def test_step_profile_reports_each_transition_and_resets_on_read():
     assert got["built->step_done"]["gpu_ms"] is None  # no CUDA: host clock only
     assert p.read_and_reset() == {}
     assert prof.median([3.0, 1.0, 2.0, 10.0]) == 2.5 and prof.median([]) == 0.0
+
+
+def test_maybe_profile_follows_the_switch_read_when_the_worker_is_made(monkeypatch):
+    """Both workers make their profile with `maybe_profile` (v1's controller, the v2 tree step's setup)."""
+    monkeypatch.delenv(prof.PROFILE_ENV, raising=False)
+    assert prof.maybe_profile("cuda:0") is None
+    monkeypatch.setenv(prof.PROFILE_ENV, "0")
+    assert prof.maybe_profile("cuda:0") is None
+    monkeypatch.setenv(prof.PROFILE_ENV, "1")
+    on_gpu, on_cpu = prof.maybe_profile("cuda:0"), prof.maybe_profile("cpu")
+    assert isinstance(on_gpu, prof.StepProfile) and on_gpu.cuda
+    assert isinstance(on_cpu, prof.StepProfile) and not on_cpu.cuda and prof.maybe_profile(None).cuda is False

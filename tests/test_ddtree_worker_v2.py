@@ -23,6 +23,7 @@ stand-ins it uses). Skipped when the wheel, or xgrammar / tvm_ffi, cannot be had
 
 from __future__ import annotations
 
+import ast
 import collections
 import json
 import shutil
@@ -244,6 +245,29 @@ def test_settings_gate_judges_the_v2_report_as_v1s(observed: dict, tmp_path: Pat
     failed = verdict(wrong)
     assert failed.verdict == "fail" and "keep_chain=False" in failed.reason
     assert verdict(run["dflash"]).verdict == "inconclusive"
+
+
+def _bench_phases() -> tuple[str, ...]:
+    """`bench/gpu/auto_bench.py`'s `PHASES` (the script imports its siblings by path: read, not imported)."""
+    tree = ast.parse((Path(__file__).parents[1] / "bench" / "gpu" / "auto_bench.py").read_text())
+    return next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                and [getattr(t, "id", None) for t in node.targets] == ["PHASES"])
+
+
+def test_profiled_steps_report_v1s_phases(observed: dict) -> None:
+    """SGLANG_DDTREE_PROFILE=1: `/server_info`'s `ddtree.profile` has v1's phase names (what auto_bench's compare
+    prints), one sample per tree step, the scheduler's gap between consecutive decode steps, upstream's linear step as
+    one `step_start->step_done` (prefill and idle batches unmarked, as on v1); it is reset by its read; off without the
+    switch."""
+    phases = _bench_phases()
+    run = observed["profile"]
+    assert run["greedy"]  # the marks change no token
+    profile = run["profile"]
+    assert sorted(profile) == sorted([*phases, "step_start->step_done"])
+    assert {k: v["n"] for k, v in profile.items()} == {**{k: 3 for k in phases}, "step_start->step_done": 1}
+    assert not run["cuda"] and all(v["gpu_ms"] is None and v["cpu_ms"] >= 0 for v in profile.values())
+    assert run["again"] == {}
+    assert run["off"] and run["off_report"] is None
 
 
 def test_penalties_at_every_node_are_plain_decodings(observed: dict) -> None:

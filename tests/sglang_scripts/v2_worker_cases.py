@@ -866,6 +866,33 @@ def stats_run() -> dict:
     }
 
 
+# --- SGLANG_DDTREE_PROFILE=1: v1's phases in the report --------------------------------------------------------
+
+
+PROFILE_PHASES = ("step_start->draft_done", "draft_done->built", "built->mask_ready", "mask_ready->target_done",
+                  "target_done->walked", "walked->step_done", "step_done->step_start")
+
+
+def profile_run() -> dict:
+    """A tree worker made by its `__init__` with SGLANG_DDTREE_PROFILE=1: three greedy decode steps through
+    `forward_batch_generation`, then upstream's batches (a prefill, an idle batch, a grammar decode: a linear step),
+    and its report through the scheduler twice (the second after nothing ran); and one made without the switch."""
+    os.environ["SGLANG_DDTREE_PROFILE"] = "1"
+    try:
+        worker = tree_worker()
+    finally:
+        del os.environ["SGLANG_DDTREE_PROFILE"]
+    steps = [decode_step(seed, worker=worker, dispatch=True) for seed in range(3)]
+    upstream_steps(worker)
+    first = scheduler_state(worker)["ddtree"]["profile"]
+    again = scheduler_state(worker)["ddtree"]["profile"]
+    plain = tree_worker()
+    decode_step(0, worker=plain, dispatch=True)
+    return {"greedy": all(step["greedy"] for step in steps), "profile": first, "again": again,
+            "cuda": worker.ddtree_profile.cuda, "off": plain.ddtree_profile is None,
+            "off_report": scheduler_state(plain)["ddtree"]["profile"]}
+
+
 # --- --speculative-ddtree-budget auto on the tree step -----------------------------------------------------------
 
 
@@ -1119,6 +1146,7 @@ if __name__ == "__main__":
         out["steps"] = [decode_step(seed) for seed in range(6)]
         out["sampled_steps"] = [decode_step(seed, sampled=True) for seed in range(4)]
         out["stats"] = stats_run()
+        out["profile"] = profile_run()
         out["penalties"] = penalties()
         out["logprob"] = logprob_dispatch()
         out["auto"] = auto_run()

@@ -1,7 +1,10 @@
 """Where a DDTree step's time goes (installed as `sglang/srt/speculative/ddtree_profile.py` by the
-ddtree-ops payload). On with `SGLANG_DDTREE_PROFILE=1`; off, the worker holds no profile.
+ddtree-ops payload; one copy, used by the v1 worker's `DDTreeController` and by the v2 tree step,
+`ddtree_v2_step.DDTreeStepV2`). On with `SGLANG_DDTREE_PROFILE=1` (`maybe_profile`, read when the worker is
+made); off, the worker holds no profile.
 
-The worker marks named points of each decode step:
+Both workers mark the same named points of each decode step (v2: a linear step that upstream's worker runs, a
+fallback or auto's chain, is marked `step_start` and `step_done` only, as v1's linear steps mark no tree phase):
 - `step_start`: the DFlash worker's decode step began (the scheduler handed it the batch);
 - `draft_done`: the DFlash draft forward returned;
 - `built`: the tree is built;
@@ -25,12 +28,14 @@ never in a step.
 from __future__ import annotations
 
 import collections
+import os
 import time
 from typing import Any
 
 import torch
 
 MAX_PENDING_STEPS = 4096
+PROFILE_ENV = "SGLANG_DDTREE_PROFILE"
 
 
 def median(values: Any) -> float:
@@ -39,6 +44,14 @@ def median(values: Any) -> float:
         return 0.0
     mid = len(ordered) // 2
     return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+
+
+def maybe_profile(device: Any) -> StepProfile | None:
+    """A worker's profile where `SGLANG_DDTREE_PROFILE=1` (read here, when the worker is made, not at import, so one
+    process can hold profiled and plain workers), with CUDA events on a CUDA `device`; else None."""
+    if os.environ.get(PROFILE_ENV, "") != "1":
+        return None
+    return StepProfile(cuda=str(device).startswith("cuda"))
 
 
 class StepProfile:

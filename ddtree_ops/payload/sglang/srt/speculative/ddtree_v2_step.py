@@ -30,6 +30,10 @@ walk's `target_probs` and penalised requests excepted, as on v1):
 6. draft KV of the committed path from the target's hidden states (upstream's prefix-valid writer with the
    plan's `[bs, block]` slots), next draft input from the bonus tokens, as `DDTreeDraftInputV2` (the seams'
    reservation).
+With `SGLANG_DDTREE_PROFILE=1` the step marks v1's phases (`ddtree_profile`, `/server_info` `ddtree.profile`):
+`step_start` as `ddtree_forward` takes a decode batch, `draft_done` after 1, `built` after 2, `mask_ready` after 3
+(before upstream's `prepare_for_verify` plans the forward, as v1 marks it before its forward), `target_done` after
+4's forward, `walked` after 5 and the path's hidden rows (before 6's draft-KV write), `step_done` after 6.
 
 `--speculative-ddtree-budget auto` (`ddtree_auto_budget.AutoBudget`, v1's chooser, candidates and batch buckets;
 NEVER RUN ON A GPU, served only under the proof switch `SGLANG_DDTREE_TEST_V2_AUTO=1`, `settings_refusal`):
@@ -87,6 +91,7 @@ from sglang.srt.speculative.ddtree_auto_budget import (
 )
 from sglang.srt.speculative.ddtree_commit import commit_tree
 from sglang.srt.speculative.ddtree_metrics import AutoMetrics
+from sglang.srt.speculative.ddtree_profile import StepProfile, maybe_profile
 from sglang.srt.speculative.ddtree_ranks import (
     agree_all,
     agree_verify_kernels,
@@ -289,6 +294,8 @@ class DDTreeStepV2:
     # auto's verify graphs by width (`_capture_verify_ladder`); None: SGLang's one set (or none), as a fixed budget
     _verify_ladder: VerifyGraphLadder | None = None
     _step_width = 0  # the last tree step's verify tokens per request (auto prices the step at it)
+    # SGLANG_DDTREE_PROFILE=1 (`ddtree_profile`, made by `ddtree_setup`): v1's phase marks at the same points of a step
+    ddtree_profile: StepProfile | None = None
     # a decode batch that asks for logprobs: False refuses it (0.5.17, as upstream refuses them there); True hands it
     # to upstream's linear step, which serves them (0.5.23; the adapter says why)
     LOGPROB_FALLBACK = False
@@ -322,6 +329,7 @@ class DDTreeStepV2:
         self.sampling_rule = _args.sampling_rule(server_args)
         self.tree_tp_size = int(getattr(server_args, "tp_size", None) or 1)
         self.ddtree_stats = _stats.DDTreeStats()  # `/server_info` ddtree (`ddtree_internal_state`)
+        self.ddtree_profile = maybe_profile(getattr(self, "device", None))  # upstream's __init__ set the device
         unproven = _v2args.base_version() not in _v2args.PROVEN_TREE_BASES
         logger.info("DDTree v2 tree worker%s: block %d, budget %s, verify width %d",
                     " (UNPROVEN on a GPU, test switch)" if unproven else "", self.block_size,
@@ -459,10 +467,13 @@ class DDTreeStepV2:
             else:
                 reason = self._base_fallback_reason(batch)
         auto, started, step = self.ddtree_auto, time.perf_counter(), self.ddtree_stats.steps
+        if decode:
+            self._mark("step_start")
         if not decode or reason is not None:
             # a decode's linear step runs eagerly where the verify graphs are block-wide (their mask: the last tree's)
             result = self._upstream_linear(upstream) if decode else upstream()
             if decode:  # upstream's linear step: a fallback, as v1 counts its linear steps in full mode
+                self._step_done()
                 self._record_linear_step(result, reason)
                 if auto is not None:  # a chain step all the same (v1 observes its fallbacks too)
                     self._observe_chain(batch, result, started, step)
@@ -471,15 +482,19 @@ class DDTreeStepV2:
             raise ValueError("DFLASH speculative decoding does not support return_logprob yet.")
         self._validate_phase1_sampling_support(batch)
         if auto is None:
-            return self._tree_step(batch, on_publish)
+            result = self._tree_step(batch, on_publish)
+            self._step_done()
+            return result
         sampled = self._sampled_rows(batch)
         pick = auto.choose(len(batch.seq_lens), step, sampled=len(sampled))
         if pick.is_chain:  # the chain candidate is upstream's linear DFLASH step itself
             result = self._upstream_linear(upstream)
+            self._step_done()
             self._record_chain_step(result)
             self._observe_chain(batch, result, started, step)
             return result
         result = self._tree_step(batch, on_publish, budget=pick.budget)
+        self._step_done()  # before auto's host read, as v1 marks it before its observation
         # the host read waits for the step's device work, so the time below is the step's, as v1's is
         acceptance = self._step_acceptance.tolist()
         self._step_acceptance = None
@@ -489,6 +504,17 @@ class DDTreeStepV2:
                                        batch_size=len(batch.seq_lens), sampled=len(sampled),
                                        seconds=time.perf_counter() - started), step)
         return result
+
+    def _mark(self, name: str) -> None:
+        """A named point of the step for SGLANG_DDTREE_PROFILE (`ddtree_profile`; v1's names)."""
+        if self.ddtree_profile is not None:
+            self.ddtree_profile.mark(name)
+
+    def _step_done(self) -> None:
+        """The decode step's end (`step_done`, v1's: upstream's end of the step), which closes its profiled step."""
+        if self.ddtree_profile is not None:
+            self.ddtree_profile.mark("step_done")
+            self.ddtree_profile.end_step()
 
     def _linear_runs_eager(self) -> Any:
         """The target's installed verify graph runner when it was captured at the block's own width (a fixed budget
@@ -625,7 +651,10 @@ class DDTreeStepV2:
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
 
         budget = self.tree_budget if budget is None else int(budget)
-        tree = self._build_tree(self._draft_hidden(batch, draft_input), budget, self._verify_width(budget, bs))
+        draft_hidden = self._draft_hidden(batch, draft_input)
+        self._mark("draft_done")
+        tree = self._build_tree(draft_hidden, budget, self._verify_width(budget, bs))
+        self._mark("built")
         n = self._step_width = int(tree.parents.shape[1])
         bounds, prefix_bound = host_prefix_bounds(batch.seq_lens_cpu, self._host_reserved_cpu(draft_input), n)
         if bounds is None:
@@ -641,6 +670,7 @@ class DDTreeStepV2:
         if self._ddtree_hybrid is not None:
             self._ddtree_hybrid.attach_tree(verify_input, tree)
         batch.out_cache_loc = verify.out_cache_loc
+        self._mark("mask_ready")  # v1's point: tokens, positions, slots and mask made; upstream's planning is next
         seq_lens_cpu_backup, seq_lens_sum_backup = batch.seq_lens_cpu, batch.seq_lens_sum
         batch.seq_lens_cpu, batch.seq_lens_sum = bounds, int(bounds.sum())  # host bound = prefix + n
         self._verify_runner(n)  # the graphs of this width, for the plan below and the forward
@@ -652,6 +682,7 @@ class DDTreeStepV2:
             )
         finally:
             self._verify_runner(None)
+        self._mark("target_done")
         logits_output = target_out.logits_output
         logits = self._full_verify_logits(logits_output)
         logits_output.next_token_logits = logits
@@ -683,8 +714,10 @@ class DDTreeStepV2:
             raise RuntimeError("DDTree v2 verify requires target hidden states, but got None.")
         plan = commit.kv_plan
         cache_loc = self._draft_kv_cache_loc(batch, plan.cache_loc)
+        target_hidden = hidden.index_select(0, plan.hidden_rows)
+        self._mark("walked")  # v1's point: walked, committed, the path's hidden rows gathered; the draft KV is next
         self._append_target_hidden_to_draft_kv_by_loc(
-            target_hidden=hidden.index_select(0, plan.hidden_rows), cache_loc=cache_loc,
+            target_hidden=target_hidden, cache_loc=cache_loc,
             cache_loc_2d=cache_loc.view(bs, block), positions=plan.positions, commit_lens=commit_lens,
         )
         logits_output.hidden_states = None
@@ -769,5 +802,6 @@ class DDTreeStepV2:
             build_budgets=[self.tree_budget],
             verify_kernels=False,
             hybrid=None if self._ddtree_hybrid is None else self._ddtree_hybrid.as_dict(),
-            profile=None,
+            # SGLANG_DDTREE_PROFILE=1: per-phase medians since the last read (ddtree_profile)
+            profile=None if self.ddtree_profile is None else self.ddtree_profile.read_and_reset(),
         )

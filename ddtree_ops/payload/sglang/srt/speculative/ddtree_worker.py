@@ -62,7 +62,7 @@ from sglang.srt.speculative.ddtree_auto_budget import (
 from sglang.srt.speculative.ddtree_hybrid import HybridTree, hf_config_dict, runtime_refusal
 from sglang.srt.speculative.ddtree_metrics import AutoMetrics
 from sglang.srt.speculative.ddtree_penalties import NOTHING_REQUIRED, order_of, penalise_and_bias
-from sglang.srt.speculative.ddtree_profile import StepProfile
+from sglang.srt.speculative.ddtree_profile import maybe_profile
 from sglang.srt.speculative.ddtree_ranks import (
     agree_all,
     agree_min,
@@ -267,12 +267,7 @@ class DDTreeController:
         self.keep_chain = bool(getattr(sa, "speculative_ddtree_keep_chain", False))
         self.tp_rank = worker.tp_rank
         self.stats = DDTreeStats()
-        # Read at construction, not import, so one process can hold profiled and plain workers.
-        self.profile = (
-            StepProfile(cuda=str(worker.model_runner.device).startswith("cuda"))
-            if os.environ.get("SGLANG_DDTREE_PROFILE", "") == "1"
-            else None
-        )
+        self.profile = maybe_profile(worker.model_runner.device)  # SGLANG_DDTREE_PROFILE=1
         # (start, end) CUDA event pairs of builds not yet read; read at the next log line, so the
         # serving path never waits on the GPU for a metric.
         self._pending_build_events: list[tuple[Any, Any]] = []
