@@ -151,6 +151,7 @@ def test_trained_target_as_vl_continues_like_the_trained_text_model(trained):
     assert rep["target"]["class"] == "Qwen3_5ForCausalLM"
     # train_pair's own check: the trained model in memory == the checkpoint read back as Qwen3_5ForCausalLM
     assert rep["target"]["reload_check"]["greedy_equal"] is True
+    assert rep["target"]["reload_check"]["state_differences"] == []
     assert "--dense-hybrid" in rep["reproduce"]
     d = trained / "dense" / "target"
     vl, text = _both(d)

@@ -74,6 +74,68 @@ def test_target_layout_is_make_tiny_models(pair, tmp_path):
     assert tok.convert_tokens_to_ids("<|MASK|>") == dcfg["dflash_config"]["mask_token_id"] < mtm.VOCAB
 
 
+# config.json of the tiny target as transformers 5.8.1 (SGLang 0.5.13.post1's) and 5.12.1 (SGLang 0.5.17's) both
+# write it, bar "transformers_version": SGLang reads this file itself (Qwen3: rope_parameters["rope_theta"] before
+# a top-level rope_theta, tie_word_embeddings, head_dim), so the same pair serves on either version
+SAVED_TARGET_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "dtype": "bfloat16",
+    "head_dim": 64, "hidden_act": "silu", "hidden_size": 256, "initializer_range": 0.02, "intermediate_size": 512,
+    "layer_types": ["full_attention"] * 4, "max_position_embeddings": 4096, "max_window_layers": 28,
+    "model_type": "qwen3", "num_attention_heads": 4, "num_hidden_layers": 4, "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06, "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+    "sliding_window": None, "tie_word_embeddings": False, "use_cache": True, "use_sliding_window": False,
+    "vocab_size": 4096,
+}
+
+
+def test_target_config_and_weights_are_version_independent(pair):
+    """What SGLang loads (config.json, model.safetensors' names / shapes / dtypes) is the same whichever
+    transformers (5.8.1, 5.12.1) trained and saved the pair; the reload check compared weights and buffers."""
+    cfg = json.loads((pair / "target" / "config.json").read_text())
+    eos = cfg["eos_token_id"]
+    got = {k: v for k, v in cfg.items() if k != "transformers_version"}
+    assert got == {**SAVED_TARGET_CONFIG, "bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos}
+    layout = _safetensors_layout(pair / "target" / "model.safetensors")
+    assert layout["lm_head.weight"] == ((4096, 256), "BF16") == layout["model.embed_tokens.weight"]
+    assert not any("rotary" in k or "inv_freq" in k for k in layout)
+    assert len(layout) == 3 + 4 * 11
+    rc = json.loads((pair / "train_report.json").read_text())["target"]["reload_check"]
+    assert rc["greedy_equal"] is True and rc["state_differences"] == []
+
+
+def test_cast_weights_keeps_the_rotary_inv_freq_fp32(tmp_path):
+    """The reload check's cause (the GPU run with transformers 5.12.1 failed it): nn.Module.to(bf16) also casts
+    the rotary inv_freq buffers (not saved), from_pretrained(dtype=bf16) computes them in fp32, so the model in
+    memory computed other logits than the checkpoint it saved. cast_weights casts the parameters only: the
+    reload gives back the same weights, buffers and logits; .to() does not."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    mtm, tp = _mod("make_tiny_models"), _mod("train_pair")
+    torch.manual_seed(0)
+    m = Qwen3ForCausalLM(mtm.target_config(0))
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.1)
+    naive = Qwen3ForCausalLM(mtm.target_config(0))
+    naive.load_state_dict(m.state_dict())
+    naive = naive.to(torch.bfloat16).eval()
+    m = tp.cast_weights(m, torch.bfloat16).eval()
+    assert all(p.dtype == torch.bfloat16 for p in m.parameters())
+    assert {n: b.dtype for n, b in m.named_buffers()} == {
+        "model.rotary_emb.inv_freq": torch.float32, "model.rotary_emb.original_inv_freq": torch.float32}
+    m.save_pretrained(str(tmp_path / "t"), safe_serialization=True)
+    r = Qwen3ForCausalLM.from_pretrained(str(tmp_path / "t"), dtype=torch.bfloat16).eval()
+    assert tp.state_differences(m, r) == []
+    assert tp.state_differences(naive, r) == ["model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"]
+    x = torch.randint(4, 4096, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        lm, lr, ln = m(x).logits, r(x).logits, naive(x).logits
+    assert torch.equal(lm, lr)
+    assert not torch.equal(ln, lr)
+
+
 def test_draft_layout_is_make_tiny_models(pair):
     mtm, tp = _mod("make_tiny_models"), _mod("train_pair")
     dcfg = json.loads((pair / "draft" / "config.json").read_text())
@@ -227,6 +289,7 @@ def test_hybrid_report_reload_and_eval(pair_h):
     r = json.loads((pair_h / "train_report.json").read_text())
     assert r["hybrid"] is True and r["target"]["class"] == "Qwen3NextForCausalLM"
     assert r["target"]["reload_check"]["greedy_equal"] is True
+    assert r["target"]["reload_check"]["state_differences"] == []
     t, d = r["target"], r["draft"]
     assert t["steps"] == 25 and d["steps"] == 15
     assert t["loss"]["last"] < t["loss"]["first"] - 0.5, t["loss"]

@@ -53,8 +53,9 @@ every machine for the same files.
 
 Target: transformers' own Qwen3ForCausalLM (the class that saves the checkpoint), AdamW, bf16 autocast
 on CUDA (fp32 on CPU), seeded, random windows of the training token stream. The saved checkpoint is
-reloaded and must continue two held-out windows greedily exactly like the model in memory (both bf16;
-report["target"]["reload_check"]).
+reloaded and must continue two held-out windows greedily exactly like the model in memory (both bf16
+weights, the rotary inv_freq fp32 in both: `cast_weights`), with the same weights and buffers
+(report["target"]["reload_check"]).
 Drafter: a torch re-implementation of SGLang's srt/models/dflash.py + speculative/dflash_worker.py
 (`DFlashDraft` below; bench/gpu/check_pair_sglang.py compares it with SGLang's own DFlashDraftModel):
   * context features: the target's residual stream after layers `target_layer_ids` (SGLang captures
@@ -449,6 +450,36 @@ def target_kwargs(hybrid: bool) -> dict:
     return {"experts_implementation": "eager"} if hybrid else {}
 
 
+def cast_weights(model, dtype):
+    """model.to(dtype) for the parameters only: floating buffers keep their dtype. nn.Module.to also casts
+    the rotary embedding's inv_freq / original_inv_freq (non-persistent buffers, not in the checkpoint) to
+    bf16, which moves every rope angle by up to ~0.4 % and changes the logits by ~0.3 (some greedy tokens
+    of a trained target); from_pretrained(dtype=bf16) recomputes them in fp32 (transformers 5.8.1 and
+    5.12.1 alike), as SGLang does. So the model in memory would differ from the saved checkpoint as loaded,
+    and the reload check would fail or pass by luck (it failed on the GPU with 5.12.1, passed with 5.8.1)."""
+    keep = {n: b for n, b in model.named_buffers() if b.is_floating_point()}
+    model.to(dtype)
+    for n, b in model.named_buffers():
+        if n in keep and b.dtype != keep[n].dtype:
+            mod, _, leaf = n.rpartition(".")
+            model.get_submodule(mod)._buffers[leaf] = keep[n].to(b.device)
+    return model
+
+
+def state_differences(a, b) -> list[str]:
+    """Names of the parameters and buffers of `a` that `b` lacks or holds with another dtype, shape or value
+    (the reload check: save_pretrained + from_pretrained must give back the model in memory)."""
+    sa, sb = dict(a.named_parameters()), dict(b.named_parameters())
+    sa.update(a.named_buffers())
+    sb.update(b.named_buffers())
+    diff = sorted(set(sa) ^ set(sb))
+    for n in sorted(set(sa) & set(sb)):
+        x, y = sa[n], sb[n]
+        if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x, y.to(x.device)):
+            diff.append(n)
+    return diff
+
+
 def lr_at(step: int, total: int, warmup: int, peak: float) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -701,7 +732,7 @@ def main(argv=None) -> int:
     t_losses, t_done, t_wall = train_loop(
         "target", target_step, opt, steps=t_steps, seconds=seconds * a.target_share, warmup=hp["t_warmup"],
         peak_lr=hp["t_lr"], device=device, log_every=10 if tiny else 500)
-    target = target.to(torch.bfloat16).eval()
+    target = cast_weights(target, torch.bfloat16).eval()  # not target.to(): inv_freq stays fp32
     # Reload check: the saved checkpoint must continue held-out text exactly like the model in memory
     # (both bf16, same device), e.g. no weight dropped or renamed by save_pretrained's conversions
     # (Qwen3-Next's fused MoE experts are split per expert on disk).
@@ -716,15 +747,19 @@ def main(argv=None) -> int:
     if a.hybrid:
         mth.fix_saved_config(str(tdir))  # full_attention_interval, which SGLang's Qwen3-Next config reads
     # the saved checkpoint, as SGLang / HF load it
+    trained = target
     target = target_cls.from_pretrained(str(tdir), dtype=torch.bfloat16, **target_kwargs(a.hybrid)).to(device).eval()
+    state_diff = state_differences(trained, target)
+    del trained
     for p in target.parameters():
         p.requires_grad_(False)
     rc_tap = FeatureTap(target, [0])
     rc_after = greedy_block(target, rc_tap, rc_ctx)[1]
     rc_tap.remove()
     reload_check = {"rows": int(rc_ctx.shape[0]), "context": int(rc_ctx.shape[1]), "new_tokens": BLOCK,
-                    "greedy_equal": bool(torch.equal(rc_before, rc_after))}
+                    "greedy_equal": bool(torch.equal(rc_before, rc_after)), "state_differences": state_diff[:20]}
     print(f"reload check: {json.dumps(reload_check)}", flush=True)
+    assert not state_diff, f"the reloaded target's weights / buffers differ from the trained model's: {state_diff[:20]}"
     assert reload_check["greedy_equal"], "the reloaded target's greedy tokens differ from the trained model's"
     if not cuda:
         target = target.float()  # bf16 weights, fp32 arithmetic on CPU
