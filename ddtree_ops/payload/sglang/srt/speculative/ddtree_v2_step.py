@@ -36,7 +36,8 @@ With `SGLANG_DDTREE_PROFILE=1` the step marks v1's phases (`ddtree_profile`, `/s
 4's forward, `walked` after 5 and the path's hidden rows (before 6's draft-KV write), `step_done` after 6.
 
 `--speculative-ddtree-budget auto` (`ddtree_auto_budget.AutoBudget`, v1's chooser, candidates and batch buckets;
-NEVER RUN ON A GPU, served only under the proof switch `SGLANG_DDTREE_TEST_V2_AUTO=1`, `settings_refusal`):
+first run on a GPU 2026-12-07, an H100 on 0.5.17: its ladder, greedy identity on the pair, the limits workload; not
+yet the H200 proof, so served only under the proof switch `SGLANG_DDTREE_TEST_V2_AUTO=1`, `settings_refusal`):
 each decode step asks `choose(bs, step)` with `step` the stats' step counter (every TP rank counts the same steps).
 The chain is upstream's linear DFLASH step itself (`ddtree_forward` hands the batch on, as for its fallbacks: eager,
 SGLang's own verify graphs being captured at the largest tree's width). At start, after the target's graphs and
