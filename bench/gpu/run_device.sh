@@ -72,8 +72,6 @@ export PYTHONPATH=/tmp/site
 SITE_BASE=$(basename "$SITE_TAR" .tar.xz); SITE_BASE=${SITE_BASE#site312}; SITE_BASE=${SITE_BASE#-}
 # a v2 base serves auto only under its proof switch (ddtree_args.TEST_V2_AUTO) until a GPU run has proven it
 V2AUTO=; [ -n "$SITE_BASE" ] && V2AUTO=" V2AUTO"
-# the v2 worker's tree step refuses the overlap scheduler (ddtree_v2_step): its full-mode servers run without it
-V2FULL=; [ -n "$SITE_BASE" ] && V2FULL=" NOOVERLAP"
 pick_bundle() { ls "$1"/ddtree-payload-*.tar.gz 2>/dev/null | grep -E -- "${SITE_BASE:+-sglang$SITE_BASE}\.tar\.gz\$" \
   | { [ -n "$SITE_BASE" ] && cat || grep -v -- -sglang; } | head -1; }
 BUNDLE=$(pick_bundle dist)
@@ -370,8 +368,8 @@ if [ "${AUTO:-0}" = 1 ]; then
   for set in p s; do
     m=/tmp/pair; [ $set = s ] && m=/tmp/shell
     prof=; [ "${AUTO_PROFILE:-0}" = 1 ] && prof=" PROF"
-    VARIANTS+=("${set}_plain|$m|" "${set}_dflash|$m|DF" "${set}_auto|$m|$FULL auto --speculative-ddtree-budget-max ${AUTO_MAX:-127}$prof$V2AUTO$V2FULL")
-    for b in ${AUTO_FIXED:-16 32 64 128}; do VARIANTS+=("${set}_full$b|$m|$FULL $b$prof$V2FULL"); done
+    VARIANTS+=("${set}_plain|$m|" "${set}_dflash|$m|DF" "${set}_auto|$m|$FULL auto --speculative-ddtree-budget-max ${AUTO_MAX:-127}$prof$V2AUTO")
+    for b in ${AUTO_FIXED:-16 32 64 128}; do VARIANTS+=("${set}_full$b|$m|$FULL $b$prof"); done
   done
 fi
 if [ "${TP2:-0}" = 1 ]; then  # the TP twins (token TP2 -> --tp-size 2 --nccl-port ...), queried early
@@ -429,6 +427,12 @@ launch() {  # TAG MODEL_DIR EXTRA...
   # SGLang picks a free torch.distributed port at random when not told, and servers starting together
   # can pick the same one (EADDRINUSE, seen in a LIMITS call): each gets its own, beside its HTTP port.
   [[ " ${args[*]} " == *" --nccl-port "* ]] || args+=(--nccl-port $(( PORT[$tag] + 5 )))
+  # A v2 base's tree step refuses the overlap scheduler (ddtree_v2_step): every full-mode server there runs without
+  # it, whichever phase serves it; plain and DFLASH keep it, as operators run them.
+  if [ -n "$SITE_BASE" ] && [[ " ${args[*]} " == *" --speculative-ddtree-mode full "* ]] \
+     && [[ " ${args[*]} " != *" --disable-overlap-schedule "* ]]; then
+    args+=(--disable-overlap-schedule)
+  fi
   # NORADIX_SETS="r q": those sets' servers without the radix cache (a fault told from prefix sharing)
   [[ " ${NORADIX_SETS:-} " == *" ${tag%%_*} "* ]] && args+=(--disable-radix-cache)
   rm -f /tmp/spid_$tag
