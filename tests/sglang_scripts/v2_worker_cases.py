@@ -869,10 +869,6 @@ def stats_run() -> dict:
 # --- SGLANG_DDTREE_PROFILE=1: v1's phases in the report --------------------------------------------------------
 
 
-PROFILE_PHASES = ("step_start->draft_done", "draft_done->built", "built->mask_ready", "mask_ready->target_done",
-                  "target_done->walked", "walked->step_done", "step_done->step_start")
-
-
 def profile_run() -> dict:
     """A tree worker made by its `__init__` with SGLANG_DDTREE_PROFILE=1: three greedy decode steps through
     `forward_batch_generation`, then upstream's batches (a prefill, an idle batch, a grammar decode: a linear step),
