@@ -335,9 +335,10 @@ def test_auto_tree_picks_emit_plain_greedy_tokens(observed: dict, base: str) -> 
     assert run["chain_runner_widths"] and set(run["chain_runner_widths"]) == {8}
     assert any("verify graphs at widths [4, 8] captured" in line for line in run["log"]), run["log"]
     assert any("each tree verifies on the graphs of the smallest of widths [4, 8]" in line for line in run["log"])
-    # the kernels' start-up check covers auto's smaller tree, own width and padded to each candidate width (as v1's)
+    # the kernels' start-up check covers auto's smaller tree, own width and padded to each candidate width (as v1's),
+    # and the v2 commit's and bounded mask's kernels against the torch commit
     assert run["self_tests"] == [{"device": "cuda", "budget": 7, "smaller": [3], "pad_widths": [4, 8],
-                                  "acceptance": True}]
+                                  "acceptance": True, "commit": "commit_tree"}]
 
 
 def test_auto_chain_picks_go_through_upstreams_linear_step(observed: dict) -> None:

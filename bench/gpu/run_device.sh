@@ -92,6 +92,12 @@ bad = [b for b in bad if b.startswith("sglang/") and not b.endswith(": missing")
 print("untouched upstream files differing from RECORD:", len(bad), bad[:5])
 EOF
 ts "site extracted + bundle installed"
+# KERNEL_TESTS=1: the verify kernels' GPU test (every kernel against its torch path, bit for bit; mostly compiling,
+# on the CPU) beside whatever this call serves; needs pytest in .gpu/pytest_site (README)
+if [ "${KERNEL_TESTS:-0}" = 1 ] && [ -d .gpu/pytest_site ]; then
+  ( PYTHONPATH=/tmp/site:$PWD/.gpu/pytest_site timeout 400 python3 -m pytest -q -p no:cacheprovider \
+      tests/test_ddtree_verify_step.py -k gpu > "$OUT/kernel_tests.log" 2>&1; echo "rc=$?" >> "$OUT/kernel_tests.log" ) &
+fi
 if [ "${HYBRID_KERNELS:-0}" = 1 ]; then  # issue 25, G1: SGLang's GDN verify kernels on DDTrees, compiled (HYBRID.md §4)
   timeout ${HYBRID_KERNELS_TIMEOUT:-600} python3 $HERE/hybrid_kernels_check.py --device cuda --batch ${HYBRID_KERNELS_BATCH:-4} ${HYBRID_KERNELS_ARGS:-} > "$OUT/hybrid_kernels.json" 2> "$OUT/hybrid_kernels.log"
   ts "hybrid_kernels_check rc=$?"

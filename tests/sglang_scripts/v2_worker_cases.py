@@ -943,9 +943,10 @@ def start_graphs(worker: w.DDTreeWorkerV2, target: SimpleNamespace, fail_at: int
     # tensors there, records what it was asked instead (on this CPU it finds no kernels to check either)
     self_tests: list = []
 
-    def self_test(device, budget, depth, *args, smaller=(), pad_widths=(), walk=None, acceptance=None):
+    def self_test(device, budget, depth, *args, smaller=(), pad_widths=(), walk=None, acceptance=None, commit=None):
         self_tests.append({"device": str(device), "budget": budget, "smaller": list(smaller),
-                           "pad_widths": list(pad_widths), "acceptance": acceptance is not None})
+                           "pad_widths": list(pad_widths), "acceptance": acceptance is not None,
+                           "commit": getattr(commit, "__name__", None)})
 
     kernels = (mock.patch.object(s, "self_test", self_test), mock.patch.object(s, "kernels_in_use", lambda d: False))
     get_spec = mock.patch.object(spec_utils, "get_spec", lambda: target.server_args, create=True)

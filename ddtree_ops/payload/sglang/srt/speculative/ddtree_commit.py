@@ -227,9 +227,19 @@ def commit_tree(
     req_pool_indices: torch.Tensor,
     prefix_lens: torch.Tensor,
     block: int,
+    kernel: Any = None,
 ) -> TreeCommit:
     """The whole commit in order: outputs (checks the block first, before the pool is touched), the
-    permutation applied to `req_to_token` in place, then the draft-KV plan over the permuted slots."""
+    permutation applied to `req_to_token` in place, then the draft-KV plan over the permuted slots.
+
+    `kernel` (`ddtree_verify_step.commit_kernel`'s answer: on CUDA `tree_commit_triton`) does all of it in one
+    launch for a row-major pool; the start-up self-test holds it to these torch functions."""
+    if kernel is not None and req_to_token.stride(1) == 1:
+        _check_block(tree, block)
+        out_tokens, commit_lens, committed, rows, positions, cache_loc, valid = kernel(
+            tree, accepted_nodes, accept_lengths, bonus_tokens, req_to_token, req_pool_indices, prefix_lens, block)
+        plan = KVWritePlan(hidden_rows=rows, positions=positions, cache_loc=cache_loc, valid=valid)
+        return TreeCommit(out_tokens=out_tokens, commit_lens=commit_lens, committed_slots=committed, kv_plan=plan)
     out_tokens, commit_lens = step_outputs(tree, accepted_nodes, accept_lengths, bonus_tokens, block)
     order = commit_order(tree, accepted_nodes, accept_lengths)
     committed = permute_row_segments(req_to_token, req_pool_indices, prefix_lens, order)

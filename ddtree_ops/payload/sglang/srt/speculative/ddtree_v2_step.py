@@ -111,6 +111,7 @@ from sglang.srt.speculative.ddtree_utils import (
 from sglang.srt.speculative.ddtree_v2_shadow import is_decode
 from sglang.srt.speculative.ddtree_verify_graphs import V2_RUNNER, VerifyGraphLadder, capture_verify_ladder
 from sglang.srt.speculative.ddtree_verify_step import (
+    commit_kernel,
     kernels_in_use,
     self_test,
     step_acceptance,
@@ -346,17 +347,19 @@ class DDTreeStepV2:
             self.target_worker.model_runner.model)
         if refusal:
             raise DDTreeV2Refused(refusal)
-        # The sampled walk's kernels (ddtree_verify_kernels, through ddtree_sampling) are checked against the torch
-        # path here, as v1 checks them at start: one this GPU or Triton gets wrong leaves the torch path. Under auto
-        # also on auto's smaller trees, at their own width and padded to every candidate width (as v1 does): every
-        # shape a step can take is compiled here, not mid-serving.
+        # The kernels this step takes (ddtree_verify_kernels: the mask, the commit, the sampled walk through
+        # ddtree_sampling) are checked against the torch path here, as v1 checks its own at start: one this GPU or
+        # Triton gets wrong leaves the torch path. Under auto also on auto's smaller trees, at their own width and
+        # padded to every candidate width (as v1 does): every shape a step can take is compiled here, not mid-serving.
         device = torch.device(self.target_worker.model_runner.device)
         smaller = tuple(b for b in self._auto_tree_budgets() if b < self.tree_budget)
         error = self_test(device, self.tree_budget, self.block_size - 1, build_ddtree, follow_verified_tree,
                           shrink_tree, smaller=smaller, pad_widths=tuple(self._auto_widths()) if smaller else (),
-                          walk=walk_node_probs, acceptance=acceptance_by_kind if self.tree_budget_auto else None)
+                          walk=walk_node_probs, acceptance=acceptance_by_kind if self.tree_budget_auto else None,
+                          commit=commit_tree)
         if error:
-            logger.warning("DDTree v2: verify kernels off (%s); the sampled walk runs on torch ops", error)
+            logger.warning("DDTree v2: verify kernels off (%s); the mask, commit and sampled walk run on torch ops",
+                           error)
         agree_verify_kernels(kernels_in_use(device), get_tp_group().cpu_group if self.tree_tp_size > 1 else None)
         if self.tree_budget_auto:
             # The scheduler captured the target's graphs just before this (17/23: managers/scheduler.py, the target
@@ -702,7 +705,7 @@ class DDTreeStepV2:
         if self.ddtree_auto is not None:  # what each candidate budget's tree would have accepted (read by the caller)
             self._step_acceptance = step_acceptance(tree, accepted, self._auto_budgets, sampled, acceptance_by_kind)
         commit = commit_tree(tree, accepted, accept_lens, bonus, req_to_token, batch.req_pool_indices,
-                             prefix_lens, block)
+                             prefix_lens, block, kernel=commit_kernel(accepted))
         commit_lens = commit.commit_lens.to(torch.int32)
         if self._ddtree_hybrid is not None:  # the recurrent state of each request's last committed node
             self._ddtree_hybrid.commit(self, batch, tree, accepted, commit_lens, prefix_lens)

@@ -12,6 +12,9 @@ kernel here replaces one such sequence by one launch:
   - `commit_slots_triton`: from the accepted path and the host's commit lengths, the KV slots to keep
     (path order), the slots to free (row-major, as the torch reference frees them) and the verify
     rows whose hidden states feed the draft;
+  - `tree_custom_mask_bounded_triton` and `tree_commit_triton`: the v2 worker's mask (placed by the device's
+    lengths, sized by a host bound) and its whole commit (the row segment permuted in place, the step's outputs,
+    the draft-KV plan), each one launch where the torch paths take about ten and forty;
   - `row_logsumexp_triton` and `sampled_walk_triton`: a sampled walk of requests at the identity settings
     (`ddtree_sampling.tree_walk`) reads each verified node's row once for its log-sum-exp and walks the
     children's probabilities, instead of a float32 distribution per node and a chunked walk over them.
@@ -64,6 +67,44 @@ def tree_custom_mask_triton(tree_mask: torch.Tensor, prefix_lens_cpu: list[int])
     bits = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask.to(torch.uint8)
     grid = (bs, n, triton.cdiv(max(prefix_lens_cpu) + n, MASK_COLUMNS))
     _tree_mask_kernel[grid](out, bits.contiguous(), plan, bs, N=n, COLS=MASK_COLUMNS)
+    return out.view(torch.bool)
+
+
+@triton.jit(do_not_specialize=["B"])
+def _tree_mask_bounded_kernel(
+    out_ptr,  # u8 flat, pre-filled with ones: per request N rows of (prefix + N) columns, requests back to back
+    tree_mask_ptr,  # u8 [B, N, N]
+    prefix_ptr,  # i64 [B]: the device's prefix lengths
+    B,
+    N: tl.constexpr,
+    N_BLOCK: tl.constexpr,
+    B_BLOCK: tl.constexpr,
+):
+    # One program per (request, node) writes the node's N tree columns; the prefix columns are the fill's ones.
+    # Each request's start is summed here from the device lengths: no host copy of them, no plan launch.
+    b = tl.program_id(0)
+    i = tl.program_id(1)
+    offs_b = tl.arange(0, B_BLOCK)
+    before = tl.load(prefix_ptr + offs_b, mask=offs_b < b, other=0)
+    start = tl.sum(tl.where(offs_b < b, N * (before + N), 0), axis=0)
+    prefix = tl.load(prefix_ptr + b)
+    col = tl.arange(0, N_BLOCK)
+    bits = tl.load(tree_mask_ptr + (b * N + i) * N + col, mask=col < N, other=0)
+    tl.store(out_ptr + start + i * (prefix + N) + prefix + col, bits.to(tl.uint8), mask=col < N)
+
+
+def tree_custom_mask_bounded_triton(tree_mask: torch.Tensor, prefix_lens: torch.Tensor, prefix_bound: int) -> torch.Tensor:
+    """Same contract as `ddtree_verify_step.tree_custom_mask_bounded`: the flat bool mask sized for the host's
+    `prefix_bound >= sum(prefix_lens)`, placed by the device's lengths; cells past the batch's own stay True."""
+    bs, n, _ = tree_mask.shape
+    device = tree_mask.device
+    out = torch.ones((int(prefix_bound) * n + bs * n * n,), dtype=torch.uint8, device=device)
+    if bs and n:
+        bits = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask.to(torch.uint8)
+        _tree_mask_bounded_kernel[(bs, n)](
+            out, bits.contiguous(), prefix_lens.to(device=device, dtype=torch.int64).contiguous(), bs,
+            N=n, N_BLOCK=triton.next_power_of_2(n), B_BLOCK=triton.next_power_of_2(bs),
+        )
     return out.view(torch.bool)
 
 
@@ -178,6 +219,105 @@ def commit_slots_triton(
             N=n, D1=d1, D1_BLOCK=triton.next_power_of_2(d1), N_BLOCK=triton.next_power_of_2(n),
         )
     return kept[:kept_total].to(out_cache_loc.dtype), rows[:kept_total], freed[:freed_total].to(out_cache_loc.dtype)
+
+
+@triton.jit
+def _tree_commit_kernel(
+    accepted_ptr,  # i64 [B, W]: path nodes by depth, root first (entries past the accept length not read)
+    lengths_ptr,  # i64 [B]: accepted draft tokens
+    bonus_ptr,  # i64 [B]
+    tokens_ptr,  # i64 [B, token_stride]: node i >= 1 has token i - 1
+    retrive_ptr,  # i64 [B, retrive_stride]: node -> flat verify row
+    pool_ptr,  # req_to_token (int32 or int64), rows `row_stride` apart: permuted in place
+    pool_rows_ptr,  # i64 [B]: each request's req_to_token row
+    prefix_ptr,  # i64 [B]
+    out_tokens_ptr,  # i64 [B, BLOCK] out
+    commit_lens_ptr,  # i64 [B] out
+    committed_ptr,  # pool dtype [B, N] out: the permuted segments
+    hidden_rows_ptr,  # i64 [B * BLOCK] out
+    positions_ptr,  # i64 [B * BLOCK] out
+    cache_loc_ptr,  # i64 [B * BLOCK] out
+    valid_ptr,  # u8 [B * BLOCK] out
+    row_stride,
+    token_stride,
+    retrive_stride,
+    N: tl.constexpr,
+    W: tl.constexpr,
+    BLOCK: tl.constexpr,
+    N_BLOCK: tl.constexpr,
+    W_BLOCK: tl.constexpr,
+    K_BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    length = tl.load(lengths_ptr + b)
+    prefix = tl.load(prefix_ptr + b)
+    segment = pool_ptr + tl.load(pool_rows_ptr + b) * row_stride + prefix
+    # Each node's destination in the segment: a path node goes to its depth, the others follow the path in
+    # ascending node order (as `ddtree_commit.commit_order`).
+    offs_w = tl.arange(0, W_BLOCK)
+    in_path = (offs_w < W) & (offs_w <= length)
+    path = tl.load(accepted_ptr + b * W + offs_w, mask=in_path, other=-1)
+    offs_n = tl.arange(0, N_BLOCK)
+    in_tree = offs_n < N
+    hit = (offs_n[:, None] == path[None, :]) & in_path[None, :]
+    depth = tl.max(tl.where(hit, offs_w[None, :], -1), axis=1)
+    off_path = in_tree & (depth < 0)
+    rank = tl.cumsum(off_path.to(tl.int32), axis=0) - off_path.to(tl.int32)
+    dest = tl.where(depth >= 0, depth, length + 1 + rank)
+    slots = tl.load(segment + offs_n, mask=in_tree, other=0)
+    # The outputs by depth k (`ddtree_commit.step_outputs` / `draft_kv_write_plan`); entries past the commit
+    # repeat the root's. Every read of the segment happens before the barrier below.
+    k = tl.arange(0, K_BLOCK)
+    in_block = k < BLOCK
+    valid = in_block & (k <= length)
+    node = tl.load(accepted_ptr + b * W + k, mask=valid & (k < W), other=0)
+    tl.store(hidden_rows_ptr + b * BLOCK + k, tl.load(retrive_ptr + b * retrive_stride + node, mask=in_block, other=0),
+             mask=in_block)
+    tl.store(positions_ptr + b * BLOCK + k, prefix + tl.where(valid, k, 0), mask=in_block)
+    tl.store(cache_loc_ptr + b * BLOCK + k, tl.load(segment + node, mask=in_block, other=0).to(tl.int64),
+             mask=in_block)
+    tl.store(valid_ptr + b * BLOCK + k, valid.to(tl.uint8), mask=in_block)
+    before_bonus = k < length
+    child = tl.load(accepted_ptr + b * W + k + 1, mask=before_bonus, other=1)
+    token = tl.load(tokens_ptr + b * token_stride + child - 1, mask=before_bonus, other=0)
+    token = tl.where(k == length, tl.load(bonus_ptr + b), token)
+    tl.store(out_tokens_ptr + b * BLOCK + k, token, mask=in_block)
+    tl.store(commit_lens_ptr + b, length + 1)
+    # The permutation is in place: no thread may store a slot another has yet to read.
+    tl.debug_barrier()
+    tl.store(segment + dest, slots, mask=in_tree)
+    tl.store(committed_ptr + b * N + dest, slots, mask=in_tree)
+
+
+def tree_commit_triton(
+    tree, accepted_nodes: torch.Tensor, accept_lengths: torch.Tensor, bonus_tokens: torch.Tensor,
+    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, block: int,
+) -> tuple[torch.Tensor, ...]:
+    """`ddtree_commit.commit_tree` in one launch, for a row-major `req_to_token` (the caller checks the block
+    first): (out_tokens, commit_lens, committed slots, and the draft-KV plan's hidden_rows, positions, cache_loc,
+    valid), each as the torch commit returns it."""
+    bs, n = tree.parents.shape
+    width = accepted_nodes.shape[1]
+    device = accepted_nodes.device
+    i64 = {"device": device, "dtype": torch.int64}
+    out_tokens = torch.empty((bs, block), **i64)
+    commit_lens = torch.empty((bs,), **i64)
+    committed = torch.empty((bs, n), dtype=req_to_token.dtype, device=device)
+    hidden_rows, positions, cache_loc = (torch.empty((bs * block,), **i64) for _ in range(3))
+    valid = torch.empty((bs * block,), dtype=torch.uint8, device=device)
+    tokens = tree.token_ids.to(torch.int64).contiguous()
+    retrive = tree.retrive_index.to(**i64).contiguous()
+    if bs:
+        _tree_commit_kernel[(bs,)](
+            accepted_nodes.to(torch.int64).contiguous(), accept_lengths.to(**i64).contiguous(),
+            bonus_tokens.to(**i64).contiguous(), tokens, retrive, req_to_token,
+            req_pool_indices.to(**i64).contiguous(), prefix_lens.to(**i64).contiguous(), out_tokens, commit_lens,
+            committed, hidden_rows, positions, cache_loc, valid, req_to_token.stride(0), tokens.shape[1],
+            retrive.shape[1],
+            N=n, W=width, BLOCK=block, N_BLOCK=triton.next_power_of_2(n),
+            W_BLOCK=triton.next_power_of_2(width), K_BLOCK=triton.next_power_of_2(block),
+        )
+    return out_tokens, commit_lens, committed, hidden_rows, positions, cache_loc, valid.view(torch.bool)
 
 
 @triton.jit

@@ -68,8 +68,17 @@ def tree_custom_mask(tree_mask: torch.Tensor, prefix_lens: torch.Tensor, prefix_
 def tree_custom_mask_bounded(tree_mask: torch.Tensor, prefix_lens: torch.Tensor, prefix_bound: int) -> torch.Tensor:
     """`tree_custom_mask`'s layout with no host copy of the prefix lengths (the v2 worker's step): sized for a
     host `prefix_bound >= sum(prefix_lens)`; cells past the batch's own are True and never read (the backend
-    indexes by the device lengths). Plain torch."""
+    indexes by the device lengths). On CUDA one kernel, placed by the device lengths."""
+    kernels = _fused(tree_mask)
+    if kernels is not None:
+        return kernels.tree_custom_mask_bounded_triton(tree_mask, prefix_lens, int(prefix_bound))
     return _tree_custom_mask_torch(tree_mask, prefix_lens, int(prefix_bound))
+
+
+def commit_kernel(t: torch.Tensor) -> Any:
+    """The v2 commit's kernel for tensors like `t` (`ddtree_commit.commit_tree`'s `kernel`), or None: the torch path."""
+    kernels = _fused(t)
+    return None if kernels is None else kernels.tree_commit_triton
 
 
 def _tree_custom_mask_torch(tree_mask: torch.Tensor, prefix_lens: torch.Tensor, prefix_total: int) -> torch.Tensor:
@@ -162,6 +171,7 @@ def step_acceptance(tree: Any, accepted_nodes: torch.Tensor, budgets: torch.Tens
 def self_test(
     device: torch.device, budget: int, depth: int, build: Any, follow: Any, shrink: Any = None,
     smaller: tuple[int, ...] = (), pad_widths: tuple[int, ...] = (), walk: Any = None, acceptance: Any = None,
+    commit: Any = None,
 ) -> str | None:
     """Run each kernel beside its torch function on random trees of this budget and depth on `device`,
     and on the first `b` nodes of them for every `b` in `smaller` (`shrink` is
@@ -170,7 +180,8 @@ def self_test(
     every width a step can take is compiled here, at start, not mid-serving. `walk` is
     `ddtree_sampling.walk_node_probs`, the sampled walk's reference (its kernel and the log-sum-exp's are
     checked where it is given); `acceptance` is `ddtree_utils.acceptance_by_kind` (auto's acceptance kernel is
-    checked against it where it is given).
+    checked against it where it is given); `commit` is `ddtree_commit.commit_tree`, given by the v2 worker: its
+    commit and bounded-mask kernels are checked against the torch path where it is given.
     None: they agree, or there are no kernels to test. Otherwise why not, and every later call takes
     the torch path: a server with a kernel this GPU or Triton gets wrong is slower, never wrong."""
     if _fused(torch.empty(0, device=device)) is None:
@@ -186,6 +197,8 @@ def self_test(
             for tree, b in shapes:
                 where = f"batch {bs}, {b + 1} of {tree.parents.shape[1]} slots"
                 accepted = _check_kernels_on(kernels, tree, b + 1, follow, g, where)
+                if commit is not None:
+                    _check_v2_kernels_on(kernels, tree, accepted, commit, g, where)
                 if acceptance is not None:
                     _check_acceptance_on(kernels, tree, accepted, (*smaller, budget), acceptance, where)
             if walk is not None:  # a flat draft's tree is wide, a peaked one's deep: both
@@ -224,6 +237,34 @@ def _check_kernels_on(kernels: Any, tree: Any, kv_width: int, follow: Any, g: to
         if not torch.equal(got, want):
             raise AssertionError(f"{name} differs from the torch path at {where}")
     return want_walk[0]
+
+
+def _check_v2_kernels_on(kernels: Any, tree: Any, accepted: torch.Tensor, commit: Any, g: torch.Generator,
+                         where: str) -> None:
+    """The v2 worker's bounded mask and commit kernels against the torch path, on `accepted` (a walk of `tree`)
+    cut at random depths, over a pool whose rows are shuffled slots: the permuted pools must agree too."""
+    bs, n = tree.parents.shape
+    device = tree.parents.device
+    depth = int(tree.max_depth)
+    lengths = ((accepted >= 0).sum(1) - 1).cpu()
+    lengths = torch.minimum(lengths, torch.randint(0, depth + 1, (bs,), generator=g)).to(device)
+    prefix = torch.tensor([5, 0, 1000][:bs], device=device)
+    bound = int(prefix.sum()) + 7
+    got_mask = kernels.tree_custom_mask_bounded_triton(tree.tree_mask, prefix, bound)
+    if not torch.equal(got_mask, _tree_custom_mask_torch(tree.tree_mask, prefix, bound)):
+        raise AssertionError(f"bounded custom mask differs from the torch path at {where}")
+    rows = torch.randperm(4, generator=g)[:bs].to(device)
+    pool = torch.randperm(4 * (1000 + n + 3), generator=g).view(4, -1).to(device=device, dtype=torch.int32)
+    bonus = torch.randint(0, 64, (bs,), generator=g).to(device)
+    block = depth + 1 + int(torch.randint(0, 3, (1,), generator=g))  # v2's own block is depth + 1
+    want_pool, got_pool = pool.clone(), pool.clone()
+    want = commit(tree, accepted, lengths, bonus, want_pool, rows, prefix, block)
+    got = commit(tree, accepted, lengths, bonus, got_pool, rows, prefix, block, kernel=kernels.tree_commit_triton)
+    pairs = [(got_pool, want_pool), (got.out_tokens, want.out_tokens), (got.commit_lens, want.commit_lens),
+             (got.committed_slots, want.committed_slots)]
+    pairs += [(getattr(got.kv_plan, f), getattr(want.kv_plan, f)) for f in ("hidden_rows", "positions", "cache_loc", "valid")]
+    if not all(torch.equal(a, b) for a, b in pairs):
+        raise AssertionError(f"v2 commit differs from the torch path at {where}")
 
 
 def _check_acceptance_on(kernels: Any, tree: Any, accepted: torch.Tensor, budgets: tuple[int, ...], acceptance: Any,
