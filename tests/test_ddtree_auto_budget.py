@@ -3,6 +3,7 @@ them), the candidates, and the budget choice against a brute-force oracle on sim
 
 from __future__ import annotations
 
+import copy
 import random
 
 import ddtree_pair_sim as pair
@@ -859,7 +860,6 @@ def test_a_bucket_planned_when_first_needed_is_the_plan_a_refresh_would_have_mad
     """A re-plan leaves the buckets to be planned when a step first needs one (`_bucket_plan`); the plan,
     scores and exploration table made then, after more steps were chosen and observed, are the ones every
     bucket would have had right at the refresh. Oracle: a copy that plans every bucket at the refresh."""
-    import copy
 
     rng = random.Random(seed)
     cands = ab.auto_candidates(127, 16)

@@ -354,16 +354,18 @@ class AutoBudget:
     @property
     def plan(self) -> list[Candidate]:
         """The planned candidate per bucket (every bucket planned)."""
-        for k in range(len(self.buckets)):
-            self._bucket_plan(k)
+        self._plan_every_bucket()
         return self._plan
 
     @property
     def explore(self) -> list[list[tuple[Candidate, int]]]:
         """Per bucket, (candidate, once in how many exploration rounds) of the candidates exploration may take."""
+        self._plan_every_bucket()
+        return self._explore
+
+    def _plan_every_bucket(self) -> None:
         for k in range(len(self.buckets)):
             self._bucket_plan(k)
-        return self._explore
 
     def choose(self, batch_size: int, step: int, sampled: int = 0) -> Candidate:
         """The candidate for step `step` (a counter every rank shares) of `batch_size` requests, `sampled`
