@@ -137,15 +137,15 @@ for case in range(cases):
     want = t.vs._commit_slots_torch(want_acc, loc.cpu(), commits, n)
     got = vk.commit_slots_triton(got_acc, loc, commits, n)
     assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want)), case
-# the v2 worker's mask (placed by the device lengths, sized by a host bound) and whole commit (the pool's row
-# segments permuted in place, the outputs, the draft-KV plan): one kernel each, the torch path's every tensor
+# the v2 worker's verify input (tokens, positions, slots, and the mask placed by the device lengths and sized by a
+# host bound) and whole commit (the pool's row segments permuted in place, the outputs, the draft-KV plan): one
+# kernel each, the torch path's every tensor
 dc = t.load_payload_module("ddtree_commit")
 for case in range(cases):
     bs = rng.choice([1, 3, 33])
     tree, cand, target, prefix, _ = t.random_case(rng, bs=bs, budgets=(1, 4, 12) if bs > 3 else (1, 12, 64, 256))
     n, depth = tree.parents.shape[1], int(tree.max_depth)
     bound = int(prefix.sum()) + rng.choice([0, 9])
-    want_mask = t.vs._tree_custom_mask_torch(tree.tree_mask, prefix, bound)
     accepted = t.du.follow_verified_tree(tree, target)[0].to(torch.int64)
     # a shorter commit than the walk's is a path too; past the accept length the walk's entries are garbage
     lengths = torch.tensor([rng.randint(0, int((accepted[b] >= 0).sum()) - 1) for b in range(bs)])
@@ -155,12 +155,18 @@ for case in range(cases):
     pool = torch.randperm((bs + 2) * (1500 + n + 4)).view(bs + 2, -1).to(rng.choice([torch.int32, torch.int64]))
     block = depth + 1 + rng.choice([0, 0, 3])
     want_pool = pool.clone()
+    want_input = t.vs._verify_input_torch(tree, bonus, prefix, pool, rows, bound)
+    n_ = tree.parents.shape[1]
+    assert torch.equal(want_input[0].view(bs, n_)[:, 1:], tree.token_ids) and torch.equal(want_input[0][::n_], bonus)
+    assert torch.equal(want_input[2], t.vs._tree_custom_mask_torch(tree.tree_mask, prefix, bound))
+    assert torch.equal(want_input[3].view(bs, n_), torch.stack([pool[r, p : p + n_] for r, p in zip(rows, prefix)]).long())
     want = dc.commit_tree(tree, accepted, lengths, bonus, want_pool, rows, prefix, block)
     if device != "cpu":
         tree = type(tree)(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(tree).items()})
-    got_mask = t.vs.tree_custom_mask_bounded(tree.tree_mask, prefix.to(device), bound)
-    assert got_mask.dtype == torch.bool and torch.equal(got_mask.cpu(), want_mask), case
     got_pool = pool.to(device)
+    got_input = t.vs.verify_input(tree, bonus.to(device), prefix.to(device), got_pool, rows.to(device), bound)
+    assert got_input[2].dtype == torch.bool, case
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(got_input, want_input, strict=True)), case
     kernel = t.vs.commit_kernel(got_pool)
     assert kernel is vk.tree_commit_triton
     got = dc.commit_tree(tree, accepted.to(device), lengths.to(device), bonus.to(device), got_pool, rows.to(device),
@@ -170,18 +176,18 @@ for case in range(cases):
         assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), (case, name)
     for name in ("hidden_rows", "positions", "cache_loc", "valid"):
         assert torch.equal(getattr(got.kv_plan, name).cpu(), getattr(want.kv_plan, name)), (case, name)
-# a v2 commit kernel wrong only past a short commit is caught at start, and so is a wrong bounded mask
+# a v2 commit kernel wrong only past a short commit is caught at start, and so is a wrong verify input
 real_v2 = vk.tree_commit_triton
 vk.tree_commit_triton = lambda *a: (lambda o, *rest: (o + (o == 0).to(o.dtype), *rest))(*real_v2(*a))
 why = t.vs.self_test(torch.device(device), 12, 3, t.du.build_ddtree, t.du.follow_verified_tree, commit=dc.commit_tree)
 assert why is not None and "v2 commit differs" in why, why
 vk.tree_commit_triton = real_v2
 t.vs._KERNELS_OFF.clear()
-real_mask = vk.tree_custom_mask_bounded_triton
-vk.tree_custom_mask_bounded_triton = lambda m, p, b: real_mask(m, p, b + 1)
+real_input = vk.tree_verify_input_triton
+vk.tree_verify_input_triton = lambda tree, bonus, p, pool, r, b: real_input(tree, bonus, p, pool, r, b + 1)
 why = t.vs.self_test(torch.device(device), 12, 3, t.du.build_ddtree, t.du.follow_verified_tree, commit=dc.commit_tree)
-assert why is not None and "bounded custom mask differs" in why, why
-vk.tree_custom_mask_bounded_triton = real_mask
+assert why is not None and "v2 verify input differs" in why, why
+vk.tree_verify_input_triton = real_input
 t.vs._KERNELS_OFF.clear()
 assert t.vs.self_test(torch.device(device), 12, 3, t.du.build_ddtree, t.du.follow_verified_tree, commit=dc.commit_tree) is None
 # the sampled walk of identity rows: its descent and the log-sum-exp per node

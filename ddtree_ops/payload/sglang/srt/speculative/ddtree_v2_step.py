@@ -115,7 +115,7 @@ from sglang.srt.speculative.ddtree_verify_step import (
     kernels_in_use,
     self_test,
     step_acceptance,
-    tree_custom_mask_bounded,
+    verify_input,
 )
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
@@ -224,18 +224,11 @@ def tree_verify_input(
     >= sum(prefix_lens), sizes the mask). The mask block of request b is `n x (prefix_b + n)`, row-major
     (query = node, key = the prefix then the nodes), requests back to back: what
     `TritonAttnBackend` indexes with `mask_indptr = cumsum(n * (seq_lens + n))` (17:triton_backend.py:517-519,
-    :814-820); a chain tree gives the causal mask of DFLASH's own verify."""
-    bs, n = tree.parents.shape
-    device = tree.parents.device
-    prefix = prefix_lens.to(device=device, dtype=torch.int64)
-    rows = req_pool_indices.to(device=device, dtype=torch.int64)[:, None].expand(-1, n)
-    cols = prefix[:, None] + torch.arange(n, device=device)
-    return TreeVerify(
-        tokens=tree.full_token_ids(bonus_tokens.to(device)).reshape(-1),
-        positions=tree.positions(prefix).reshape(-1),
-        custom_mask=tree_custom_mask_bounded(tree.tree_mask, prefix, prefix_bound),
-        out_cache_loc=req_to_token[rows, cols].to(torch.int64).reshape(-1),
-    )
+    :814-820); a chain tree gives the causal mask of DFLASH's own verify. `ddtree_verify_step.verify_input`:
+    one kernel on CUDA."""
+    tokens, positions, mask, loc = verify_input(tree, bonus_tokens, prefix_lens, req_to_token, req_pool_indices,
+                                                prefix_bound)
+    return TreeVerify(tokens=tokens, positions=positions, custom_mask=mask, out_cache_loc=loc)
 
 
 def draft_tree_logits(draft_hidden: torch.Tensor, lm_head: Any, vocab: int, tp_group: Any) -> torch.Tensor:
@@ -347,7 +340,7 @@ class DDTreeStepV2:
             self.target_worker.model_runner.model)
         if refusal:
             raise DDTreeV2Refused(refusal)
-        # The kernels this step takes (ddtree_verify_kernels: the mask, the commit, the sampled walk through
+        # The kernels this step takes (ddtree_verify_kernels: the verify input, the commit, the sampled walk through
         # ddtree_sampling) are checked against the torch path here, as v1 checks its own at start: one this GPU or
         # Triton gets wrong leaves the torch path. Under auto also on auto's smaller trees, at their own width and
         # padded to every candidate width (as v1 does): every shape a step can take is compiled here, not mid-serving.
@@ -358,7 +351,7 @@ class DDTreeStepV2:
                           walk=walk_node_probs, acceptance=acceptance_by_kind if self.tree_budget_auto else None,
                           commit=commit_tree)
         if error:
-            logger.warning("DDTree v2: verify kernels off (%s); the mask, commit and sampled walk run on torch ops",
+            logger.warning("DDTree v2: verify kernels off (%s); the verify input, commit and sampled walk run on torch ops",
                            error)
         agree_verify_kernels(kernels_in_use(device), get_tp_group().cpu_group if self.tree_tp_size > 1 else None)
         if self.tree_budget_auto:

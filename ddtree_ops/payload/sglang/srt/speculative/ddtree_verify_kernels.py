@@ -12,9 +12,10 @@ kernel here replaces one such sequence by one launch:
   - `commit_slots_triton`: from the accepted path and the host's commit lengths, the KV slots to keep
     (path order), the slots to free (row-major, as the torch reference frees them) and the verify
     rows whose hidden states feed the draft;
-  - `tree_custom_mask_bounded_triton` and `tree_commit_triton`: the v2 worker's mask (placed by the device's
-    lengths, sized by a host bound) and its whole commit (the row segment permuted in place, the step's outputs,
-    the draft-KV plan), each one launch where the torch paths take about ten and forty;
+  - `tree_verify_input_triton` and `tree_commit_triton`: the v2 worker's verify input (tokens, positions, slots
+    and the mask, placed by the device's lengths and sized by a host bound) and its whole commit (the row segment
+    permuted in place, the step's outputs, the draft-KV plan), each one launch where the torch paths take about
+    fifteen and forty;
   - `row_logsumexp_triton` and `sampled_walk_triton`: a sampled walk of requests at the identity settings
     (`ddtree_sampling.tree_walk`) reads each verified node's row once for its log-sum-exp and walks the
     children's probabilities, instead of a float32 distribution per node and a chunked walk over them.
@@ -71,17 +72,28 @@ def tree_custom_mask_triton(tree_mask: torch.Tensor, prefix_lens_cpu: list[int])
 
 
 @triton.jit(do_not_specialize=["B"])
-def _tree_mask_bounded_kernel(
-    out_ptr,  # u8 flat, pre-filled with ones: per request N rows of (prefix + N) columns, requests back to back
+def _tree_verify_input_kernel(
+    mask_ptr,  # u8 flat, pre-filled with ones: per request N rows of (prefix + N) columns, requests back to back
+    tokens_ptr,  # i64 [B * N] out: the root (bonus), then the tree's tokens
+    positions_ptr,  # i64 [B * N] out: prefix + depth
+    loc_ptr,  # i64 [B * N] out: req_to_token[row, prefix + i]
     tree_mask_ptr,  # u8 [B, N, N]
+    token_ids_ptr,  # i64 [B, token_stride]: node i >= 1 has token i - 1
+    depths_ptr,  # i64 [B, N]
+    bonus_ptr,  # i64 [B]
     prefix_ptr,  # i64 [B]: the device's prefix lengths
+    pool_ptr,  # req_to_token (int32 or int64), rows `row_stride` apart
+    pool_rows_ptr,  # i64 [B]
     B,
+    row_stride,
+    token_stride,
     N: tl.constexpr,
     N_BLOCK: tl.constexpr,
     B_BLOCK: tl.constexpr,
 ):
-    # One program per (request, node) writes the node's N tree columns; the prefix columns are the fill's ones.
-    # Each request's start is summed here from the device lengths: no host copy of them, no plan launch.
+    # One program per (request, node): the node's N tree columns of the mask (the prefix columns are the fill's
+    # ones) and its token, position and slot. Each request's start in the mask is summed here from the device
+    # lengths: no host copy of them, no plan launch.
     b = tl.program_id(0)
     i = tl.program_id(1)
     offs_b = tl.arange(0, B_BLOCK)
@@ -90,22 +102,35 @@ def _tree_mask_bounded_kernel(
     prefix = tl.load(prefix_ptr + b)
     col = tl.arange(0, N_BLOCK)
     bits = tl.load(tree_mask_ptr + (b * N + i) * N + col, mask=col < N, other=0)
-    tl.store(out_ptr + start + i * (prefix + N) + prefix + col, bits.to(tl.uint8), mask=col < N)
+    tl.store(mask_ptr + start + i * (prefix + N) + prefix + col, bits.to(tl.uint8), mask=col < N)
+    token = tl.load(token_ids_ptr + b * token_stride + i - 1, mask=i > 0, other=0)
+    tl.store(tokens_ptr + b * N + i, tl.where(i == 0, tl.load(bonus_ptr + b), token))
+    tl.store(positions_ptr + b * N + i, prefix + tl.load(depths_ptr + b * N + i))
+    slot = tl.load(pool_ptr + tl.load(pool_rows_ptr + b) * row_stride + prefix + i)
+    tl.store(loc_ptr + b * N + i, slot.to(tl.int64))
 
 
-def tree_custom_mask_bounded_triton(tree_mask: torch.Tensor, prefix_lens: torch.Tensor, prefix_bound: int) -> torch.Tensor:
-    """Same contract as `ddtree_verify_step.tree_custom_mask_bounded`: the flat bool mask sized for the host's
-    `prefix_bound >= sum(prefix_lens)`, placed by the device's lengths; cells past the batch's own stay True."""
-    bs, n, _ = tree_mask.shape
-    device = tree_mask.device
-    out = torch.ones((int(prefix_bound) * n + bs * n * n,), dtype=torch.uint8, device=device)
+def tree_verify_input_triton(
+    tree, bonus_tokens: torch.Tensor, prefix_lens: torch.Tensor, req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor, prefix_bound: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same contract as `ddtree_verify_step.verify_input` (a row-major `req_to_token`): (tokens, positions, the
+    flat bool mask sized for the host's `prefix_bound`, out_cache_loc), in one launch after the mask's fill."""
+    bs, n, _ = tree.tree_mask.shape
+    device = tree.tree_mask.device
+    i64 = {"device": device, "dtype": torch.int64}
+    mask = torch.ones((int(prefix_bound) * n + bs * n * n,), dtype=torch.uint8, device=device)
+    tokens, positions, loc = (torch.empty((bs * n,), **i64) for _ in range(3))
     if bs and n:
-        bits = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask.to(torch.uint8)
-        _tree_mask_bounded_kernel[(bs, n)](
-            out, bits.contiguous(), prefix_lens.to(device=device, dtype=torch.int64).contiguous(), bs,
+        bits = tree.tree_mask.view(torch.uint8) if tree.tree_mask.dtype == torch.bool else tree.tree_mask.to(torch.uint8)
+        token_ids = tree.token_ids.to(torch.int64).contiguous()
+        _tree_verify_input_kernel[(bs, n)](
+            mask, tokens, positions, loc, bits.contiguous(), token_ids, tree.depths.to(**i64).contiguous(),
+            bonus_tokens.to(**i64).reshape(-1).contiguous(), prefix_lens.to(**i64).contiguous(), req_to_token,
+            req_pool_indices.to(**i64).contiguous(), bs, req_to_token.stride(0), token_ids.shape[1],
             N=n, N_BLOCK=triton.next_power_of_2(n), B_BLOCK=triton.next_power_of_2(bs),
         )
-    return out.view(torch.bool)
+    return tokens, positions, mask.view(torch.bool), loc
 
 
 @triton.jit

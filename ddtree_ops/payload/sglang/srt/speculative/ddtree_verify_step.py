@@ -65,20 +65,40 @@ def tree_custom_mask(tree_mask: torch.Tensor, prefix_lens: torch.Tensor, prefix_
     return _tree_custom_mask_torch(tree_mask, prefix_lens, sum(prefix_lens_cpu))
 
 
-def tree_custom_mask_bounded(tree_mask: torch.Tensor, prefix_lens: torch.Tensor, prefix_bound: int) -> torch.Tensor:
-    """`tree_custom_mask`'s layout with no host copy of the prefix lengths (the v2 worker's step): sized for a
-    host `prefix_bound >= sum(prefix_lens)`; cells past the batch's own are True and never read (the backend
-    indexes by the device lengths). On CUDA one kernel, placed by the device lengths."""
-    kernels = _fused(tree_mask)
-    if kernels is not None:
-        return kernels.tree_custom_mask_bounded_triton(tree_mask, prefix_lens, int(prefix_bound))
-    return _tree_custom_mask_torch(tree_mask, prefix_lens, int(prefix_bound))
+def verify_input(
+    tree: Any, bonus_tokens: torch.Tensor, prefix_lens: torch.Tensor, req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor, prefix_bound: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The v2 worker's verify input over each request's reserved row, with no host copy of the prefix lengths:
+    (tokens int64 `[bs * n]`: the root (the bonus) then the tree's tokens; positions int64 `[bs * n]`: prefix +
+    depth; the flat bool mask in `tree_custom_mask`'s layout, sized for a host `prefix_bound >= sum(prefix_lens)`,
+    cells past the batch's own True and never read (the backend indexes by the device lengths); out_cache_loc int64
+    `[bs * n]`: `req_to_token[row, prefix + i]`). On CUDA one kernel after the mask's fill."""
+    kernels = _fused(tree.parents)
+    if kernels is not None and req_to_token.stride(1) == 1:
+        return kernels.tree_verify_input_triton(tree, bonus_tokens, prefix_lens, req_to_token, req_pool_indices,
+                                                int(prefix_bound))
+    return _verify_input_torch(tree, bonus_tokens, prefix_lens, req_to_token, req_pool_indices, int(prefix_bound))
 
 
 def commit_kernel(t: torch.Tensor) -> Any:
     """The v2 commit's kernel for tensors like `t` (`ddtree_commit.commit_tree`'s `kernel`), or None: the torch path."""
     kernels = _fused(t)
     return None if kernels is None else kernels.tree_commit_triton
+
+
+def _verify_input_torch(
+    tree: Any, bonus_tokens: torch.Tensor, prefix_lens: torch.Tensor, req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor, prefix_bound: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    bs, n = tree.parents.shape
+    device = tree.parents.device
+    prefix = prefix_lens.to(device=device, dtype=torch.int64)
+    rows = req_pool_indices.to(device=device, dtype=torch.int64)[:, None].expand(-1, n)
+    cols = prefix[:, None] + torch.arange(n, device=device)
+    return (tree.full_token_ids(bonus_tokens.to(device)).reshape(-1), tree.positions(prefix).reshape(-1),
+            _tree_custom_mask_torch(tree.tree_mask, prefix, prefix_bound),
+            req_to_token[rows, cols].to(torch.int64).reshape(-1))
 
 
 def _tree_custom_mask_torch(tree_mask: torch.Tensor, prefix_lens: torch.Tensor, prefix_total: int) -> torch.Tensor:
@@ -181,7 +201,7 @@ def self_test(
     `ddtree_sampling.walk_node_probs`, the sampled walk's reference (its kernel and the log-sum-exp's are
     checked where it is given); `acceptance` is `ddtree_utils.acceptance_by_kind` (auto's acceptance kernel is
     checked against it where it is given); `commit` is `ddtree_commit.commit_tree`, given by the v2 worker: its
-    commit and bounded-mask kernels are checked against the torch path where it is given.
+    verify-input and commit kernels are checked against the torch path where it is given.
     None: they agree, or there are no kernels to test. Otherwise why not, and every later call takes
     the torch path: a server with a kernel this GPU or Triton gets wrong is slower, never wrong."""
     if _fused(torch.empty(0, device=device)) is None:
@@ -241,7 +261,7 @@ def _check_kernels_on(kernels: Any, tree: Any, kv_width: int, follow: Any, g: to
 
 def _check_v2_kernels_on(kernels: Any, tree: Any, accepted: torch.Tensor, commit: Any, g: torch.Generator,
                          where: str) -> None:
-    """The v2 worker's bounded mask and commit kernels against the torch path, on `accepted` (a walk of `tree`)
+    """The v2 worker's verify-input and commit kernels against the torch path, on `accepted` (a walk of `tree`)
     cut at random depths, over a pool whose rows are shuffled slots: the permuted pools must agree too."""
     bs, n = tree.parents.shape
     device = tree.parents.device
@@ -249,13 +269,14 @@ def _check_v2_kernels_on(kernels: Any, tree: Any, accepted: torch.Tensor, commit
     lengths = ((accepted >= 0).sum(1) - 1).cpu()
     lengths = torch.minimum(lengths, torch.randint(0, depth + 1, (bs,), generator=g)).to(device)
     prefix = torch.tensor([5, 0, 1000][:bs], device=device)
-    bound = int(prefix.sum()) + 7
-    got_mask = kernels.tree_custom_mask_bounded_triton(tree.tree_mask, prefix, bound)
-    if not torch.equal(got_mask, _tree_custom_mask_torch(tree.tree_mask, prefix, bound)):
-        raise AssertionError(f"bounded custom mask differs from the torch path at {where}")
     rows = torch.randperm(4, generator=g)[:bs].to(device)
     pool = torch.randperm(4 * (1000 + n + 3), generator=g).view(4, -1).to(device=device, dtype=torch.int32)
     bonus = torch.randint(0, 64, (bs,), generator=g).to(device)
+    bound = int(prefix.sum()) + 7
+    got = kernels.tree_verify_input_triton(tree, bonus, prefix, pool, rows, bound)
+    want = _verify_input_torch(tree, bonus, prefix, pool, rows, bound)
+    if not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)):
+        raise AssertionError(f"v2 verify input differs from the torch path at {where}")
     block = depth + 1 + int(torch.randint(0, 3, (1,), generator=g))  # v2's own block is depth + 1
     want_pool, got_pool = pool.clone(), pool.clone()
     want = commit(tree, accepted, lengths, bonus, want_pool, rows, prefix, block)
