@@ -391,7 +391,7 @@ def test_module_imports_only_torch() -> None:
     imports = {
         line.split()[1].split(".")[0] for line in text.splitlines() if line.startswith(("import ", "from "))
     }
-    assert imports <= {"__future__", "os", "sys", "dataclasses", "torch"}, imports
+    assert imports <= {"__future__", "os", "sys", "dataclasses", "typing", "torch"}, imports
 
 
 def sgl_verify_tree_greedy(

@@ -176,6 +176,29 @@ for case in range(cases):
         assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), (case, name)
     for name in ("hidden_rows", "positions", "cache_loc", "valid"):
         assert torch.equal(getattr(got.kv_plan, name).cpu(), getattr(want.kv_plan, name)), (case, name)
+# auto's smaller trees: the shrink kernel makes the torch path's tree, own width and padded to wider verify graphs
+for case in range(cases):
+    bs = rng.choice([1, 3, 33])
+    tree = t.random_case(rng, bs=bs, budgets=(12, 30) if bs > 3 else (12, 64, 256))[0]
+    n = tree.parents.shape[1]
+    budget = rng.randint(0, n - 2)
+    kw = rng.choice([dict(pad=False), dict(pad=True), dict(pad=True, pad_to=rng.randint(budget + 1, n))])
+    want = t.du.shrink_tree(tree, budget, **kw)
+    if device != "cpu":
+        tree = type(tree)(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(tree).items()})
+    kernel = t.vs.shrink_kernel(tree.parents)
+    assert kernel is vk.shrink_tree_triton
+    got = t.du.shrink_tree(tree, budget, kernel=kernel, **kw)
+    for (name, a), b in zip(vars(got).items(), vars(want).values(), strict=True):
+        assert (torch.equal(a.cpu(), b) and a.dtype == b.dtype) if isinstance(a, torch.Tensor) else a == b, (case, name)
+# a shrink kernel wrong only at a padded width is caught at start, on auto's smaller trees
+real_shrink = vk.shrink_tree_triton
+vk.shrink_tree_triton = lambda tree, keep, w, pad: (lambda f: (f[0], f[1], f[2] + (w > keep), *f[3:]))(real_shrink(tree, keep, w, pad))
+why = t.vs.self_test(torch.device(device), 12, 3, t.du.build_ddtree, t.du.follow_verified_tree, t.du.shrink_tree, smaller=(3,),
+                     pad_widths=(8,))
+assert why is not None and "shrunk tree differs" in why, why
+vk.shrink_tree_triton = real_shrink
+t.vs._KERNELS_OFF.clear()
 # a v2 commit kernel wrong only past a short commit is caught at start, and so is a wrong verify input
 real_v2 = vk.tree_commit_triton
 vk.tree_commit_triton = lambda *a: (lambda o, *rest: (o + (o == 0).to(o.dtype), *rest))(*real_v2(*a))

@@ -62,6 +62,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -537,7 +538,7 @@ def build_ddtree(
     return keep_top1_chain(tree, topv, topi) if keep_chain else tree
 
 
-def shrink_tree(tree: DDTree, budget: int, *, pad: bool, pad_to: int | None = None) -> DDTree:
+def shrink_tree(tree: DDTree, budget: int, *, pad: bool, pad_to: int | None = None, kernel: Any = None) -> DDTree:
     """The first ``budget`` non-root nodes of ``tree``; the rest become padding.
 
     Nodes are numbered in the best-first order, which does not depend on the budget, and parents
@@ -550,13 +551,18 @@ def shrink_tree(tree: DDTree, budget: int, *, pad: bool, pad_to: int | None = No
     ``pad=True``: the original width (or ``pad_to``, between ``1 + budget`` and it: a smaller verify
     graph's), the slots past ``1 + budget`` in the builder's padding form (the verify CUDA graphs' width,
     for a step that cannot afford the whole tree). Plain torch, elementwise, no host-device
-    synchronisation.
+    synchronisation; ``kernel`` (``ddtree_verify_step.shrink_kernel``'s answer: on CUDA
+    ``shrink_tree_triton``) makes the same tensors in one launch.
     """
     n = tree.parents.shape[1]
     keep = int(budget) + 1
     if keep >= n:
         return tree
     width = (n if pad_to is None else max(keep, min(n, int(pad_to)))) if pad else keep
+    budget_out = tree.budget if width == n else width - 1
+    if kernel is not None:
+        fields = kernel(tree, keep, width, PAD_TOKEN_ID)
+        return DDTree(*fields, budget=budget_out, max_depth=tree.max_depth)
     batch = tree.batch_size
     device = tree.parents.device
     slots = torch.arange(width, device=device)
@@ -580,7 +586,7 @@ def shrink_tree(tree: DDTree, budget: int, *, pad: bool, pad_to: int | None = No
         retrive_index=torch.arange(batch * width, device=device, dtype=torch.int64).view(batch, width),
         retrive_next_token=cut(tree.retrive_next_token),
         retrive_next_sibling=cut(tree.retrive_next_sibling),
-        budget=tree.budget if width == n else width - 1,
+        budget=budget_out,
         max_depth=tree.max_depth,
     )
 

@@ -114,6 +114,7 @@ from sglang.srt.speculative.ddtree_verify_step import (
     commit_kernel,
     kernels_in_use,
     self_test,
+    shrink_kernel,
     step_acceptance,
     verify_input,
 )
@@ -611,7 +612,9 @@ class DDTreeStepV2:
         vocab = int(lm_head.org_vocab_size) if sharded else int(lm_head.weight.shape[0])
         logits = draft_tree_logits(draft_hidden, lm_head, vocab, get_tp_group() if sharded else None)
         tree = build_ddtree(logits, self.tree_budget, self.tree_topk_cap, self.tree_keep_chain)
-        return tree if budget >= self.tree_budget else shrink_tree(tree, budget, pad=True, pad_to=width)
+        if budget >= self.tree_budget:
+            return tree
+        return shrink_tree(tree, budget, pad=True, pad_to=width, kernel=shrink_kernel(tree.parents))
 
     def _verify_width(self, budget: int, batch_size: int) -> int:
         """Tokens per request a tree of `budget` nodes verifies at this step: the largest tree's own width; else

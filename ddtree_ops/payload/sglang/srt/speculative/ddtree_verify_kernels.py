@@ -12,6 +12,8 @@ kernel here replaces one such sequence by one launch:
   - `commit_slots_triton`: from the accepted path and the host's commit lengths, the KV slots to keep
     (path order), the slots to free (row-major, as the torch reference frees them) and the verify
     rows whose hidden states feed the draft;
+  - `shrink_tree_triton`: a tree's first nodes, padded to a verify width (auto's smaller picks), one launch
+    where `ddtree_utils.shrink_tree` takes about seventeen;
   - `tree_verify_input_triton` and `tree_commit_triton`: the v2 worker's verify input (tokens, positions, slots
     and the mask, placed by the device's lengths and sized by a host bound) and its whole commit (the row segment
     permuted in place, the step's outputs, the draft-KV plan), each one launch where the torch paths take about
@@ -131,6 +133,71 @@ def tree_verify_input_triton(
             N=n, N_BLOCK=triton.next_power_of_2(n), B_BLOCK=triton.next_power_of_2(bs),
         )
     return tokens, positions, mask.view(torch.bool), loc
+
+
+@triton.jit(do_not_specialize=["keep"])
+def _shrink_kernel(
+    tokens_ptr, parents_ptr, depths_ptr, scores_ptr, ranks_ptr, next_token_ptr, next_sibling_ptr, mask_ptr,
+    num_nodes_ptr,  # the tree's fields: [B, N] (tokens [B, token_stride], mask [B, N, N] u8, num_nodes [B])
+    o_tokens_ptr, o_parents_ptr, o_depths_ptr, o_scores_ptr, o_ranks_ptr, o_next_token_ptr, o_next_sibling_ptr,
+    o_mask_ptr, o_num_nodes_ptr, o_retrive_ptr,  # out: the same at width W ([B, W - 1] tokens, [B, W, W] mask)
+    keep,
+    token_stride,
+    pad_token,
+    N: tl.constexpr,
+    W: tl.constexpr,
+    W_BLOCK: tl.constexpr,
+):
+    # One program per (request, slot) of the shrunk tree: slot i keeps its node while i < keep, else becomes
+    # the builder's padding (`ddtree_utils.shrink_tree`, the reference).
+    b = tl.program_id(0)
+    i = tl.program_id(1)
+    drop = i >= keep
+    src = b * N + i
+    dst = b * W + i
+    token = tl.load(tokens_ptr + b * token_stride + i - 1, mask=i > 0, other=0)
+    tl.store(o_tokens_ptr + b * (W - 1) + i - 1, tl.where(drop, pad_token, token), mask=i > 0)
+    tl.store(o_parents_ptr + dst, tl.where(drop, -1, tl.load(parents_ptr + src)))
+    tl.store(o_depths_ptr + dst, tl.where(drop, 0, tl.load(depths_ptr + src)))
+    tl.store(o_scores_ptr + dst, tl.where(drop, float("-inf"), tl.load(scores_ptr + src)))
+    tl.store(o_ranks_ptr + dst, tl.where(drop, -1, tl.load(ranks_ptr + src)))
+    tl.store(o_retrive_ptr + dst, dst.to(tl.int64))
+    # first children and next siblings have increasing indices: a link past the kept nodes is cut
+    link = tl.load(next_token_ptr + src)
+    tl.store(o_next_token_ptr + dst, tl.where(drop | (link >= keep), -1, link))
+    link = tl.load(next_sibling_ptr + src)
+    tl.store(o_next_sibling_ptr + dst, tl.where(drop | (link >= keep), -1, link))
+    col = tl.arange(0, W_BLOCK)
+    row = tl.load(mask_ptr + src * N + col, mask=col < W, other=0)
+    tl.store(o_mask_ptr + dst * W + col, tl.where(drop, col == i, row != 0).to(tl.uint8), mask=col < W)
+    if i == 0:
+        tl.store(o_num_nodes_ptr + b, tl.minimum(tl.load(num_nodes_ptr + b), keep))
+
+
+def shrink_tree_triton(tree, keep: int, width: int, pad_token: int) -> tuple[torch.Tensor, ...]:
+    """`ddtree_utils.shrink_tree`'s tensors in one launch (its `kernel`): the first `keep` slots of `tree` at
+    `width` slots per request. Returns (token_ids, parents, depths, num_nodes, tree_mask, scores, token_ranks,
+    retrive_index, retrive_next_token, retrive_next_sibling)."""
+    bs, n = tree.parents.shape
+    device = tree.parents.device
+    new = {"device": device, "dtype": torch.int64}
+    tokens = torch.empty((bs, width - 1), **new)
+    parents, depths, ranks, retrive, next_token, next_sibling = (torch.empty((bs, width), **new) for _ in range(6))
+    scores = torch.empty((bs, width), dtype=tree.scores.dtype, device=device)
+    mask = torch.empty((bs, width, width), dtype=torch.uint8, device=device)
+    num_nodes = torch.empty((bs,), dtype=tree.num_nodes.dtype, device=device)
+    if bs:
+        source = tree.token_ids.contiguous()
+        bits = tree.tree_mask.view(torch.uint8) if tree.tree_mask.dtype == torch.bool else tree.tree_mask.to(torch.uint8)
+        _shrink_kernel[(bs, width)](
+            source, tree.parents.contiguous(), tree.depths.contiguous(), tree.scores.contiguous(),
+            tree.token_ranks.contiguous(), tree.retrive_next_token.contiguous(),
+            tree.retrive_next_sibling.contiguous(), bits.contiguous(), tree.num_nodes.contiguous(),
+            tokens, parents, depths, scores, ranks, next_token, next_sibling, mask, num_nodes, retrive,
+            int(keep), source.shape[1], int(pad_token), N=n, W=width, W_BLOCK=triton.next_power_of_2(width),
+        )
+    return (tokens, parents, depths, num_nodes, mask.view(torch.bool), scores, ranks, retrive, next_token,
+            next_sibling)
 
 
 @triton.jit

@@ -81,6 +81,12 @@ def verify_input(
     return _verify_input_torch(tree, bonus_tokens, prefix_lens, req_to_token, req_pool_indices, int(prefix_bound))
 
 
+def shrink_kernel(t: torch.Tensor) -> Any:
+    """`ddtree_utils.shrink_tree`'s kernel for tensors like `t` (its `kernel`), or None: the torch path."""
+    kernels = _fused(t)
+    return None if kernels is None else kernels.shrink_tree_triton
+
+
 def commit_kernel(t: torch.Tensor) -> Any:
     """The v2 commit's kernel for tensors like `t` (`ddtree_commit.commit_tree`'s `kernel`), or None: the torch path."""
     kernels = _fused(t)
@@ -195,8 +201,9 @@ def self_test(
 ) -> str | None:
     """Run each kernel beside its torch function on random trees of this budget and depth on `device`,
     and on the first `b` nodes of them for every `b` in `smaller` (`shrink` is
-    `ddtree_utils.shrink_tree`), at their own width and padded to the full one (and to each of
-    `pad_widths` that holds them: auto's smaller verify graphs), as shrunk and padded steps verify them:
+    `ddtree_utils.shrink_tree`, its kernel checked on each), at their own width and padded to the full
+    one (and to each of `pad_widths` that holds them: auto's smaller verify graphs), as shrunk and padded
+    steps verify them:
     every width a step can take is compiled here, at start, not mid-serving. `walk` is
     `ddtree_sampling.walk_node_probs`, the sampled walk's reference (its kernel and the log-sum-exp's are
     checked where it is given); `acceptance` is `ddtree_utils.acceptance_by_kind` (auto's acceptance kernel is
@@ -211,9 +218,10 @@ def self_test(
     try:
         for bs in (1, 3):
             full = build(torch.randn((bs, depth, 64), generator=g).to(device), budget)
-            shapes = [(full, budget)] + [(shrink(full, b, pad=pad), b) for b in smaller for pad in (False, True)]
-            shapes += [(shrink(full, b, pad=True, pad_to=w), b) for b in (budget, *smaller) for w in pad_widths
-                       if b + 1 < w < budget + 1]
+            shapes = [(full, budget)] + [(_checked_shrink(kernels, shrink, full, b, pad=pad), b)
+                                         for b in smaller for pad in (False, True)]
+            shapes += [(_checked_shrink(kernels, shrink, full, b, pad=True, pad_to=w), b)
+                       for b in (budget, *smaller) for w in pad_widths if b + 1 < w < budget + 1]
             for tree, b in shapes:
                 where = f"batch {bs}, {b + 1} of {tree.parents.shape[1]} slots"
                 accepted = _check_kernels_on(kernels, tree, b + 1, follow, g, where)
@@ -257,6 +265,19 @@ def _check_kernels_on(kernels: Any, tree: Any, kv_width: int, follow: Any, g: to
         if not torch.equal(got, want):
             raise AssertionError(f"{name} differs from the torch path at {where}")
     return want_walk[0]
+
+
+def _checked_shrink(kernels: Any, shrink: Any, full: Any, budget: int, **kw: Any) -> Any:
+    """`shrink(full, budget, **kw)` (the torch path's tree, returned), after checking the shrink kernel makes the
+    same tree."""
+    want = shrink(full, budget, **kw)
+    if want is full:  # nothing cut: the kernel is not called
+        return want
+    got = shrink(full, budget, kernel=kernels.shrink_tree_triton, **kw)
+    if not all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+               for a, b in zip(vars(got).values(), vars(want).values(), strict=True)):
+        raise AssertionError(f"shrunk tree differs from the torch path at batch {full.batch_size}, budget {budget}, {kw}")
+    return want
 
 
 def _check_v2_kernels_on(kernels: Any, tree: Any, accepted: torch.Tensor, commit: Any, g: torch.Generator,

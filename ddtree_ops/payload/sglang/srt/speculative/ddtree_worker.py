@@ -104,6 +104,7 @@ from sglang.srt.speculative.ddtree_verify_step import (
     kernels_in_use,
     pack_walk,
     self_test,
+    shrink_kernel,
     step_acceptance,
     tree_custom_mask,
 )
@@ -689,7 +690,8 @@ class DDTreeController:
         tree = self.build_tree(draft_hidden, lm_head, built)
         n = shape.width
         if shape.budget < built:
-            tree = shrink_tree(tree, shape.budget, pad=n > shape.budget + 1, pad_to=n)
+            tree = shrink_tree(tree, shape.budget, pad=n > shape.budget + 1, pad_to=n,
+                               kernel=shrink_kernel(tree.parents))
         tokens = torch.empty((bs, n), dtype=torch.long, device=bonus_tokens.device)
         tokens[:, 0] = bonus_tokens.to(torch.long)
         # Padding slots (num_nodes < n) carry PAD_TOKEN_ID, depth 0 and a mask row of their own;
