@@ -93,9 +93,10 @@ print("untouched upstream files differing from RECORD:", len(bad), bad[:5])
 EOF
 ts "site extracted + bundle installed"
 # KERNEL_TESTS=1: the verify kernels' GPU test (every kernel against its torch path, bit for bit; mostly compiling,
-# on the CPU) beside whatever this call serves; needs pytest in .gpu/pytest_site (README)
+# on the CPU) beside whatever this call serves; needs pytest in .gpu/pytest_site (README). --noconftest: the suite's
+# conftest imports the control side's packages (paramiko), which the GPU site does not carry
 if [ "${KERNEL_TESTS:-0}" = 1 ] && [ -d .gpu/pytest_site ]; then
-  ( PYTHONPATH=/tmp/site:$PWD/.gpu/pytest_site timeout 400 python3 -m pytest -q -p no:cacheprovider \
+  ( PYTHONPATH=/tmp/site:$PWD/.gpu/pytest_site timeout 400 python3 -m pytest -q -p no:cacheprovider --noconftest \
       tests/test_ddtree_verify_step.py -k gpu > "$OUT/kernel_tests.log" 2>&1; echo "rc=$?" >> "$OUT/kernel_tests.log" ) &
 fi
 if [ "${HYBRID_KERNELS:-0}" = 1 ]; then  # issue 25, G1: SGLang's GDN verify kernels on DDTrees, compiled (HYBRID.md §4)
@@ -262,7 +263,7 @@ if [ "${GRAPHS:-0}" = 1 ]; then
   # the GPU checks below share the CPU with the servers' start-up: a speed-only call leaves them out
   [ "${PERF_ONLY:-0}" = 1 ] || ( python3 $HERE/sampling_kernels_check.py walk > "$OUT/sampling_kernels_check.log" 2>&1; echo "rc=$?" >> "$OUT/sampling_kernels_check.log"
     # the builder's Triton-vs-torch tests (skipped on CPU CI), with pytest carried in .gpu/pytest_site
-    if [ -d .gpu/pytest_site ]; then PYTHONPATH=/tmp/site:$PWD/.gpu/pytest_site timeout 240 python3 -m pytest -q -p no:cacheprovider \
+    if [ -d .gpu/pytest_site ]; then PYTHONPATH=/tmp/site:$PWD/.gpu/pytest_site timeout 240 python3 -m pytest -q -p no:cacheprovider --noconftest \
       tests/test_ddtree_triton.py tests/test_ddtree_verify_step.py > "$OUT/triton_tests.log" 2>&1; echo "rc=$?" >> "$OUT/triton_tests.log"; fi ) &
   SKC_PID=$!
 fi
@@ -339,7 +340,7 @@ if [ "${LIMITS:-0}" = 1 ]; then
   if [ -z "$OLD_BUNDLE" ]; then VARIANTS=("${VARIANTS[@]/*_old|*}"); fi
   rm -rf /tmp/site_pristine && mkdir -p /tmp/site_pristine && tar -C /tmp/site_pristine -xJf "$SITE_TAR"
   ( python3 $HERE/sampling_kernels_check.py walk > "$OUT/sampling_kernels_check.log" 2>&1; echo "rc=$?" >> "$OUT/sampling_kernels_check.log"
-    if [ -d .gpu/pytest_site ]; then PYTHONPATH=/tmp/site:$PWD/.gpu/pytest_site timeout 240 python3 -m pytest -q -p no:cacheprovider \
+    if [ -d .gpu/pytest_site ]; then PYTHONPATH=/tmp/site:$PWD/.gpu/pytest_site timeout 240 python3 -m pytest -q -p no:cacheprovider --noconftest \
       tests/test_ddtree_triton.py tests/test_ddtree_verify_step.py > "$OUT/triton_tests.log" 2>&1; echo "rc=$?" >> "$OUT/triton_tests.log"; fi ) &
   SKC_PID=$!
 fi
