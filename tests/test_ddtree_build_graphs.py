@@ -13,6 +13,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -97,6 +98,41 @@ def test_the_tree_is_the_graph_outputs_so_the_next_replay_overwrites_it():
     second = graphs.run(torch.randn(3, DEPTH, HIDDEN))
     assert first.token_ids.data_ptr() == second.token_ids.data_ptr()
     assert not torch.equal(kept, first.token_ids)
+
+
+def test_capture_build_sets_captures_where_both_workers_may_and_falls_back_to_eager(monkeypatch, caplog):
+    """The one capture both workers call: a set per budget, largest first in one pool, only on one CUDA device with
+    verify graphs and the switch on; a capture that raises leaves every build eager (None) with a warning."""
+    head = SimpleNamespace(weight=_exact(VOCAB, HIDDEN))
+    builds = {budget: _build_fn(head.weight, budget, None, False) for budget in (3, 9)}
+    captured: list = []
+
+    def capture(build, buckets, *, depth, hidden, dtype, device, pool):  # a CUDA graph's contract, on CPU
+        captured.append((hidden, pool))
+        return bg.DDTreeBuildGraphs(build, buckets, depth=depth, hidden=hidden, dtype=dtype, device="cpu",
+                                    new_graph=RerunGraph)
+
+    monkeypatch.setattr(bg, "capture_build_graphs", capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    kw = {"depth": DEPTH, "dtype": torch.float32, "device": "cuda:0", "tp_size": 1}
+    sets = bg.capture_build_sets(builds, [4, 1], head, **kw)
+    assert sorted(sets) == [3, 9] and sets[9].sizes == [1, 4] and captured == [(HIDDEN, "pool")] * 2
+    tail = _exact(3, DEPTH, HIDDEN)
+    _assert_same_tree(sets[3].run(tail), builds[3](tail), "budget 3")
+    for args, change in (((builds, [], head), {}), ((builds, [4], None), {}), ((builds, [4], head), {"device": "cpu"}),
+                         ((builds, [4], head), {"tp_size": 2})):
+        assert bg.capture_build_sets(*args, **{**kw, **change}) is None
+    monkeypatch.setattr(bg, "BUILD_GRAPHS", False)
+    assert bg.capture_build_sets(builds, [4], head, **kw) is None
+    monkeypatch.setattr(bg, "BUILD_GRAPHS", True)
+
+    def fails(*a, **k):
+        raise RuntimeError("capture failed (stand-in)")
+
+    monkeypatch.setattr(bg, "capture_build_graphs", fails)
+    with caplog.at_level("WARNING"):
+        assert bg.capture_build_sets(builds, [4], head, **kw) is None
+    assert "builds run eagerly" in caplog.text and "capture failed (stand-in)" in caplog.text
 
 
 def test_slice_tree_keeps_the_first_rows_and_the_ints():

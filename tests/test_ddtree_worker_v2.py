@@ -104,9 +104,7 @@ def test_create_worker_picks_the_tree_worker_only_in_full_mode(base_site: Path, 
 def test_out_of_scope_settings_are_refused_naming_the_flag(observed: dict, base: str) -> None:
     r = observed["refusals"]
     assert r["good"] is None
-    # auto (test_auto_*) is served only under its proof's switch until a GPU has run it
-    assert "--speculative-ddtree-budget auto on v2 has not passed its GPU proof" in r["auto"]
-    assert r["auto under switch"] is None
+    assert r["auto"] is None  # served without a switch since its GPU proof on 0.5.17 (test_auto_*: how)
     for name, words in {"overlap": "--disable-overlap-schedule",
                         "flashinfer": "--attention-backend triton", "backend unset": "--attention-backend triton",
                         "decode fa3": "--decode-attention-backend fa3", "page": "--page-size 1",
@@ -126,7 +124,7 @@ def test_out_of_scope_settings_are_refused_naming_the_flag(observed: dict, base:
         assert switch in r[case] and "SGLANG_ENABLE_SPLITKV_VERIFY=0" in r[case], (case, r[case])
     assert r["chain-only switches upstream sets"] == (["use_verify_splitkv", "use_verify_shared_kv"]
                                                        if base == "0.5.23" else ["use_verify_splitkv"])
-    assert f"SGLang {base}'s v2 worker" in r["auto"]
+    assert f"SGLang {base}'s v2 worker" in r["overlap"]  # a refusal names the base it was made on
     assert r["head bf16"] is None and r["head fp32"] is None
     for case, words in {"head fp8": "stored as torch.float8_e4m3fn", "head int8": "stored as torch.int8",
                         "head vector": "no weight matrix", "head qweight only": "no weight matrix",
@@ -314,7 +312,8 @@ def test_auto_tree_picks_emit_plain_greedy_tokens(observed: dict, base: str) -> 
     """Auto's tree picks run the tree step on the verify-graph ladder the worker captured at start (widths 4 and 8:
     the smaller candidate's and SGLang's own), each tree at the smallest captured width that holds it, on that width's
     runner for the verify and only for it, and emit plain greedy decoding's tokens; its chain picks emit the stubbed
-    linear step's, on SGLang's own set (never the block-width tree graph, whose mask buffer holds the last tree)."""
+    linear step's, on SGLang's own set (never the block-width tree graph, whose mask buffer holds the last tree). Every
+    tree is the largest one's build replayed from its build graph (a CUDA graph's contract on CPU, `RerunGraph`)."""
     run = observed["auto"]
     assert run["started"]  # AutoBudget made by the worker's own init_cuda_graphs
     assert run["ladder"] == {"widths": [4, 8], "sglang_set_kept": True, "captured": {"4": 4, "8": 8}}
@@ -334,6 +333,9 @@ def test_auto_tree_picks_emit_plain_greedy_tokens(observed: dict, base: str) -> 
     assert all(step["untouched"] and step["runner_restored"] for step in run["steps"] if step.get("chain"))
     assert run["chain_runner_widths"] and set(run["chain_runner_widths"]) == {8}
     assert any("verify graphs at widths [4, 8] captured" in line for line in run["log"]), run["log"]
+    # every tree above was built by replaying the largest tree's build graph of its batch (3 requests: bucket 4)
+    assert run["build_graphs"] == {"bs": [1, 2, 4, 8, 16], "steps": len(trees) + len(run["held"]) + len(run["padded"])}
+    assert any("build graphs captured for budgets [7] at bs [1, 2, 4, 8, 16]" in line for line in run["log"])
     assert any("each tree verifies on the graphs of the smallest of widths [4, 8]" in line for line in run["log"])
     # the kernels' start-up check covers auto's smaller tree, own width and padded to each candidate width (as v1's),
     # and the v2 commit's and bounded mask's kernels against the torch commit

@@ -98,7 +98,7 @@ TP=${T1:+1}; TP=${TP:-0.95}; TT=${T1:-0.8}
 LIVE=; [ "${LIMITS_LIVE:-0}" = 1 ] && LIVE=1
 has p_dflash && { ( work p_dflash penalties; work p_dflash mix; [ -z "$LIVE" ] || live p_dflash --liveness ) & JOBS+=($!); }
 has p_full64 && { ( work p_full64 penalties; work p_full64 mix; samples p_full64 $TT $TP; [ -z "$LIVE" ] || live p_full64 --liveness ) & JOBS+=($!); }
-has p_auto && { ( work p_auto penalties; work p_auto mix; samples p_auto $TT $TP ) & JOBS+=($!); }
+has p_auto && { ( work p_auto penalties; work p_auto mix; samples p_auto $TT $TP; [ -z "$LIVE" ] || live p_auto --liveness ) & JOBS+=($!); }
 has p_plain && { ( samples p_plain $TT $TP ) & JOBS+=($!); }
 has p_full64_bias && { ( samples p_full64_bias $TT $TP ) & JOBS+=($!); }
 # upstream's DFLASH also takes p's mix when served with the full list's p set (LIMITS_SET=p keeps it to the penalties)
@@ -158,7 +158,7 @@ MIXC=(python3 $HERE/production_mix.py compare "$OUT")
     "${PROOF[@]}" compare "$OUT" --plain p_plain_t$TT --cand p_full64_t$TT \
       $(has p_full64_bias && echo --biased p_full64_bias_t$TT); echo "rc=$?"
     has p_auto && { "${PROOF[@]}" compare "$OUT" --plain p_plain_t$TT --cand p_auto_t$TT; echo "rc=$?"; }
-    [ -n "$LIVE" ] && { echo "--- liveness (8 sampled + 8 greedy, 20 rounds)"; "${PROOF[@]}" compare "$OUT" --plain p_plain_t$TT --liveness $(served p_dflash p_full64); echo "rc=$?"; }
+    [ -n "$LIVE" ] && { echo "--- liveness (8 sampled + 8 greedy, 20 rounds)"; "${PROOF[@]}" compare "$OUT" --plain p_plain_t$TT --liveness $(served p_dflash p_full64 p_auto); echo "rc=$?"; }
   fi
   if has h_plain; then  # LIMITS_SET=h / hd: the hybrids; on the MoE pair what the margin rule leaves goes to the float32 oracle
     echo "--- hybrid ($LIMITS_SET): production mix (context 1024, graphs on up to 32)"

@@ -51,8 +51,8 @@
 #   full graph batches at the context limit (1024 and 4096), penalties,
 #   samples at T 1 / top_p 1, the logprob probe, the production mix; upstream DFLASH (and, with
 #   dist/old/, the previous payload's full 64) on the limits workload, expected to crash. LEAK_PROBE=1 (with LIMITS=1):
-#   instead, leak_probe.py on every server (one request kind at a time, each followed by an idle check). LIMITS_LIVE=1: p_dflash and
-#   p_full64 also run graphs_proof.py's liveness rounds (issue 26 asks them of each base).
+#   instead, leak_probe.py on every server (one request kind at a time, each followed by an idle check). LIMITS_LIVE=1: p_dflash,
+#   p_full64 and p_auto also run graphs_proof.py's liveness rounds (issue 26 asks them of each base).
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 source "$HERE/device_env.sh"
@@ -70,8 +70,6 @@ export PYTHONPATH=/tmp/site
 # The bundle of the carried site's base: site312-<base>.tar.xz takes ddtree-payload-*-sglang<base>.tar.gz, the
 # default site the 0.5.13.post1 bundle (no -sglang suffix), whatever else dist holds.
 SITE_BASE=$(basename "$SITE_TAR" .tar.xz); SITE_BASE=${SITE_BASE#site312}; SITE_BASE=${SITE_BASE#-}
-# a v2 base serves auto only under its proof switch (ddtree_args.TEST_V2_AUTO) until a GPU run has proven it
-V2AUTO=; [ -n "$SITE_BASE" ] && V2AUTO=" V2AUTO"
 pick_bundle() { ls "$1"/ddtree-payload-*.tar.gz 2>/dev/null | grep -E -- "${SITE_BASE:+-sglang$SITE_BASE}\.tar\.gz\$" \
   | { [ -n "$SITE_BASE" ] && cat || grep -v -- -sglang; } | head -1; }
 BUNDLE=$(pick_bundle dist)
@@ -251,10 +249,10 @@ if [ "${GRAPHS:-0}" = 1 ]; then
     "r_full16|/tmp/tiny_r|$FULL 16" "r_full64|/tmp/tiny_r|$FULL 64" "r_full256|/tmp/tiny_r|$FULL 256"
     "r_full64_cycle|/tmp/tiny_r|$FULL 64 CYCLE"
     # issue 24: --speculative-ddtree-budget auto (graph ladder, per-step budget), served with ONLY=... when wanted
-    "p_auto|/tmp/tiny_p|$FULL auto --speculative-ddtree-budget-max 127$V2AUTO" "r_auto|/tmp/tiny_r|$FULL auto --speculative-ddtree-budget-max 127$V2AUTO"
+    "p_auto|/tmp/tiny_p|$FULL auto --speculative-ddtree-budget-max 127" "r_auto|/tmp/tiny_r|$FULL auto --speculative-ddtree-budget-max 127"
     # a fault on auto's mix, told apart: the same flags again (does it repeat?) and the fixed budget of
     # auto's warm-up (every step a 128-wide tree: a width's bf16 rounding, or auto's switching?)
-    "p_auto_twin|/tmp/tiny_p|$FULL auto --speculative-ddtree-budget-max 127$V2AUTO" "p_full127|/tmp/tiny_p|$FULL 127"
+    "p_auto_twin|/tmp/tiny_p|$FULL auto --speculative-ddtree-budget-max 127" "p_full127|/tmp/tiny_p|$FULL 127"
   )
   # Both sets no longer fit one 600 s call: GRAPHS_SET=p serves the p set (mix, samples, liveness,
   # speed), GRAPHS_SET=r the r set (mix, liveness, upstream's stall).
@@ -286,9 +284,9 @@ if [ "${LIMITS:-0}" = 1 ]; then
     "r_full64_eager|/tmp/tiny_r|$FULL 64 EAGER"  # (served with ONLY=...) a graph fault told from a tree-step fault
     "p_dflash_pristine|/tmp/tiny_p|DF PRISTINE"  # (served with ONLY=...) upstream's DFLASH on p's mix and penalties
     # issue 24: --speculative-ddtree-budget auto at the limits (its ladder up to each set's largest fixed budget)
-    "r_auto|/tmp/tiny_r|$FULL auto --speculative-ddtree-budget-max 255$V2AUTO"
-    "q_auto|/tmp/tiny_r|$FULL auto --speculative-ddtree-budget-max 511 CTX4K$V2AUTO"
-    "p_auto|/tmp/tiny_p|$FULL auto --speculative-ddtree-budget-max 127$V2AUTO"
+    "r_auto|/tmp/tiny_r|$FULL auto --speculative-ddtree-budget-max 255"
+    "q_auto|/tmp/tiny_r|$FULL auto --speculative-ddtree-budget-max 511 CTX4K"
+    "p_auto|/tmp/tiny_p|$FULL auto --speculative-ddtree-budget-max 127"
   )
   # r_full64_eager and p_dflash_pristine only when named: 18 servers starting together on a cold machine missed a
   # 510 s budget (2026-12-05)
@@ -375,7 +373,7 @@ if [ "${AUTO:-0}" = 1 ]; then
   for set in p s; do
     m=/tmp/pair; [ $set = s ] && m=/tmp/shell
     prof=; [ "${AUTO_PROFILE:-0}" = 1 ] && prof=" PROF"
-    VARIANTS+=("${set}_plain|$m|" "${set}_dflash|$m|DF" "${set}_auto|$m|$FULL auto --speculative-ddtree-budget-max ${AUTO_MAX:-127}$prof$V2AUTO")
+    VARIANTS+=("${set}_plain|$m|" "${set}_dflash|$m|DF" "${set}_auto|$m|$FULL auto --speculative-ddtree-budget-max ${AUTO_MAX:-127}$prof")
     for b in ${AUTO_FIXED:-16 32 64 128}; do VARIANTS+=("${set}_full$b|$m|$FULL $b$prof"); done
   done
 fi
@@ -418,7 +416,6 @@ launch() {  # TAG MODEL_DIR EXTRA...
       CTX4K) args+=(--context-length 4096 --cuda-graph-max-bs 8) ;;  # LIMITS: the second context length (after COMMON's)
       EVERY1) envs+=(SGLANG_DDTREE_SHADOW_EVERY=1) ;;  # shadow builds on every step, not one in 4: the build's cost x4
       AUDIT) audit=1 ;;  # state_audit/sitecustomize.py: the recurrent-state pool fingerprinted around every step
-      V2AUTO) envs+=(SGLANG_DDTREE_TEST_V2_AUTO=1 SGLANG_DDTREE_ALLOW_TEST_SWITCHES=1) ;;  # auto on a v2 base (its proof switch)
       EAGER) args+=(--disable-cuda-graph) ;;
       NOOVERLAP) args+=(--disable-overlap-schedule) ;;
       TP2) args+=(--tp-size 2 --nccl-port $(( PORT[$tag] + 5 )) "${TP2_EXTRA_ARGS[@]}")

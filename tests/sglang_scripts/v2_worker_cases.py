@@ -42,9 +42,11 @@ import penalty_oracle as po  # beside this script
 import sglang.srt.speculative.spec_utils as spec_utils
 import torch
 import v2_runner_stand_in as stand_in  # beside this script
+from graph_stand_in import RerunGraph  # beside this script
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.plugins import load_plugins
+from sglang.srt.speculative import ddtree_build_graphs as bg
 from sglang.srt.speculative import ddtree_penalties as dp
 from sglang.srt.speculative import ddtree_v2_args as v2args
 from sglang.srt.speculative import ddtree_v2_penalties as vp
@@ -52,7 +54,7 @@ from sglang.srt.speculative import ddtree_v2_seams as seams
 from sglang.srt.speculative import ddtree_v2_step as s
 from sglang.srt.speculative import ddtree_verify_graphs as vg
 from sglang.srt.speculative import ddtree_worker_v2 as w
-from sglang.srt.speculative.ddtree_args import TEST_V2_AUTO, TEST_V2_TP
+from sglang.srt.speculative.ddtree_args import TEST_V2_TP
 from sglang.srt.speculative.ddtree_stats import DDTreeStats
 from sglang.srt.speculative.ddtree_utils import build_ddtree
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
@@ -259,11 +261,6 @@ def refusals() -> dict:
         out["pp under switch"] = w.v2_refusal(SimpleNamespace(**{**GOOD, **cases["pp"]}))
     finally:
         del os.environ[TEST_V2_TP]
-    os.environ[TEST_V2_AUTO] = "1"  # the auto proof's servers
-    try:
-        out["auto under switch"] = w.v2_refusal(SimpleNamespace(**{**GOOD, **cases["auto"]}))
-    finally:
-        del os.environ[TEST_V2_AUTO]
     out["hybrid"] = w.v2_refusal(SimpleNamespace(**GOOD), hybrid=True)
     out["simulated"] = w.v2_refusal(SimpleNamespace(**GOOD), simulate_acc_len=3)
     # the worker refuses before upstream builds anything (its __init__ would need a GPU and models)
@@ -901,11 +898,7 @@ AUTO_STEPS = 80
 
 def auto_worker(budget_max: int) -> w.DDTreeWorkerV2:
     """A tree worker with `--speculative-ddtree-budget auto` of largest budget `budget_max` (its `__init__`)."""
-    os.environ[TEST_V2_AUTO] = "1"  # the auto proof's servers only, until a GPU has run it
-    try:
-        return tree_worker(speculative_ddtree_budget="auto", speculative_ddtree_budget_max=budget_max)
-    finally:
-        del os.environ[TEST_V2_AUTO]
+    return tree_worker(speculative_ddtree_budget="auto", speculative_ddtree_budget_max=budget_max)
 
 
 def graph_target() -> SimpleNamespace:
@@ -954,10 +947,18 @@ def start_graphs(worker: w.DDTreeWorkerV2, target: SimpleNamespace, fail_at: int
 
     kernels = (mock.patch.object(s, "self_test", self_test), mock.patch.object(s, "kernels_in_use", lambda d: False))
     get_spec = mock.patch.object(spec_utils, "get_spec", lambda: target.server_args, create=True)
+
+    def capture_builds(build, buckets, *, depth, hidden, dtype, device, pool):  # a CUDA graph's contract, on CPU
+        return bg.DDTreeBuildGraphs(build, buckets, depth=depth, hidden=hidden, dtype=dtype, device="cpu",
+                                    new_graph=RerunGraph)
+
+    builds = (mock.patch.object(bg, "capture_build_graphs", capture_builds),
+              mock.patch.object(torch.cuda, "graph_pool_handle", lambda: None))
     try:
         graphs = sglang_graphs(worker, target, fail_at)
         seams.activate(seams.SeamSettings(block_size=BLOCK, verify_width=worker.tree_budget + 1))
-        with get_spec, mock.patch.object(vg, "_replay_seconds", stand_in.replay_seconds), kernels[0], kernels[1]:
+        with (get_spec, mock.patch.object(vg, "_replay_seconds", stand_in.replay_seconds), kernels[0], kernels[1],
+              builds[0], builds[1]):
             logged = capture_log(lambda: worker.init_cuda_graphs())
     finally:
         DFlashWorkerV2.init_cuda_graphs = real_graphs
@@ -1028,6 +1029,8 @@ def auto_run(fail_at: int | None = None, steps: int = AUTO_STEPS) -> dict:
         "smaller": smaller.budget,
         "linear_calls": linear_calls,
         "chain_runner_widths": chain_runner_widths,
+        "build_graphs": {"bs": None if worker._build_graphs is None else worker._build_graphs.sizes,
+                         "steps": worker.ddtree_stats.build_graph_steps},
         "fallback_lens": linear,
         "state": scheduler_state(worker),
     }
@@ -1115,15 +1118,17 @@ def capture_log(fn) -> list[str]:
         def emit(self, record: logging.LogRecord) -> None:
             records.append(f"{record.levelname}: {record.getMessage()}")
 
-    log = logging.getLogger(s.__name__)
-    handler, level = Keep(), log.level
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
+    handler = Keep()
+    logs = [(log, log.level) for log in map(logging.getLogger, (s.__name__, bg.__name__))]  # the step's, the builds'
+    for log, _ in logs:
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
     try:
         fn()
     finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
+        for log, level in logs:
+            log.removeHandler(handler)
+            log.setLevel(level)
     return records
 
 

@@ -54,11 +54,8 @@ TEST_V2_TREE = "SGLANG_DDTREE_TEST_V2_TREE"
 # TEST_V2_TP serves the v2 tree step with --tp-size > 1 (its draft logits are gathered over the vocab shards as v1's;
 # no GPU proof across ranks yet): the proof's own TP servers, nothing else (ddtree_v2_step.settings_refusal).
 TEST_V2_TP = "SGLANG_DDTREE_TEST_V2_TP"
-# TEST_V2_AUTO serves --speculative-ddtree-budget auto on the v2 tree step (CPU-tested, never run on a GPU): the
-# proof's own servers, nothing else (ddtree_v2_step.settings_refusal).
-TEST_V2_AUTO = "SGLANG_DDTREE_TEST_V2_AUTO"
 TEST_SWITCHES = ("SGLANG_DDTREE_TEST_BIASED_WALK", "SGLANG_DDTREE_TEST_CYCLE_BUDGETS", TEST_UNPROVEN_HYBRID,
-                 TEST_V2_TREE, TEST_V2_TP, TEST_V2_AUTO)
+                 TEST_V2_TREE, TEST_V2_TP)
 # A deliberately wrong recurrent-state commit on hybrid targets (the hybrid proof's power check):
 # "deepest" commits each tree's deepest node, "chain" DFLASH's `commit_len - 1`, "skip" nothing.
 TEST_MAMBA_COMMIT = "SGLANG_DDTREE_TEST_MAMBA_COMMIT"

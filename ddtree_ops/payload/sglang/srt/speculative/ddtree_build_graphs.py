@@ -15,8 +15,8 @@ Outputs live in the graphs' memory pool and are overwritten by the next replay o
 worker uses a step's tree within that step, before the next build.
 
 A step that affords fewer nodes keeps the first ones of this build (`ddtree_utils.shrink_tree`). With
-`--speculative-ddtree-budget auto` one set is captured per candidate budget, so a step builds the tree of
-the budget it picked.
+`--speculative-ddtree-budget auto` v1 captures one set per candidate budget, so a step builds the tree of
+the budget it picked; the v2 tree step builds the largest and keeps the pick's first nodes.
 
 Not captured, eager as before:
 - batches above the largest bucket;
@@ -28,13 +28,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import time
 from bisect import bisect_left
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
 
 logger = logging.getLogger(__name__)
+
+# SGLANG_DDTREE_BUILD_GRAPHS=0 builds every tree eagerly (captured by default wherever the target verify runs
+# on CUDA graphs, one device).
+BUILD_GRAPHS = os.environ.get("SGLANG_DDTREE_BUILD_GRAPHS", "1") != "0"
 
 
 class BuildGraph(Protocol):
@@ -155,3 +161,36 @@ def capture_build_graphs(
         build, buckets, depth=depth, hidden=hidden, dtype=dtype, device=device,
         new_graph=lambda: CudaBuildGraph(pool),
     )
+
+
+def capture_build_sets(
+    builds: dict[int, Callable[[torch.Tensor], Any]],
+    buckets: Sequence[int],
+    lm_head: Any,
+    *,
+    depth: int,
+    dtype: torch.dtype,
+    device: Any,
+    tp_size: int,
+) -> dict[int, DDTreeBuildGraphs] | None:
+    """Both workers' builds captured at the target verify graphs' batch sizes (`buckets`), one set per budget of
+    `builds` (budget -> the eager build of draft hidden states after the bonus [bs, depth, hidden], hidden the
+    LM head's input), largest first in one memory pool; None (every build eager) without verify graphs, off CUDA,
+    with TP > 1 (the vocab gather is a collective), or when a capture fails: a slower build, never a server that
+    does not start."""
+    if not BUILD_GRAPHS or not buckets or lm_head is None or int(tp_size) != 1 or not str(device).startswith("cuda"):
+        return None
+    t0 = time.perf_counter()
+    try:
+        pool = torch.cuda.graph_pool_handle()
+        graphs = {
+            budget: capture_build_graphs(builds[budget], list(buckets), depth=depth, hidden=int(lm_head.weight.shape[1]),
+                                         dtype=dtype, device=device, pool=pool)
+            for budget in sorted(builds, reverse=True)  # largest first: the others reuse its pool
+        }
+    except Exception as e:  # noqa: BLE001 - any capture failure leaves the eager build
+        logger.warning("DDTree: tree-build CUDA graphs not captured (%s: %s); builds run eagerly", type(e).__name__, e)
+        return None
+    logger.info("DDTree build graphs captured for budgets %s at bs %s in %.2f s", sorted(graphs),
+                next(iter(graphs.values())).sizes, time.perf_counter() - t0)
+    return graphs

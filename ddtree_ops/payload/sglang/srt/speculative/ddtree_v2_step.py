@@ -36,8 +36,9 @@ With `SGLANG_DDTREE_PROFILE=1` the step marks v1's phases (`ddtree_profile`, `/s
 4's forward, `walked` after 5 and the path's hidden rows (before 6's draft-KV write), `step_done` after 6.
 
 `--speculative-ddtree-budget auto` (`ddtree_auto_budget.AutoBudget`, v1's chooser, candidates and batch buckets;
-first run on a GPU 2026-12-07, an H100 on 0.5.17: its ladder, greedy identity on the pair, the limits workload; not
-yet the H200 proof, so served only under the proof switch `SGLANG_DDTREE_TEST_V2_AUTO=1`, `settings_refusal`):
+served without a switch since 0.8.26: on an H100 on 0.5.17 its ladder captured, the pair's greedy outputs, the production
+mix, the limits workload and the penalties matched plain's up to ties, its samples at T 1 plain's law, and its liveness
+rounds passed, bench/RESULTS.md):
 each decode step asks `choose(bs, step)` with `step` the stats' step counter (every TP rank counts the same steps).
 The chain is upstream's linear DFLASH step itself (`ddtree_forward` hands the batch on, as for its fallbacks: eager,
 SGLang's own verify graphs being captured at the largest tree's width). At start, after the target's graphs and
@@ -90,6 +91,7 @@ from sglang.srt.speculative.ddtree_auto_budget import (
     tree_observation,
     verify_widths,
 )
+from sglang.srt.speculative.ddtree_build_graphs import DDTreeBuildGraphs, capture_build_sets
 from sglang.srt.speculative.ddtree_commit import commit_tree
 from sglang.srt.speculative.ddtree_metrics import AutoMetrics
 from sglang.srt.speculative.ddtree_profile import StepProfile, maybe_profile
@@ -137,10 +139,6 @@ class DDTreeV2Refused(_args.DDTreeConfigError):
 def settings_refusal(server_args: Any, full: str) -> str | None:
     """The refusals every base's tree step shares (the flag named), or None; `full` opens the message
     (`--speculative-ddtree-mode full on SGLang <base>'s v2 worker (first version)`)."""
-    if _args.is_auto(getattr(server_args, "speculative_ddtree_budget", None)) and not _args.test_switch(
-            _args.TEST_V2_AUTO):  # the auto proof's own servers run under the switch
-        return (f"{full} takes a fixed {_args.FLAG_BUDGET}: {_args.FLAG_BUDGET} auto on v2 has not passed its GPU "
-                f"proof yet (v1, SGLang 0.5.13.post1, serves it).")
     if not getattr(server_args, "disable_overlap_schedule", False):
         return f"{full} needs --disable-overlap-schedule: the overlap scheduler is not supported yet."
     for flag in ("attention_backend", "decode_attention_backend", "prefill_attention_backend"):
@@ -235,7 +233,11 @@ def tree_verify_input(
 def draft_tree_logits(draft_hidden: torch.Tensor, lm_head: Any, vocab: int, tp_group: Any) -> torch.Tensor:
     """`[bs, block - 1, vocab]` logits of draft positions 1 .. block - 1 (position 0 is the bonus) under the
     target's LM head, gathered over its vocab shards (v1's `DDTreeController.draft_logits`: the same function)."""
-    tail = draft_hidden[:, 1:, :]
+    return tail_tree_logits(draft_hidden[:, 1:, :], lm_head, vocab, tp_group)
+
+
+def tail_tree_logits(tail: torch.Tensor, lm_head: Any, vocab: int, tp_group: Any) -> torch.Tensor:
+    """`draft_tree_logits` of the draft hidden states after the bonus, `tail` `[bs, block - 1, hidden]`."""
     bs, depth = int(tail.shape[0]), int(tail.shape[1])
     return vocab_logits(tail.reshape(bs * depth, -1), lm_head, vocab, tp_group).view(bs, depth, -1)
 
@@ -290,6 +292,9 @@ class DDTreeStepV2:
     # auto's verify graphs by width (`_capture_verify_ladder`); None: SGLang's one set (or none), as a fixed budget
     _verify_ladder: VerifyGraphLadder | None = None
     _step_width = 0  # the last tree step's verify tokens per request (auto prices the step at it)
+    # the largest tree's build replayed from CUDA graphs at the target's verify batch sizes (`_capture_build_graphs`);
+    # None: every build eager
+    _build_graphs: DDTreeBuildGraphs | None = None
     # SGLANG_DDTREE_PROFILE=1 (`ddtree_profile`, made by `ddtree_setup`): v1's phase marks at the same points of a step
     ddtree_profile: StepProfile | None = None
     # a decode batch that asks for logprobs: False refuses it (0.5.17, as upstream refuses them there); True hands it
@@ -361,12 +366,28 @@ class DDTreeStepV2:
             # input buffers still hold what that capture left, before the draft's capture writes them.
             self._verify_ladder = self._capture_verify_ladder()
         super().init_cuda_graphs(*args, **kwargs)
+        self._build_graphs = self._capture_build_graphs()
         if self.tree_budget_auto:
             self.ddtree_start_auto()
         if self._linear_runs_eager() is not None and self._tp_rank() == 0:
             logger.info("DDTree v2: the target's verify graphs are at the block's width %d: upstream's linear steps "
                         "(fallbacks%s) run eagerly (they carry no mask; the graphs read the tree's mask buffer)",
                         self.block_size, ", auto's chain" if self.tree_budget_auto else "")
+
+    def _capture_build_graphs(self) -> DDTreeBuildGraphs | None:
+        """The largest tree's build captured at the target's verify graph batch sizes, as v1 captures its builds
+        (`capture_build_sets`: one device, CUDA, graphs on; else None, every build eager): at batch 1 the eager
+        build's launches cost v2 twice v1's `draft_done -> built` (0.50 against 0.25 ms, RESULTS.md)."""
+        runner = self.target_worker.model_runner
+        lm_head = getattr(getattr(runner, "model", None), "lm_head", None)
+        if lm_head is None:
+            return None
+        graph_runner = getattr(runner, V2_RUNNER.attr, None)
+        graphs = capture_build_sets(
+            {self.tree_budget: self._tree_builder(lm_head)}, list(getattr(graph_runner, "capture_bs", None) or []),
+            lm_head, depth=int(self.block_size) - 1, dtype=lm_head.weight.dtype, device=runner.device,
+            tp_size=self.tree_tp_size)
+        return None if graphs is None else graphs[self.tree_budget]
 
     def _auto_tree_budgets(self) -> list[int]:
         """auto's tree budgets (none without auto)."""
@@ -606,15 +627,25 @@ class DDTreeStepV2:
         `width` verify tokens per request (`shrink_tree`; default: the largest tree's, the one verify width the seams
         sized): nodes are best-first whatever the budget, so that prefix is the tree auto's acceptance-by-budget
         measured for it."""
-        lm_head = self.target_worker.model_runner.model.lm_head
-        # SGLang's ParallelLMHead is sharded over the TP group (one shard at TP 1); a plain head is the vocabulary
-        sharded = hasattr(lm_head, "shard_indices")
-        vocab = int(lm_head.org_vocab_size) if sharded else int(lm_head.weight.shape[0])
-        logits = draft_tree_logits(draft_hidden, lm_head, vocab, get_tp_group() if sharded else None)
-        tree = build_ddtree(logits, self.tree_budget, self.tree_topk_cap, self.tree_keep_chain)
+        tail = draft_hidden[:, 1:, :]
+        tree = None if self._build_graphs is None else self._build_graphs.run(tail)
+        if tree is None:  # no graphs, or more requests than their largest batch
+            tree = self._tree_builder(self.target_worker.model_runner.model.lm_head)(tail)
+        else:
+            self.ddtree_stats.build_graph_steps += 1
         if budget >= self.tree_budget:
             return tree
         return shrink_tree(tree, budget, pad=True, pad_to=width, kernel=shrink_kernel(tree.parents))
+
+    def _tree_builder(self, lm_head: Any) -> Any:
+        """The build of the configured (auto: the largest) budget's tree from the draft hidden states after the
+        bonus `[bs, block - 1, hidden]`: what a build graph captures, and the eager build where none replays."""
+        # SGLang's ParallelLMHead is sharded over the TP group (one shard at TP 1); a plain head is the vocabulary
+        sharded = hasattr(lm_head, "shard_indices")
+        vocab = int(lm_head.org_vocab_size) if sharded else int(lm_head.weight.shape[0])
+        group = get_tp_group() if sharded else None
+        return lambda tail: build_ddtree(tail_tree_logits(tail, lm_head, vocab, group), self.tree_budget,
+                                         self.tree_topk_cap, self.tree_keep_chain)
 
     def _verify_width(self, budget: int, batch_size: int) -> int:
         """Tokens per request a tree of `budget` nodes verifies at this step: the largest tree's own width; else
@@ -797,7 +828,7 @@ class DDTreeStepV2:
             auto=None if self.ddtree_auto is None else self.ddtree_auto.as_dict(),
             verify_graph_width=getattr(runner, "captured_req_width", None),
             verify_graph_max_bs=getattr(runner, "max_bs", None),
-            build_graph_bs=None,
+            build_graph_bs=None if self._build_graphs is None else self._build_graphs.sizes,
             # every step builds the largest tree (auto's smaller picks are its prefix)
             build_budgets=[self.tree_budget],
             verify_kernels=False,

@@ -54,6 +54,11 @@ def _tree_mask_kernel(
     tl.store(out_ptr + tl.load(plan_ptr + B + b) + i * row_len + col, value, mask=in_row)
 
 
+def _mask_bits(tree_mask: torch.Tensor) -> torch.Tensor:
+    """A tree's ancestor mask as the bytes the kernels read (Triton takes no bool pointers; a view costs nothing)."""
+    return tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask.to(torch.uint8)
+
+
 def tree_custom_mask_triton(tree_mask: torch.Tensor, prefix_lens_cpu: list[int]) -> torch.Tensor:
     """Same contract as `ddtree_verify_step.tree_custom_mask` (flat bool mask); the prefix lengths
     are the host's copy, which also places each request's block and sizes the column grid."""
@@ -67,7 +72,7 @@ def tree_custom_mask_triton(tree_mask: torch.Tensor, prefix_lens_cpu: list[int])
     if total == 0:
         return out.view(torch.bool)
     plan = torch.tensor([list(prefix_lens_cpu), starts], dtype=torch.int64).to(device, non_blocking=True)
-    bits = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask.to(torch.uint8)
+    bits = _mask_bits(tree_mask)
     grid = (bs, n, triton.cdiv(max(prefix_lens_cpu) + n, MASK_COLUMNS))
     _tree_mask_kernel[grid](out, bits.contiguous(), plan, bs, N=n, COLS=MASK_COLUMNS)
     return out.view(torch.bool)
@@ -124,7 +129,7 @@ def tree_verify_input_triton(
     mask = torch.ones((int(prefix_bound) * n + bs * n * n,), dtype=torch.uint8, device=device)
     tokens, positions, loc = (torch.empty((bs * n,), **i64) for _ in range(3))
     if bs and n:
-        bits = tree.tree_mask.view(torch.uint8) if tree.tree_mask.dtype == torch.bool else tree.tree_mask.to(torch.uint8)
+        bits = _mask_bits(tree.tree_mask)
         token_ids = tree.token_ids.to(torch.int64).contiguous()
         _tree_verify_input_kernel[(bs, n)](
             mask, tokens, positions, loc, bits.contiguous(), token_ids, tree.depths.to(**i64).contiguous(),
@@ -188,7 +193,7 @@ def shrink_tree_triton(tree, keep: int, width: int, pad_token: int) -> tuple[tor
     num_nodes = torch.empty((bs,), dtype=tree.num_nodes.dtype, device=device)
     if bs:
         source = tree.token_ids.contiguous()
-        bits = tree.tree_mask.view(torch.uint8) if tree.tree_mask.dtype == torch.bool else tree.tree_mask.to(torch.uint8)
+        bits = _mask_bits(tree.tree_mask)
         _shrink_kernel[(bs, width)](
             source, tree.parents.contiguous(), tree.depths.contiguous(), tree.scores.contiguous(),
             tree.token_ranks.contiguous(), tree.retrive_next_token.contiguous(),

@@ -126,9 +126,6 @@ TEST_BIASED_WALK = test_switch("SGLANG_DDTREE_TEST_BIASED_WALK")
 # root alone) included where the step is padded, as if the KV pool were short on every step; the
 # shrunk and padded paths then run under a real workload, which must stay token-identical.
 TEST_CYCLE_BUDGETS = test_switch("SGLANG_DDTREE_TEST_CYCLE_BUDGETS")
-# SGLANG_DDTREE_BUILD_GRAPHS=0 builds every tree eagerly (ddtree_build_graphs: captured by default
-# wherever the target verify runs on CUDA graphs, one device).
-BUILD_GRAPHS = os.environ.get("SGLANG_DDTREE_BUILD_GRAPHS", "1") != "0"
 # Triton is the one backend whose target-verify metadata we can re-size per step: it reads the
 # verify width from `num_draft_tokens` on every eager forward.
 _TRITON_BACKEND_CLASS = "TritonAttnBackend"
@@ -418,42 +415,18 @@ class DDTreeController:
         return kernels_in_use(torch.device(device))
 
     def _capture_build_graphs(self, worker: Any, graph_runner: Any) -> dict[int, Any] | None:
-        """Builds captured at the verify graphs' batch sizes (`ddtree_build_graphs`), one set per budget a
-        step builds at, in one memory pool; None (every build eager) without verify graphs, off CUDA, with
-        TP > 1 (the vocab gather is a collective), or when a capture fails: a slower build, never a server
-        that does not start."""
-        runner = worker.model_runner
-        buckets = list(getattr(graph_runner, "capture_bs", None) or [])
-        lm_head = getattr(getattr(runner, "model", None), "lm_head", None)
-        if (
-            not BUILD_GRAPHS
-            or not buckets
-            or lm_head is None
-            or not str(runner.device).startswith("cuda")
-            or int(getattr(worker.server_args, "tp_size", 1) or 1) != 1
-        ):
-            return None
-        from sglang.srt.speculative.ddtree_build_graphs import capture_build_graphs
+        """Builds captured at the verify graphs' batch sizes, one set per budget a step builds at
+        (`ddtree_build_graphs.capture_build_sets`, the v2 tree step's too)."""
+        from sglang.srt.speculative.ddtree_build_graphs import capture_build_sets
 
-        t0 = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        try:
-            graphs = {
-                budget: capture_build_graphs(
-                    self.budget_build(lm_head, budget), buckets, depth=self.depth,
-                    hidden=int(lm_head.weight.shape[1]), dtype=runner.model_config.dtype, device=runner.device,
-                    pool=pool,
-                )
-                for budget in sorted(self.build_budgets, reverse=True)  # largest first: the others reuse its pool
-            }
-        except Exception as e:  # noqa: BLE001 - any capture failure leaves the eager build
-            logger.warning("DDTree: tree-build CUDA graphs not captured (%s: %s); builds run eagerly",
-                           type(e).__name__, e)
-            return None
-        if self.tp_rank == 0:
-            logger.info("DDTree build graphs captured for budgets %s at bs %s in %.2f s", sorted(graphs),
-                        next(iter(graphs.values())).sizes, time.perf_counter() - t0)
-        return graphs
+        runner = worker.model_runner
+        lm_head = getattr(getattr(runner, "model", None), "lm_head", None)
+        return capture_build_sets(
+            {budget: self.budget_build(lm_head, budget) for budget in self.build_budgets},
+            list(getattr(graph_runner, "capture_bs", None) or []), lm_head, depth=self.depth,
+            dtype=getattr(runner.model_config, "dtype", None), device=runner.device,
+            tp_size=int(getattr(worker.server_args, "tp_size", 1) or 1),
+        )
 
     def budget_build(self, lm_head: Any, budget: int) -> Any:
         """The build a graph captures: draft hidden states after the bonus [bs, depth, hidden] -> the

@@ -8,14 +8,13 @@ signature and refusals (hybrid targets through `ddtree_v2_hybrid`, 0.5.17's own 
 upstream runs it (its eager prepare-block path, `assign_extend_cache_locs_func`, the non-windowed host bound), the
 reservation's host lengths (`reserved_seq_lens_cpu`) and 0.5.17's `GenerationBatchResult`.
 
-Out of scope, refused at start with the flag named (`v2_refusal`): auto budget without its proof switch
-(`SGLANG_DDTREE_TEST_V2_AUTO`: never run on a GPU), the overlap scheduler, attention backends other
+Out of scope, refused at start with the flag named (`v2_refusal`): the overlap scheduler, attention backends other
 than triton, page size != 1, TP / PP > 1, the draft window, hybrid targets other than the proven Gated DeltaNet ones
 with the radix cache off (`ddtree_v2_hybrid`; auto budget on them, as v1 refuses it), simulated acceptance.
 Per step: logprobs are refused as upstream refuses them on 0.5.17; a batch holding a grammar request runs upstream's
 linear DFLASH step instead (eager at width block: SGLang's verify graphs are captured at `1 + budget`).
 
-Auto (under its proof switch) captures a verify-graph set per smaller candidate width on 0.5.17's
+Auto captures a verify-graph set per smaller candidate width on 0.5.17's
 `DecodeCudaGraphRunner`, the runner class SGLang made, made again while the seams' width hook answers that width
 (`DDTreeStepV2._capture_verify_ladder`, shared with 0.5.23; 0.5.17's triton backend reads each verify's width from
 its `DFlashVerifyInput`, 17:layers/attention/triton_backend.py:460-520, :1097-1118); each tree step installs the

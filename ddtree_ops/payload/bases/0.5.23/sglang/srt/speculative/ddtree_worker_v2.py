@@ -25,7 +25,7 @@ So does a batch in which a request asks for sampling masks (reason `sampling_mas
 chain's verify rows, 23:2938-2949).
 
 Out of scope, refused at start with the flag named (`v2_refusal`, then the draft checkpoint's heads after upstream's
-`__init__` has loaded it): what 0.5.17 refuses (auto budget without its proof switch, the overlap scheduler, attention backends other than triton, page
+`__init__` has loaded it): what 0.5.17 refuses (the overlap scheduler, attention backends other than triton, page
 size != 1, TP / PP > 1, the draft window, simulated acceptance), hybrid targets (0.5.17's hybrid glue is not
 ported), DP attention (`--attn-dp-size`), the candidate-selector / LiLiCorr / Domino draft heads (they
 replace the draft's argmax; the tree needs the draft's hidden states), and KV pools that translate ids (unified
