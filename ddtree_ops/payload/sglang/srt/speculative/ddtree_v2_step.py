@@ -14,7 +14,8 @@ walk's `target_probs` and penalised requests excepted, as on v1):
    keeping the draft's hidden states (the folded draft sampler is off: `_maybe_build_draft_sampler` -> None);
 2. tree: `build_ddtree` on the target LM head's logits of draft positions 1 .. block - 1 (v1's mapping: draft
    position d is tree depth d), the configured budget (auto: its largest, shrunk to the pick below and padded to
-   the verify width, `_verify_width`), the server's top-k cap and keep-chain;
+   the verify width, `_verify_width`), the server's top-k cap and keep-chain; on one CUDA device with graphs the build
+   is replayed from a graph of the batch's verify-graph size (`_capture_build_graphs`, v1's `ddtree_build_graphs`);
 3. verify input (`tree_verify_input`, pure): tokens `[bonus, tree tokens]`, positions `prefix + depth`, the tree's
    custom mask in the triton backend's verify layout, and node i's cache slot = the request's reserved row at
    `prefix + i` (the v2 contract; the seams reserve `committed + block + 1 + budget`, auto's largest: the step's
