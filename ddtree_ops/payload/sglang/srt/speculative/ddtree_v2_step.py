@@ -380,9 +380,7 @@ class DDTreeStepV2:
         (`capture_build_sets`: one device, CUDA, graphs on; else None, every build eager): at batch 1 the eager
         build's launches cost v2 twice v1's `draft_done -> built` (0.50 against 0.25 ms, RESULTS.md)."""
         runner = self.target_worker.model_runner
-        lm_head = getattr(getattr(runner, "model", None), "lm_head", None)
-        if lm_head is None:
-            return None
+        lm_head = runner.model.lm_head  # a weight matrix: `head_refusal` passed at the start of init_cuda_graphs
         graph_runner = getattr(runner, V2_RUNNER.attr, None)
         graphs = capture_build_sets(
             {self.tree_budget: self._tree_builder(lm_head)}, list(getattr(graph_runner, "capture_bs", None) or []),
