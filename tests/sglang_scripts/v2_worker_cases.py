@@ -1013,6 +1013,9 @@ def auto_run(fail_at: int | None = None, steps: int = AUTO_STEPS) -> dict:
         with mock.patch.object(worker.ddtree_auto, "choose", lambda *a, **k: smaller):
             held = [decode_step(steps + seed, worker=worker, dispatch=True) for seed in range(3)]
         padded = [decode_step(steps + 3 + seed, worker=worker, budget=2) for seed in range(3)]
+        # each step's observation is made when the next forward (or a state read) settles it, not at its own end
+        pending = {"pending": worker._pending_observation is not None,
+                   "observed": sum(worker.ddtree_auto.verified.values())}
     finally:
         DFlashWorkerV2.forward_batch_generation = real_forward
     linear = upstream_steps(worker)
@@ -1032,6 +1035,7 @@ def auto_run(fail_at: int | None = None, steps: int = AUTO_STEPS) -> dict:
         "build_graphs": {"bs": None if worker._build_graphs is None else worker._build_graphs.sizes,
                          "steps": worker.ddtree_stats.build_graph_steps},
         "fallback_lens": linear,
+        "before_state": pending,
         "state": scheduler_state(worker),
     }
 

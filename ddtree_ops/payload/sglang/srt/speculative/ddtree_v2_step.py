@@ -70,7 +70,7 @@ penalty source and the bias removed, so nothing is applied twice.
 from __future__ import annotations
 
 import logging
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,6 +106,8 @@ from sglang.srt.speculative.ddtree_ranks import (
 from sglang.srt.speculative.ddtree_sampling import sampled_rows, tree_walk, unfiltered_rows, walk_node_probs
 from sglang.srt.speculative.ddtree_utils import (
     DDTree,
+    HostCopy,
+    StepClock,
     acceptance_by_kind,
     build_ddtree,
     follow_verified_tree,
@@ -326,6 +328,9 @@ class DDTreeStepV2:
         self._auto_metrics: AutoMetrics | None = None
         self._auto_enable_metrics = bool(getattr(server_args, "enable_metrics", False))
         self._step_acceptance: torch.Tensor | None = None  # auto: the tree step's walk by budget (device)
+        # auto: the last step's observation, made when its host copies are read (`_settle_auto`), and its step index
+        self._pending_observation: tuple[int, Callable[[float], StepObservation]] | None = None
+        self._refresh_due = False
         self.tree_topk_cap = server_args.speculative_ddtree_topk_cap
         self.tree_keep_chain = bool(server_args.speculative_ddtree_keep_chain)
         self.sampling_rule = _args.sampling_rule(server_args)
@@ -446,6 +451,8 @@ class DDTreeStepV2:
         if ladder is not None:
             self.ddtree_auto.seed_start_costs(ladder.replay_seconds)
         self._auto_budgets = torch.tensor(self.ddtree_auto.budgets, dtype=torch.int64, device=self.device)
+        self._auto_clock = StepClock(self.device)
+        self._acceptance_copy, self._accept_lens_copy = HostCopy(), HostCopy()
         self._auto_metrics = AutoMetrics.maybe_create(
             self.ddtree_auto.budgets, enabled=self._auto_enable_metrics, tp_rank=self._tp_rank())
         if ladder is not None:
@@ -484,9 +491,13 @@ class DDTreeStepV2:
                 reason = "logprob"
             else:
                 reason = self._base_fallback_reason(batch)
-        auto, started, step = self.ddtree_auto, time.perf_counter(), self.ddtree_stats.steps
+        auto, step = self.ddtree_auto, self.ddtree_stats.steps
+        if auto is not None:
+            self._settle_auto(refresh=True)
         if decode:
             self._mark("step_start")
+            if auto is not None:
+                self._auto_clock.start()
         if not decode or reason is not None:
             # a decode's linear step runs eagerly where the verify graphs are block-wide (their mask: the last tree's)
             result = self._upstream_linear(upstream) if decode else upstream()
@@ -494,7 +505,7 @@ class DDTreeStepV2:
                 self._step_done()
                 self._record_linear_step(result, reason)
                 if auto is not None:  # a chain step all the same (v1 observes its fallbacks too)
-                    self._observe_chain(batch, result, started, step)
+                    self._defer_chain_observation(batch, result, step)
             return result
         if getattr(batch, "return_logprob", False):
             raise ValueError("DFLASH speculative decoding does not support return_logprob yet.")
@@ -509,18 +520,18 @@ class DDTreeStepV2:
             result = self._upstream_linear(upstream)
             self._step_done()
             self._record_chain_step(result)
-            self._observe_chain(batch, result, started, step)
+            self._defer_chain_observation(batch, result, step)
             return result
         result = self._tree_step(batch, on_publish, budget=pick.budget)
-        self._step_done()  # before auto's host read, as v1 marks it before its observation
-        # the host read waits for the step's device work, so the time below is the step's, as v1's is
-        acceptance = self._step_acceptance.tolist()
+        self._step_done()
+        acceptance = self._acceptance_copy.queue(self._step_acceptance)
         self._step_acceptance = None
+        self._auto_clock.stop()
         # the width it verified at: a tree padded past its own width is priced in that width's candidate's cell, as
         # v1 prices its padded steps (`AutoBudget._candidate_of`)
-        self._observe(tree_observation(acceptance, budget=pick.budget, width=self._step_width,
-                                       batch_size=len(batch.seq_lens), sampled=len(sampled),
-                                       seconds=time.perf_counter() - started), step)
+        budget, width, bs, n_sampled = pick.budget, self._step_width, len(batch.seq_lens), len(sampled)
+        self._pending_observation = (step, lambda seconds: tree_observation(
+            acceptance.tolist(), budget=budget, width=width, batch_size=bs, sampled=n_sampled, seconds=seconds))
         return result
 
     def _mark(self, name: str) -> None:
@@ -796,21 +807,32 @@ class DDTreeStepV2:
     def _sampled_rows(batch: Any) -> list[int]:
         return sampled_rows(batch.reqs) if getattr(batch, "sampling_info", None) is not None else []
 
-    def _observe_chain(self, batch: Any, result: Any, started: float, step: int) -> None:
-        """A linear step's observation: each request's accepted drafts from upstream's `accept_lens` (a host read
-        that waits for the step, as the tree step's does)."""
-        num_correct = [max(0, int(n) - 1) for n in result.accept_lens.tolist()]
-        self._observe(chain_observation(num_correct, set(self._sampled_rows(batch)), width=int(self.block_size),
-                                        seconds=time.perf_counter() - started,
-                                        budgets=len(self.ddtree_auto.budgets)), step)
+    def _defer_chain_observation(self, batch: Any, result: Any, step: int) -> None:
+        """A linear step's observation, from each request's accepted drafts in upstream's `accept_lens`, made when
+        the next step settles it (`_settle_auto`)."""
+        lens = self._accept_lens_copy.queue(result.accept_lens)
+        self._auto_clock.stop()
+        sampled, width, budgets = set(self._sampled_rows(batch)), int(self.block_size), len(self.ddtree_auto.budgets)
+        self._pending_observation = (step, lambda seconds: chain_observation(
+            [max(0, int(n) - 1) for n in lens.tolist()], sampled, width=width, seconds=seconds, budgets=budgets))
 
-    def _observe(self, obs: StepObservation, step: int) -> None:
-        """Step `step`'s observation into auto, and its refresh when due, summed over the TP ranks."""
-        auto = self.ddtree_auto
-        auto.observe(obs)
-        if self._auto_metrics is not None:
-            self._auto_metrics.observe_step(obs.budget)
-        if auto.due(step):
+    def _settle_auto(self, *, refresh: bool) -> None:
+        """The last step's observation into auto, and with `refresh` the refresh due after it, summed over the TP
+        ranks (the forward path, which every rank takes in the same order; `/server_info` only observes). Made a
+        step late so that no step waits for its own device work: by now the scheduler has read that step's result
+        (a host sync fixed budgets pay as well), so its host copies are there and its clock has stopped. Reading
+        them at the step's end stalled the host until the step's tail was done, which the tree step without auto
+        does not."""
+        auto, pending, self._pending_observation = self.ddtree_auto, self._pending_observation, None
+        if pending is not None:
+            step, observation = pending
+            obs = observation(self._auto_clock.seconds())
+            auto.observe(obs)
+            if self._auto_metrics is not None:
+                self._auto_metrics.observe_step(obs.budget)
+            self._refresh_due = self._refresh_due or auto.due(step)
+        if refresh and self._refresh_due:
+            self._refresh_due = False
             refresh_over_ranks(auto, get_tp_group().cpu_group if self.tree_tp_size > 1 else None)
             if self._auto_metrics is not None:
                 self._auto_metrics.publish(auto.as_dict())
@@ -819,6 +841,8 @@ class DDTreeStepV2:
         """`/server_info` → internal_states[0]["ddtree"] (`ddtree_v2_args`' hook on the scheduler's
         `get_internal_state`): v1's keys and settings names; what v2 does not have is None / empty."""
         runner = getattr(self.target_worker.model_runner, "decode_cuda_graph_runner", None)
+        if self.ddtree_auto is not None:
+            self._settle_auto(refresh=False)
         return _stats.internal_state(
             _stats.settings(mode="full", budget=self.tree_budget, budget_auto=self.tree_budget_auto,
                             topk_cap=self.tree_topk_cap, keep_chain=self.tree_keep_chain),
