@@ -357,8 +357,9 @@ def test_auto_chain_picks_go_through_upstreams_linear_step(observed: dict) -> No
     assert state["steps"] == len(run["steps"]) + len(run["held"]) + len(run["padded"]) + 1
     assert verified.get("3", 0) >= len(run["held"])
     # a step is observed when the next one starts (or `/server_info` is read), so none waits for its own device work:
-    # after the last step through the dispatch its observation was still pending, and the state read settled it (the
-    # padded steps call the tree step itself: auto neither chose nor observes them)
+    # after the last step through the dispatch its observation was still pending; the next batches settled it, and
+    # the state read the grammar fallback's (the padded steps call the tree step itself: auto neither chose nor
+    # observes them)
     dispatched = len(run["steps"]) + len(run["held"])
     assert run["before_state"] == {"pending": True, "observed": dispatched - 1}
     assert sum(verified.values()) == dispatched + 1
