@@ -221,6 +221,23 @@ def test_auto_bench_repeats_small_batches_over_the_next_prompts_until_min_tokens
     assert "s_auto: same 3, tie 4, fault 0" in c.stdout, c.stdout
 
 
+def test_auto_bench_repeats_a_fast_batch_until_min_seconds(tmp_path, prompts):
+    # a round of 16 on the launch-bound pair lasts 0.1 s, mostly prefill and HTTP: a measurement lasts at least this
+    servers = {"s_auto": _server(None, 0.0625, 4)}
+    try:
+        specs = [f"{t}={s.server_address[1]}" for t, s in servers.items()]
+        r = _auto_bench("run", "--servers", *specs, "--prompts", str(prompts), "--out", str(tmp_path / "w.json"),
+                        "--batches", "4", "--temps", "0", "--passes", "1", "--max-new", "8", "--min-seconds", "0.25",
+                        "--wait", "10")
+    finally:
+        for s in servers.values():
+            s.shutdown()
+    assert r.returncode == 0, r.stdout + r.stderr
+    four = json.loads((tmp_path / "w.json").read_text())["servers"]["s_auto"]["results"]["t0"]["4"][0]
+    assert four["wall_s"] >= 0.25  # one round of this stand-in alone takes milliseconds
+    assert four["tokens"] == four["rounds"] * 4 * 8 and len(four["outputs"]) == four["rounds"] * 4
+
+
 def test_auto_bench_records_which_candidates_auto_took_in_each_measurement(tmp_path, prompts):
     """Auto's /server_info counts its steps by candidate: each measurement keeps the difference, so a figure says
     which budgets made it (the H200's batch-1 losses could not be read without them)."""

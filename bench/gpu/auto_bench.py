@@ -3,10 +3,11 @@
 batch 1 .. 64, in paired passes, and auto's greedy outputs against plain's.
 
   run --servers TAG=PORT[:PID] ... --prompts heldout_prompts.json --out F [--reference TAG] [--batches 1,2,..]
-      [--temps 0,0.8] [--passes N] [--max-new N] [--min-tokens N] [--warmup N] [--wait S]
+      [--temps 0,0.8] [--passes N] [--max-new N] [--min-tokens N] [--min-seconds S] [--warmup N] [--wait S]
       Every server is measured at every (temperature, batch): `batch` held-out prompts sent together, `max-new`
-      tokens each (ignore_eos), then the next `batch` prompts, until `min-tokens` are generated (`measure`:
-      small batches need several rounds for their accept length to settle), after `warmup` batches of that
+      tokens each (ignore_eos), then the next `batch` prompts, until `min-tokens` are generated and `min-seconds`
+      have passed (`measure`: small batches need several rounds for their accept length to settle, fast ones for a
+      round's prefill and HTTP to stop weighing), after `warmup` batches of that
       size (first uses: graphs, kernels; auto has a graph per candidate). A pass measures each (temperature, batch)
       on every server back to back, in an order rotated per pass, so a server's figure and DFLASH's come from
       the same minutes (paired). --reference (plain): first, greedy outputs with plain's top-5 logprobs for the
@@ -46,14 +47,17 @@ def batch(base: str, prompts: list[list[int]], temperature: float, max_new: int,
 
 
 def measure(base: str, prompts: list[list[int]], bs: int, temperature: float, max_new: int,
-            min_tokens: int = 0) -> dict:
+            min_tokens: int = 0, min_seconds: float = 0.0) -> dict:
     """Rounds of `bs` prompts sent together, the next round the next `bs` of `prompts` (cycling), until
     `min_tokens` are generated: at batch 1 one round is one request of `max_new` tokens, whose accept length
     (a mean over a few dozen steps) varies from prompt to prompt and, sampled, from draw to draw (on the H200
     one server's T 0.8 batch-1 ratio was 1.42x and 2.33x DFLASH in its two passes), far more than the 5 % the
-    goals judge."""
+    goals judge. And until `min_seconds` have passed: on the launch-bound pair a round of 16 took 0.1 s, and one
+    server's two passes at batch 16 differed by 30 % (H100, 2026-12-07), its prompts' prefill and the HTTP round
+    trips a large part of so short a wall."""
     rounds, t0 = [], time.perf_counter()
-    while not rounds or sum(r["tokens"] for res in rounds for r in res) < min_tokens:
+    while (not rounds or sum(r["tokens"] for res in rounds for r in res) < min_tokens
+           or time.perf_counter() - t0 < min_seconds):
         start = len(rounds) * bs
         rounds.append(batch(base, [prompts[(start + j) % len(prompts)] for j in range(bs)], temperature, max_new))
     wall = time.perf_counter() - t0
@@ -109,7 +113,7 @@ def cmd_run(a: argparse.Namespace) -> int:
                 for tag in order:
                     # profiled: drops the phases of the steps before this measurement
                     before = ddtree_state(alive[tag]) if tag in profiled | auto_tags else {}
-                    r = measure(alive[tag], chosen, bs, temp, a.max_new, a.min_tokens)
+                    r = measure(alive[tag], chosen, bs, temp, a.max_new, a.min_tokens, a.min_seconds)
                     if p > 0:
                         r["outputs"] = None
                     after = ddtree_state(alive[tag]) if tag in profiled | auto_tags else {}
@@ -315,6 +319,8 @@ def main() -> int:
     r.add_argument("--wait", type=float, default=300)
     r.add_argument("--min-tokens", type=int, default=0,
                    help="repeat a batch size over the next prompts until this many tokens are generated")
+    r.add_argument("--min-seconds", type=float, default=0.0,
+                   help="and until this many seconds have passed (a fast batch's rounds are mostly prefill and HTTP)")
     r.add_argument("--profiled", nargs="*", default=[],
                    help="servers started with SGLANG_DDTREE_PROFILE=1: each measurement keeps its per-phase step times")
     c = sub.add_parser("compare")

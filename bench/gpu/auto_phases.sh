@@ -4,7 +4,8 @@
 # Waves (AUTO_WAVES, default "plain dflash auto|dflash 16 32|dflash 64 128": fixed budgets by number) on both
 # sets (AUTO_SETS, default "p s"); every wave has its own DFLASH, so each server's ratio is paired with a DFLASH
 # of the same minutes. AUTO_PASSES (2), AUTO_BATCHES, AUTO_TEMPS, AUTO_MAX_NEW (64), AUTO_MIN_TOKENS (512: a small batch
-# repeats over the next prompts until it has generated this many), AUTO_WARMUP (warm-up batches per
+# repeats over the next prompts until it has generated this many), AUTO_MIN_SECONDS (1: and until a measurement has
+# lasted this long), AUTO_WARMUP (warm-up batches per
 # size, 1) shape the measurement.
 # Each wave's servers start together, then auto_bench.py measures them in paired passes (AUTO_PASSES, default 2)
 # at batch 1..64 (AUTO_BATCHES), greedy and T 0.8 (AUTO_TEMPS), plain's greedy outputs the identity reference.
@@ -65,7 +66,7 @@ run_wave() {  # NAME TAG...: start the wave's servers together, measure each set
     [ "$left" -gt 20 ] || { ts "skip $set wave $wave: no time left"; continue; }
     timeout "$left" "${ABENCH[@]}" run --servers "${servers[@]}" "${ref[@]}" --prompts /tmp/pair/heldout_prompts.json \
       --out "$OUT/auto_${set}_$wave.json" --passes "${AUTO_PASSES:-2}" --batches "${AUTO_BATCHES:-1,2,4,8,16,32,64}" \
-      --temps "${AUTO_TEMPS:-0,0.8}" --max-new "${AUTO_MAX_NEW:-64}" --min-tokens "${AUTO_MIN_TOKENS:-512}" --warmup "${AUTO_WARMUP:-1}" --wait 60 \
+      --temps "${AUTO_TEMPS:-0,0.8}" --max-new "${AUTO_MAX_NEW:-64}" --min-tokens "${AUTO_MIN_TOKENS:-512}" --min-seconds "${AUTO_MIN_SECONDS:-1}" --warmup "${AUTO_WARMUP:-1}" --wait 60 \
       ${prof[@]:+--profiled "${prof[@]}"} > "$OUT/client_${set}_$wave.log" 2>&1
     ts "$set wave $wave rc=$? $(grep -c 'tok/s' "$OUT/client_${set}_$wave.log") measurements"
     grep -E "pass 0 T 0 bs (1|8|64) " "$OUT/client_${set}_$wave.log" | cut -c1-160
