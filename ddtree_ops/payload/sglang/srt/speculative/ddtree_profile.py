@@ -23,6 +23,9 @@ step and the first of the next give `step_done->step_start`, the scheduler betwe
 
 Events are read only by `read_and_reset` (the `/server_info` path): a profiled server syncs there,
 never in a step.
+
+`StepClock` is not the profile: v2 auto times every step with it, profiled or not (two events a step, read when
+the next step starts).
 """
 
 from __future__ import annotations
@@ -102,3 +105,32 @@ class StepProfile:
             }
             for key in cpu
         }
+
+
+class StepClock:
+    """A step's wall time without a host sync: CUDA events around its device work, read once a later host read
+    has waited for them (v2's scheduler reads every step's result before the next step starts). Without CUDA, the
+    host clock at `stop` (nothing is queued to wait for). One pair of events, reused: `seconds` before the next
+    `start`."""
+
+    def __init__(self, device: Any) -> None:
+        cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
+        self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+        self._host = (0.0, 0.0)
+
+    def start(self) -> None:
+        if self._events is not None:
+            self._events[0].record()
+        self._host = (time.perf_counter(), 0.0)
+
+    def stop(self) -> None:
+        if self._events is not None:
+            self._events[1].record()
+        self._host = (self._host[0], time.perf_counter())
+
+    def seconds(self) -> float:
+        """From `start` to the end of the device work queued by `stop` (waits for it if it is still running)."""
+        if self._events is None:
+            return self._host[1] - self._host[0]
+        self._events[1].synchronize()
+        return self._events[0].elapsed_time(self._events[1]) / 1000.0

@@ -95,7 +95,7 @@ from sglang.srt.speculative.ddtree_auto_budget import (
 from sglang.srt.speculative.ddtree_build_graphs import DDTreeBuildGraphs, capture_build_sets
 from sglang.srt.speculative.ddtree_commit import commit_tree
 from sglang.srt.speculative.ddtree_metrics import AutoMetrics
-from sglang.srt.speculative.ddtree_profile import StepProfile, maybe_profile
+from sglang.srt.speculative.ddtree_profile import StepClock, StepProfile, maybe_profile
 from sglang.srt.speculative.ddtree_ranks import (
     agree_all,
     agree_verify_kernels,
@@ -107,7 +107,6 @@ from sglang.srt.speculative.ddtree_sampling import sampled_rows, tree_walk, unfi
 from sglang.srt.speculative.ddtree_utils import (
     DDTree,
     HostCopy,
-    StepClock,
     acceptance_by_kind,
     build_ddtree,
     follow_verified_tree,
