@@ -121,12 +121,14 @@ class StepClock:
     def start(self) -> None:
         if self._events is not None:
             self._events[0].record()
-        self._host = (time.perf_counter(), 0.0)
+        else:
+            self._host = (time.perf_counter(), 0.0)
 
     def stop(self) -> None:
         if self._events is not None:
             self._events[1].record()
-        self._host = (self._host[0], time.perf_counter())
+        else:
+            self._host = (self._host[0], time.perf_counter())
 
     def seconds(self) -> float:
         """From `start` to the end of the device work queued by `stop` (waits for it if it is still running)."""

@@ -504,7 +504,7 @@ class DDTreeStepV2:
                 self._step_done()
                 self._record_linear_step(result, reason)
                 if auto is not None:  # a chain step all the same (v1 observes its fallbacks too)
-                    self._defer_chain_observation(batch, result, step)
+                    self._defer_chain_observation(self._sampled_rows(batch), result, step)
             return result
         if getattr(batch, "return_logprob", False):
             raise ValueError("DFLASH speculative decoding does not support return_logprob yet.")
@@ -519,7 +519,7 @@ class DDTreeStepV2:
             result = self._upstream_linear(upstream)
             self._step_done()
             self._record_chain_step(result)
-            self._defer_chain_observation(batch, result, step)
+            self._defer_chain_observation(sampled, result, step)
             return result
         result = self._tree_step(batch, on_publish, budget=pick.budget)
         self._step_done()
@@ -806,14 +806,14 @@ class DDTreeStepV2:
     def _sampled_rows(batch: Any) -> list[int]:
         return sampled_rows(batch.reqs) if getattr(batch, "sampling_info", None) is not None else []
 
-    def _defer_chain_observation(self, batch: Any, result: Any, step: int) -> None:
-        """A linear step's observation, from each request's accepted drafts in upstream's `accept_lens`, made when
-        the next step settles it (`_settle_auto`)."""
+    def _defer_chain_observation(self, sampled: list[int], result: Any, step: int) -> None:
+        """A linear step's observation, from each request's accepted drafts in upstream's `accept_lens` (`sampled`:
+        the batch's sampled rows), made when the next step settles it (`_settle_auto`)."""
         lens = self._accept_lens_copy.queue(result.accept_lens)
         self._auto_clock.stop()
-        sampled, width, budgets = set(self._sampled_rows(batch)), int(self.block_size), len(self.ddtree_auto.budgets)
+        rows, width, budgets = set(sampled), int(self.block_size), len(self.ddtree_auto.budgets)
         self._pending_observation = (step, lambda seconds: chain_observation(
-            [max(0, int(n) - 1) for n in lens.tolist()], sampled, width=width, seconds=seconds, budgets=budgets))
+            [max(0, int(n) - 1) for n in lens.tolist()], rows, width=width, seconds=seconds, budgets=budgets))
 
     def _settle_auto(self, *, refresh: bool) -> None:
         """The last step's observation into auto, and with `refresh` the refresh due after it, summed over the TP
