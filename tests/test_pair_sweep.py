@@ -238,6 +238,43 @@ def test_auto_bench_repeats_a_fast_batch_until_min_seconds(tmp_path, prompts):
     assert four["tokens"] == four["rounds"] * 4 * 8 and len(four["outputs"]) == four["rounds"] * 4
 
 
+def test_auto_bench_interleaves_the_servers_rounds(tmp_path, prompts):
+    """A host's speed drifts within seconds (an H100's steps moved +-30 % between passes): the servers of one
+    measurement take their rounds in turn, so each server's figure spans the same seconds as its twins'."""
+    arrivals: list[str] = []
+    lock = threading.Lock()
+
+    def logging_server(tag: str):
+        class Handler(JSONHandler):
+            def do_GET(self):
+                self.send_json({} if self.path == "/health" else {"internal_states": [{"ddtree": {"steps": 0}}]})
+
+            def do_POST(self):
+                n = self.read_json()["sampling_params"]["max_new_tokens"]
+                with lock:
+                    arrivals.append(tag)
+                self.send_json({"output_ids": [10] * n, "meta_info": {"completion_tokens": n, "spec_verify_ct": 2}})
+
+        return serve(Handler)
+
+    servers = {t: logging_server(t) for t in ("s_dflash", "s_full128", "s_auto")}
+    try:
+        specs = [f"{t}={s.server_address[1]}" for t, s in servers.items()]
+        r = _auto_bench("run", "--servers", *specs, "--prompts", str(prompts), "--out", str(tmp_path / "w.json"),
+                        "--batches", "1", "--temps", "0", "--passes", "2", "--max-new", "8", "--min-tokens", "24",
+                        "--warmup", "0", "--wait", "10")
+    finally:
+        for s in servers.values():
+            s.shutdown()
+    assert r.returncode == 0, r.stdout + r.stderr
+    # three rounds of one 8-token request each; pass 1 rotates the order by one server
+    assert arrivals == ["s_dflash", "s_full128", "s_auto"] * 3 + ["s_full128", "s_auto", "s_dflash"] * 3, arrivals
+    res = json.loads((tmp_path / "w.json").read_text())["servers"]
+    for tag in servers:
+        for m in res[tag]["results"]["t0"]["1"]:
+            assert m["rounds"] == 3 and m["tokens"] == 24 and m["accept"] == 4.0  # 8 tokens in 2 verify steps
+
+
 def test_auto_bench_records_which_candidates_auto_took_in_each_measurement(tmp_path, prompts):
     """Auto's /server_info counts its steps by candidate: each measurement keeps the difference, so a figure says
     which budgets made it (the H200's batch-1 losses could not be read without them)."""

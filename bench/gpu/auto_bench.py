@@ -9,8 +9,8 @@ batch 1 .. 64, in paired passes, and auto's greedy outputs against plain's.
       have passed (`measure`: small batches need several rounds for their accept length to settle, fast ones for a
       round's prefill and HTTP to stop weighing), after `warmup` batches of that
       size (first uses: graphs, kernels; auto has a graph per candidate). A pass measures each (temperature, batch)
-      on every server back to back, in an order rotated per pass, so a server's figure and DFLASH's come from
-      the same minutes (paired). --reference (plain): first, greedy outputs with plain's top-5 logprobs for the
+      on every server, one round of each in turn, in an order rotated per pass, so a server's figure and DFLASH's
+      come from the same seconds (paired). --reference (plain): first, greedy outputs with plain's top-5 logprobs for the
       largest batch's prompts, so `compare` can class every divergence by plain's margin. Greedy outputs of
       the first pass are kept for that; /server_info's DDTree state (auto's plan, steps by budget, costs) last,
       and for auto's servers each measurement's own steps by candidate (`picks`).
@@ -46,21 +46,39 @@ def batch(base: str, prompts: list[list[int]], temperature: float, max_new: int,
                                               max_new=max_new), prompts))
 
 
-def measure(base: str, prompts: list[list[int]], bs: int, temperature: float, max_new: int,
-            min_tokens: int = 0, min_seconds: float = 0.0) -> dict:
-    """Rounds of `bs` prompts sent together, the next round the next `bs` of `prompts` (cycling), until
-    `min_tokens` are generated: at batch 1 one round is one request of `max_new` tokens, whose accept length
-    (a mean over a few dozen steps) varies from prompt to prompt and, sampled, from draw to draw (on the H200
-    one server's T 0.8 batch-1 ratio was 1.42x and 2.33x DFLASH in its two passes), far more than the 5 % the
-    goals judge. And until `min_seconds` have passed: on the launch-bound pair a round of 16 took 0.1 s, and one
+def measure(bases: dict[str, str], prompts: list[list[int]], bs: int, temperature: float, max_new: int,
+            min_tokens: int = 0, min_seconds: float = 0.0) -> dict[str, dict]:
+    """Each server's figure at one (temperature, batch): rounds of `bs` prompts sent together, the next round the
+    next `bs` of `prompts` (cycling), one round of each server in turn (the order of `bases`), until each has
+    generated `min_tokens`: at batch 1 one round is one request of `max_new` tokens, whose accept length (a mean
+    over a few dozen steps) varies from prompt to prompt and, sampled, from draw to draw (on the H200 one server's
+    T 0.8 batch-1 ratio was 1.42x and 2.33x DFLASH in its two passes), far more than the 5 % the goals judge. And
+    until its rounds have lasted `min_seconds`: on the launch-bound pair a round of 16 took 0.1 s, and one
     server's two passes at batch 16 differed by 30 % (H100, 2026-12-07), its prompts' prefill and the HTTP round
-    trips a large part of so short a wall."""
-    rounds, t0 = [], time.perf_counter()
-    while (not rounds or sum(r["tokens"] for res in rounds for r in res) < min_tokens
-           or time.perf_counter() - t0 < min_seconds):
-        start = len(rounds) * bs
-        rounds.append(batch(base, [prompts[(start + j) % len(prompts)] for j in range(bs)], temperature, max_new))
-    wall = time.perf_counter() - t0
+    trips a large part of so short a wall. Interleaved because a host's speed drifts within seconds: on an H100
+    measured server after server, a second each, the same server's step moved by +-30 % from pass to pass and
+    the ranking of DFLASH, full 128 and auto changed with it (RESULTS.md, "Payload 0.8.28 on a GPU"); round by
+    round, the servers share the drift. A server's wall is its own rounds' (the others idle meanwhile)."""
+    rounds: dict[str, list[list[dict]]] = {tag: [] for tag in bases}
+    walls = dict.fromkeys(bases, 0.0)
+
+    def done(tag: str) -> bool:
+        return bool(rounds[tag]) and walls[tag] >= min_seconds and sum(
+            r["tokens"] for rnd in rounds[tag] for r in rnd) >= min_tokens
+
+    while not all(done(tag) for tag in bases):
+        for tag, base in bases.items():
+            if done(tag):
+                continue
+            start = len(rounds[tag]) * bs
+            t0 = time.perf_counter()
+            rounds[tag].append(batch(base, [prompts[(start + j) % len(prompts)] for j in range(bs)], temperature,
+                                     max_new))
+            walls[tag] += time.perf_counter() - t0
+    return {tag: _summary(rounds[tag], walls[tag], temperature) for tag in bases}
+
+
+def _summary(rounds: list[list[dict]], wall: float, temperature: float) -> dict:
     res = [r for rnd in rounds for r in rnd]
     tokens = sum(r["tokens"] for r in res)
     verify = [r["verify_ct"] or r["tokens"] for r in res]
@@ -110,21 +128,24 @@ def cmd_run(a: argparse.Namespace) -> int:
         order = tags[p % len(tags):] + tags[:p % len(tags)]
         for temp in temps:
             for bs in batches:
+                watched = [tag for tag in order if tag in profiled | auto_tags]
+                # profiled: drops the phases of the steps before this measurement
+                before = {tag: ddtree_state(alive[tag]) for tag in watched}
+                measured = measure({tag: alive[tag] for tag in order}, chosen, bs, temp, a.max_new, a.min_tokens,
+                                   a.min_seconds)
                 for tag in order:
-                    # profiled: drops the phases of the steps before this measurement
-                    before = ddtree_state(alive[tag]) if tag in profiled | auto_tags else {}
-                    r = measure(alive[tag], chosen, bs, temp, a.max_new, a.min_tokens, a.min_seconds)
+                    r = measured[tag]
                     if p > 0:
                         r["outputs"] = None
-                    after = ddtree_state(alive[tag]) if tag in profiled | auto_tags else {}
+                    after = ddtree_state(alive[tag]) if tag in watched else {}
                     if tag in profiled:  # SGLANG_DDTREE_PROFILE=1: this measurement's per-phase medians
                         r["profile"] = after.get("profile")
                     if tag in auto_tags:
-                        r["chosen"] = picks(before, after)
+                        r["chosen"] = picks(before[tag], after)
                     res["servers"][tag]["results"].setdefault(f"t{temp:g}", {}).setdefault(str(bs), []).append(r)
                     print(f"[auto] pass {p} T {temp:g} bs {bs} {tag}: {r['tok_s']} tok/s accept {r['accept']} "
                           f"{r['ms_per_step']} ms/step" + (f" picks {r['chosen']}" if "chosen" in r else ""), flush=True)
-                    _write(a.out, res)  # a wave cut at its deadline keeps what it measured
+                _write(a.out, res)  # a wave cut at its deadline keeps what it measured
     for tag, base in alive.items():
         try:
             res["servers"][tag]["ddtree"] = ddtree_state(base)
