@@ -396,7 +396,9 @@ def cmd_compare(a: argparse.Namespace) -> int:
             row["missing"] = True
             bad = True
             summary["variants"][tag] = row
-            print(f"{tag}: NO RESULTS")
+            # a client `timeout` killed at the call's deadline writes nothing, as does one whose server never came up
+            print(f"{tag}: NO RESULTS (no {tag}{a.suffix}.json: its client was cut at the deadline or its server never "
+                  f"became healthy; client_{tag}.log and run.log's rc say which)")
             continue
         if tag in a.expect_dead:  # upstream before the fix: the workload must have killed it
             dead = cand.get("alive") is False or cand.get("ready_s") is None
