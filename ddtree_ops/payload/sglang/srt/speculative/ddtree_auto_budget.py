@@ -39,7 +39,10 @@ per request. Each step takes the candidate with the most expected tokens per sec
   cell never stepped in is its start-up replay plus what its kind's steps (tree or chain) of that bucket
   cost beyond their replays (draft, build, walk, attention over real contexts); a sampled one is the same
   cell's greedy estimate plus a sampled walk's surcharge, a fixed part and one per verify token fitted to
-  the cells measured both ways (one width measured: no more than its own, `_fixed_and_per_token`).
+  the cells measured both ways (one width measured: no more than its own, `_fixed_and_per_token`). A wider
+  tree costs no less than a narrower one: each bucket's measured greedy tree cells are read through their
+  isotonic regression in width (`_smooth_costs`), so the host's drift between the moments cells were stepped in
+  does not order them.
 - Budgets larger than the ones stepped in are only learnt by stepping in them, and a cell's cost by its
   own steps: one step in `explore_every` may explore a candidate other than the plan. Exploration is
   priced per batch bucket (`_explore_table`): a step of a candidate loses its time at this batch beyond
@@ -279,6 +282,8 @@ class AutoBudget:
         # EWMA seconds per (kind of request, candidate, bucket), and the cells' decayed observation weights.
         self.cost = [[[0.0] * nk for _ in range(nc)] for _ in KINDS]
         self.cost_weight = [[[0.0] * nk for _ in range(nc)] for _ in KINDS]
+        # What the estimates read of the trusted cells: `cost` made no cheaper as the verify widens (`_smooth_costs`).
+        self.cost_estimate = [[[0.0] * nk for _ in range(nc)] for _ in KINDS]
         self.start_cost: dict[tuple[int, int], float] = {}
         # Pending sums since the last refresh (this rank's), flattened by `_pending_vector`.
         self._reset_pending()
@@ -489,7 +494,7 @@ class AutoBudget:
         for own in (kind, 1 - kind):
             weight = self.cost_weight[own][i][bucket]
             if weight >= MIN_COST_WEIGHT:
-                return self.cost[own][i][bucket]
+                return self.cost_estimate[own][i][bucket]
             prior = self._prior(candidate, bucket, own)
             if prior is not None:
                 return prior
@@ -740,14 +745,14 @@ class AutoBudget:
 
     def _trusted_cost(self, kind: int, candidate: Candidate, bucket: int) -> float | None:
         i = self._index[candidate]
-        return self.cost[kind][i][bucket] if self.cost_weight[kind][i][bucket] >= MIN_COST_WEIGHT else None
+        return self.cost_estimate[kind][i][bucket] if self.cost_weight[kind][i][bucket] >= MIN_COST_WEIGHT else None
 
     def _fitted(self, candidate: Candidate, batch_size: int, request_kind: int) -> float | None:
         """`a + b * batch + c * width * batch` (per step, per request, per verify token) least-squares fitted
         to the measured cells of the candidate's kind for `request_kind`; None while they cannot tell the three
         apart (fewer than two widths or two batch sizes measured)."""
         kind = [self.chain] if candidate.is_chain else self.trees
-        cost, cost_weight = self.cost[request_kind], self.cost_weight[request_kind]
+        cost, cost_weight = self.cost_estimate[request_kind], self.cost_weight[request_kind]
         rows = [(float(bs), float(c.width * bs), cost[i][k], cost_weight[i][k])
                 for i, c in enumerate(self.candidates) if c in kind for k, bs in enumerate(self.buckets)
                 if cost_weight[i][k] >= MIN_COST_WEIGHT]
@@ -774,11 +779,36 @@ class AutoBudget:
         re-plan of every bucket was most of auto's host time per step on a launch-bound target). A bucket's
         plan reads only state a refresh folds, so it is the same whenever it is made, on every rank."""
         cands = self.candidates
+        self._smooth_costs()
         self._measure_extra()
         accepted = [self.expected_accepted(c) for c in cands]
         by_kind = [[self.expected_accepted(c, kind) for kind in KINDS] for c in cands]
         self._replan_inputs = (accepted, by_kind, self._optimistic_accepted(accepted), self.sampled_share())
         self._stale = [True] * len(self.buckets)
+
+    def _smooth_costs(self) -> None:
+        """`cost_estimate`: per bucket, the greedy tree cells trusted by their own steps replaced by their isotonic
+        regression in width (weighted by the cells' observation weights), every other cell as it is. A wider tree's
+        step does all a narrower one's does and more (a wider replay, a larger build and walk), but cells stepped in
+        at different moments read the host's drift: on an H100 (2026-12-07, batch 1, payload 0.8.28) the 127-tree's
+        cell read 3.23 ms, 15's 3.77, 31's 4.09 and 63's 4.53, and the noise, not the cost, chose where exploring
+        steps went (in one pass 66 % of the steps went to the narrower trees and the chain). Pooled, a rarely
+        stepped cell takes the level of the often stepped one beside it. Not pooled: the chain (no narrower tree: no
+        build, mask or walk; on v2 an eager step), priors (optimistic on purpose), and sampled cells, which hold
+        steps whose batches were anywhere from half to all sampled, so their levels differ by the traffic each was
+        stepped in as much as by width, and their width structure is the surcharge fit's (`_measure_extra`).
+        Pooling them too cost the pair's simulator 0.4 % over 36 seeds of auto_bench's greedy and T 0.8 schedule
+        (tests/ddtree_pair_sim.py; greedy cells alone: +0.1 %, its worst seed 0.969 against 0.937)."""
+        for kind in KINDS:
+            for i in range(len(self.candidates)):
+                self.cost_estimate[kind][i][:] = self.cost[kind][i]
+        cost, weight, out = self.cost[GREEDY], self.cost_weight[GREEDY], self.cost_estimate[GREEDY]
+        for k in range(len(self.buckets)):
+            cells = [i for i, c in enumerate(self.candidates) if not c.is_chain and weight[i][k] >= MIN_COST_WEIGHT]
+            cells.sort(key=lambda i: self.candidates[i].width)
+            for i, seconds in zip(cells, _isotonic([cost[i][k] for i in cells], [weight[i][k] for i in cells]),
+                                  strict=True):
+                out[i][k] = seconds
 
     def _bucket_plan(self, k: int) -> None:
         """Plan bucket `k` from the last re-plan's inputs, unless done since."""
@@ -955,6 +985,17 @@ def _fixed_and_per_token(points: list[tuple[float, float]]) -> tuple[float, floa
     if fixed < 0.0:  # through the origin instead
         return 0.0, sum(x * y for x, y in points) / sum(x * x for x, _ in points), math.inf
     return fixed, slope, math.inf
+
+
+def _isotonic(values: Sequence[float], weights: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence nearest `values` in weighted least squares (pool adjacent violators)."""
+    blocks: list[tuple[float, float, int]] = []  # (weighted sum, weight, cells)
+    for v, w in zip(values, weights, strict=True):
+        blocks.append((v * w, w, 1))
+        while len(blocks) > 1 and blocks[-2][0] * blocks[-1][1] > blocks[-1][0] * blocks[-2][1]:
+            last, before = blocks.pop(), blocks.pop()
+            blocks.append((before[0] + last[0], before[1] + last[1], before[2] + last[2]))
+    return [s / w for s, w, n in blocks for _ in range(n)]
 
 
 def _mixed(per_kind: Sequence[float], share: float) -> float:

@@ -521,7 +521,7 @@ class DDTreeStepV2:
             self._record_chain_step(result)
             self._defer_chain_observation(sampled, result, step)
             return result
-        result = self._tree_step(batch, on_publish, budget=pick.budget)
+        result = self._tree_step(batch, on_publish, budget=pick.budget, sampled=sampled)
         self._step_done()
         acceptance = self._acceptance_copy.queue(self._step_acceptance)
         self._step_acceptance = None
@@ -682,7 +682,8 @@ class DDTreeStepV2:
         if ladder is not None:
             ladder.use(ladder.widest if width is None else width)
 
-    def _tree_step(self, batch: Any, on_publish: Any, budget: int | None = None) -> Any:
+    def _tree_step(self, batch: Any, on_publish: Any, budget: int | None = None,
+                   sampled: list[int] | None = None) -> Any:
         draft_input = batch.spec_info
         if batch.seq_lens.is_cuda:  # upstream's: seq_lens may come from another stream
             batch.seq_lens.record_stream(torch.get_device_module(self.device).current_stream())
@@ -730,7 +731,8 @@ class DDTreeStepV2:
         candidates = verify.tokens.view(bs, n)
         adjusted = adjust_tree_verify_logits(logits, batch, tree, candidates)
 
-        sampled = self._sampled_rows(batch)
+        if sampled is None:  # auto's step already knows them (it chose for the batch's mix)
+            sampled = self._sampled_rows(batch)
         accepted, accept_lens, bonus = tree_walk(
             tree, candidates, logits.view(bs, n, -1), sampled_rows=sampled, rule=self.sampling_rule,
             unfiltered=unfiltered_rows(batch.reqs, sampled),
