@@ -30,7 +30,8 @@ from ddtree_oracle import load_payload_module  # noqa: E402
 def _load(path: str | None):
     if path is None:
         return load_payload_module("ddtree_auto_budget")
-    spec = importlib.util.spec_from_file_location("ddtree_auto_budget_other", path)
+    # a name per file: bench_auto_schedule.py loads several versions side by side
+    spec = importlib.util.spec_from_file_location(f"ddtree_auto_budget_{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
